@@ -1,0 +1,95 @@
+"""Load a model file that follows autopar's model-file convention.
+
+A model file defines
+    build_model() -> nn.Module
+    example_inputs(batch_size: int) -> tuple
+and may define more factories, selected as `path/to/file.py:factory`; a
+factory returns `(model, example_inputs_fn)` or the model alone (then the
+file's `example_inputs` is used). An optional `loss_fn(output, target)` is
+picked up for `autopar compile`.
+
+The model is built under `torch.device("meta")` unless asked otherwise, so a
+175B-parameter model costs no memory to load.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from autopar.errors import ModelFileError
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    example_inputs: Callable[[int], tuple]
+    loss_fn: Callable | None
+    source: str  # "file.py:factory" as given
+    name: str  # factory name, used in plan and report titles
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    # A Windows drive letter ("C:\\x.py") is not a factory separator.
+    path, sep, factory = spec.rpartition(":")
+    if not sep or not path or os.sep in factory or factory.endswith(".py"):
+        return spec, None
+    return path, factory
+
+
+def import_model_file(path: str):
+    if not os.path.isfile(path):
+        raise ModelFileError(f"model file not found: {path}",
+                             hint="pass the path of a .py file that defines build_model() and example_inputs(batch_size)")
+    name = "_autopar_model_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file failed: say where, keep it short
+        raise ModelFileError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def load_model(spec: str, device: str | torch.device = "meta") -> LoadedModel:
+    path, factory_name = split_spec(spec)
+    module = import_model_file(path)
+    factory_name = factory_name or "build_model"
+    factory = getattr(module, factory_name, None)
+    if factory is None or not callable(factory):
+        available = sorted(n for n, v in vars(module).items()
+                           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+                           and not isinstance(v, type))
+        raise ModelFileError(
+            f"{path} has no function {factory_name}()",
+            hint=("a model file defines build_model() -> nn.Module and example_inputs(batch_size) -> tuple; "
+                  f"functions found in this file: {', '.join(available) or 'none'}"),
+        )
+    ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+    try:
+        with ctx:
+            built = factory()
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(f"{path}:{factory_name}() raised {type(exc).__name__}: {exc}") from exc
+    inputs_fn = None
+    if isinstance(built, tuple):
+        if len(built) != 2 or not isinstance(built[0], torch.nn.Module) or not callable(built[1]):
+            raise ModelFileError(f"{path}:{factory_name}() must return a model or (model, example_inputs_fn)")
+        built, inputs_fn = built
+    if not isinstance(built, torch.nn.Module):
+        raise ModelFileError(f"{path}:{factory_name}() returned {type(built).__name__}, not an nn.Module")
+    inputs_fn = inputs_fn or getattr(module, "example_inputs", None)
+    if inputs_fn is None:
+        raise ModelFileError(f"{path} defines no example_inputs(batch_size)",
+                             hint="add `def example_inputs(batch_size): return (tensor, ...)` returning one batch of model inputs")
+    return LoadedModel(model=built, example_inputs=inputs_fn, loss_fn=getattr(module, "loss_fn", None),
+                       source=spec, name=factory_name if factory_name != "build_model" else
+                       os.path.splitext(os.path.basename(path))[0])

@@ -1,0 +1,158 @@
+"""The Plan: a plain, serializable decision handed from solve to lower/report/cli.
+
+Everything downstream reads only this (plus the ModelGraph): lowering builds
+the parallel module from it, the report draws it, the CLI prints it. It is
+JSON with a schema version; loading never unpickles anything.
+
+Vocabulary: `mesh` axes are pp / dp / tp; a pipeline `stage` is a contiguous
+run of layers on one pp rank (with interleaving, a pp rank holds several
+stages: stage i runs on pp rank i % pp); `zero` is the ZeRO level 0-3;
+`checkpoint` is activation recomputation (none / selective / full).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autopar.errors import PlanMismatchError
+
+SCHEMA_VERSION = 1
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHECKPOINTS = ("none", "selective", "full")
+OFFLOADS = ("none", "optimizer", "params")  # "params" offloads optimizer state too
+TP_STYLES = ("replicate", "colwise_rowwise", "vocab", "sequence")
+
+
+@dataclass
+class Mesh:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+@dataclass
+class LayerChoice:
+    """Per-layer decisions. `name` is the layer's name in the ModelGraph."""
+
+    name: str
+    kind: str = "other"
+    zero: int = 0
+    reshard_after_forward: bool = False  # FSDP2: True for ZeRO-3
+    checkpoint: str = "none"
+    offload: str = "none"
+    tp_style: str = "replicate"
+
+
+@dataclass
+class Stage:
+    index: int  # stage id in execution order (0 .. pp*virtual_stages-1)
+    pp_rank: int  # which pp rank runs it
+    layers: list[LayerChoice] = field(default_factory=list)
+    predicted: dict = field(default_factory=dict)  # per-stage timing / memory breakdown
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [c.name for c in self.layers]
+
+
+@dataclass
+class Predicted:
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tflops_per_gpu: float = 0.0  # model FLOPs (no recomputation counted)
+    mfu: float = 0.0
+    peak_memory_bytes: list[float] = field(default_factory=list)  # per pp rank
+    memory_breakdown: list[dict] = field(default_factory=list)  # per pp rank: params, grads, optimizer, activations, buffers
+    time_breakdown: dict = field(default_factory=dict)  # compute, tp_comm, dp_comm_exposed, pp_comm, bubble, optimizer...
+    comm: list[dict] = field(default_factory=list)  # per mesh axis: axis, collective, bytes, time_s, tier
+
+
+@dataclass
+class Plan:
+    model: dict = field(default_factory=dict)  # name, source, total_params, num_layers, seq_len
+    cluster: dict = field(default_factory=dict)  # the ClusterSpec as plain data
+    global_batch_size: int = 1
+    seq_len: int | None = None
+    precision: str = "bf16"
+    mesh: Mesh = field(default_factory=Mesh)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    stages: list[Stage] = field(default_factory=list)
+    predicted: Predicted = field(default_factory=Predicted)
+    alternatives: list[dict] = field(default_factory=list)  # ranked: layout summary, predicted, why it lost
+    fusions: list[dict] = field(default_factory=list)  # fused-op chains chosen (kernels)
+    solver: dict = field(default_factory=dict)  # status, time_s, gap, candidates...
+    assumptions: dict = field(default_factory=dict)  # hardware profile, efficiencies, formulas
+    constraints: dict = field(default_factory=dict)  # what the user pinned
+    schema_version: int = SCHEMA_VERSION
+
+    # -- derived views ---------------------------------------------------
+    @property
+    def layer_choices(self) -> list[LayerChoice]:
+        return [c for st in self.stages for c in st.layers]
+
+    def choice(self, layer_name: str) -> LayerChoice:
+        for c in self.layer_choices:
+            if c.name == layer_name:
+                return c
+        raise KeyError(layer_name)
+
+    # -- JSON ------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        # sort_keys keeps the text identical for identical plans (determinism).
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanMismatchError(
+                f"plan schema version {version!r} is not supported (this autopar reads version {SCHEMA_VERSION})",
+                hint="re-run `autopar plan ... --json` with this version of autopar to regenerate the plan",
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise PlanMismatchError(f"plan has unknown fields: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        d["mesh"] = Mesh(**d.get("mesh", {}))
+        d["predicted"] = Predicted(**d.get("predicted", {}))
+        d["stages"] = [
+            Stage(index=s["index"], pp_rank=s["pp_rank"],
+                  layers=[LayerChoice(**c) for c in s.get("layers", [])],
+                  predicted=s.get("predicted", {}))
+            for s in d.get("stages", [])
+        ]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanMismatchError(f"plan is not valid JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise PlanMismatchError("plan JSON must be an object")
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(f.read())

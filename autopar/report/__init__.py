@@ -1,0 +1,1 @@
+"""report stage (see docs/INTERFACES.md)."""

@@ -1,0 +1,148 @@
+"""The workload: what a model asks of the hardware, layer by layer.
+
+These types are the currency between capture (which measures them from a
+traced graph) and the cost models (which price them on a cluster under a
+layout). They live here, not in autopar, so that cost_models stays pure and
+can price hand-written analytic models too (see `analytic.py`).
+
+Quantities that depend on the micro-batch size or sequence length are sympy
+expressions in the symbols `B` (samples per micro-batch) and `S` (sequence
+length); a model without a sequence axis (ResNet, ViT) simply has no `S` in
+its expressions. `evaluate(expr, batch, seq)` turns one into a number; hot
+loops should use `LayerSpec.fn(field)` which caches a lambdified function.
+
+Conventions (all per *one* micro-batch of B samples, no parallelism, no
+activation checkpointing, at the dtype the model was captured in, which is
+the training compute dtype, normally bf16):
+- FLOPs count a multiply-add as 2 FLOPs; causal attention is counted
+  unmasked (as FlopCounterMode and Megatron's formulas do).
+- bwd_flops = FLOPs of the backward pass (about 2x forward for GEMMs).
+- activation_bytes = bytes saved for backward by this layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable
+
+import sympy
+
+B = sympy.Symbol("b", positive=True, integer=True)  # samples per micro-batch
+S = sympy.Symbol("s", positive=True, integer=True)  # sequence length
+
+Expr = Any  # sympy.Expr or a plain number
+
+
+def evaluate(expr: Expr, batch: int, seq: int | None = None) -> float:
+    """Numeric value of a workload expression at micro-batch `batch`, sequence `seq`."""
+    if isinstance(expr, (int, float)):
+        return float(expr)
+    subs = {B: batch}
+    if seq is not None:
+        subs[S] = seq
+    return float(sympy.sympify(expr).subs(subs))
+
+
+@lru_cache(maxsize=None)
+def _lambdify(expr_str: str) -> Callable[[float, float], float]:
+    return sympy.lambdify((B, S), sympy.sympify(expr_str, locals={"b": B, "s": S}), "math")
+
+
+def fast(expr: Expr) -> Callable[[float, float], float]:
+    """A cached plain-Python function f(batch, seq) for `expr` (for hot loops)."""
+    if isinstance(expr, (int, float)):
+        value = float(expr)
+        return lambda b, s: value
+    return _lambdify(str(expr))
+
+
+@dataclass
+class OpSpec:
+    """One op (or a group of identical ops) of a layer, as the roofline sees it.
+
+    kind: 'gemm' | 'attention' | 'elementwise' | 'norm' | 'softmax' |
+          'embedding' | 'reduction' | 'other'
+    gemm: (m, n, k) of the forward GEMM for kind 'gemm' (batch dims folded
+          into m), else None. Used for size-dependent GEMM efficiency.
+    tp_sharded: True if tensor parallelism divides this op's work by tp
+          (inside a column->row parallel region, or a vocab-sharded
+          embedding/head); False for ops that only sequence parallelism
+          divides (norms, residual adds, dropout outside the region).
+    """
+
+    name: str
+    kind: str
+    fwd_flops: Expr = 0
+    bwd_flops: Expr = 0
+    fwd_bytes: Expr = 0  # bytes read + written in forward
+    bwd_bytes: Expr = 0
+    gemm: tuple | None = None
+    tp_sharded: bool = False
+    count: int = 1  # identical ops folded into this entry (flops/bytes are totals)
+
+
+@dataclass
+class LayerSpec:
+    """A layer: the unit a plan places (embedding, transformer block, head...).
+
+    Public names (users and other stages rely on them): name, kind, params,
+    param_bytes, fwd_flops, bwd_flops, activation_bytes, output_bytes.
+
+    kind: 'embedding' | 'transformer_block' | 'attention' | 'mlp' |
+          'moe_block' | 'norm' | 'conv_stage' | 'head' | 'loss' | 'other'
+    attrs: shape facts the cost model and the tensor-parallel styles need,
+          e.g. hidden, heads, kv_heads, head_dim, ffn_hidden, vocab_size,
+          experts, top_k, seq_len (when fixed by the model).
+    tp_allreduces: all-reduces (of the layer's output size) that tensor
+          parallelism adds to one forward pass of this layer (Megatron: 2 for
+          a transformer block, 1 for a vocab-parallel embedding); backward
+          adds the same number again.
+    tp_degrees: tensor-parallel sizes this layer can be split into
+          (heads, kv heads, ffn and vocab divisible), 1 always included.
+    signature: equal for layers that are identical up to their name (the
+          solver shares variables between them).
+    shared_params: names of parameters this layer uses but another layer
+          owns (tied weights); they are counted once, at the owner.
+    """
+
+    name: str
+    kind: str
+    params: int
+    param_bytes: int
+    fwd_flops: Expr
+    bwd_flops: Expr
+    activation_bytes: Expr
+    output_bytes: Expr
+    input_bytes: Expr = 0  # what full checkpointing keeps (the layer's input)
+    activation_bytes_tp_sharded: Expr = 0  # part of activation_bytes TP divides by tp
+    activation_bytes_selective: Expr = 0  # part selective checkpointing drops (attention core)
+    selective_recompute_flops: Expr = 0  # forward FLOPs selective checkpointing redoes
+    tp_allreduces: int = 0
+    tp_degrees: tuple = (1,)
+    ops: list = field(default_factory=list)  # list[OpSpec]
+    attrs: dict = field(default_factory=dict)
+    signature: str = ""
+    module_paths: list = field(default_factory=list)
+    shared_params: list = field(default_factory=list)
+
+    def eval(self, name: str, batch: int = 1, seq: int | None = None) -> float:
+        """Numeric value of field `name` at a micro-batch of `batch` samples."""
+        return evaluate(getattr(self, name), batch, seq)
+
+
+@dataclass
+class ModelSpec:
+    """An ordered list of layers plus the few model-wide facts costs need."""
+
+    name: str
+    layers: list  # list[LayerSpec], in execution order
+    seq_len: int | None = None  # None for models without a sequence axis
+    dtype_bytes: int = 2  # bytes per element of the captured activations
+    tokens_per_sample: int = 1  # seq_len for language models
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def total(self, field_name: str, batch: int = 1) -> float:
+        return sum(layer.eval(field_name, batch, self.seq_len) for layer in self.layers)
