@@ -42,6 +42,7 @@ class LayerChoice:
 
     name: str
     kind: str = "other"
+    module_paths: list[str] = field(default_factory=list)  # modules of the user's model this layer covers
     zero: int = 0
     reshard_after_forward: bool = False  # FSDP2: True for ZeRO-3
     checkpoint: str = "none"
