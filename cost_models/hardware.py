@@ -1,9 +1,443 @@
-"""Hardware profiles and ClusterSpec (being built: issue 3)."""
-from dataclasses import dataclass
+"""Hardware profiles: devices, links, and the ClusterSpec that joins them.
+
+Profiles are data, shipped as YAML in `cost_models/profiles/` (devices.yaml,
+links.yaml, clusters.yaml) with the source of every figure next to it. A user
+describes their own machines in a YAML or JSON file of the same shape:
+
+    cluster:                       # or the ClusterSpec fields at the top level
+      nodes: 4
+      gpus_per_node: 8
+      device: my-gpu               # a shipped name or one defined below
+      intra_node_link: nvlink4
+      inter_node_link: ib-ndr
+      host_memory_gib: 2048
+    devices:                       # optional, same fields as devices.yaml
+      my-gpu: {peak_tflops: {bf16: 500}, memory_gib: 96, ...}
+    links: {}                      # optional, same fields as links.yaml
+
+Every malformed value raises `ProfileError` naming the field and the file.
+Units inside the package are SI: FLOP/s, bytes, bytes/s, seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cost_models.errors import CostModelError, ProfileError
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+GIB = 1024**3
+TERA = 1e12
+GIGA = 1e9
+
+
+# -- field readers: each names the field and the file when it fails -----------
+def _num(d: dict, key: str, where: str, file: str, *, positive=True, allow_zero=False, default=None) -> float:
+    if key not in d or d[key] is None:
+        if default is not None:
+            return float(default)
+        raise ProfileError("missing required field", field=f"{where}.{key}", file=file)
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"must be a number, got {value!r}", field=f"{where}.{key}", file=file)
+    if positive and (value < 0 or (value == 0 and not allow_zero)):
+        raise ProfileError(f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}",
+                           field=f"{where}.{key}", file=file)
+    return float(value)
+
+
+def _fraction(d: dict, key: str, where: str, file: str, default=None) -> float:
+    value = _num(d, key, where, file, default=default)
+    if value > 1.0:
+        raise ProfileError(f"is a fraction and must be <= 1, got {value!r}", field=f"{where}.{key}", file=file)
+    return value
+
+
+def _str(d: dict, key: str, where: str, file: str, default: str | None = None) -> str:
+    value = d.get(key, default)
+    if value is None:
+        raise ProfileError("missing required field", field=f"{where}.{key}", file=file)
+    if not isinstance(value, str) or not value:
+        raise ProfileError(f"must be a non-empty string, got {value!r}", field=f"{where}.{key}", file=file)
+    return value
+
+
+def _mapping(d: Any, where: str, file: str) -> dict:
+    if not isinstance(d, dict):
+        raise ProfileError(f"must be a mapping, got {type(d).__name__}", field=where, file=file)
+    return d
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator. Every number is per device."""
+
+    name: str
+    peak_flops: dict  # dtype -> dense FLOP/s
+    memory_bytes: float
+    memory_bandwidth: float  # B/s, HBM peak
+    memory_efficiency: float  # sustained fraction of memory_bandwidth
+    reserve_bytes: float  # CUDA context, library workspaces, NCCL buffers
+    num_sms: int
+    gemm_max_efficiency: float  # best large-GEMM fraction of peak (MAMF)
+    attention_fwd_efficiency: float
+    attention_bwd_efficiency: float
+    kernel_launch_s: float
+    vendor: str = "nvidia"
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype` ('bf16', 'fp16', 'fp32', 'tf32', 'fp8')."""
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            raise CostModelError(
+                f"device '{self.name}' has no {dtype} peak in its profile "
+                f"(it lists {', '.join(sorted(self.peak_flops))}); choose another precision"
+            ) from None
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.reserve_bytes
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict, file: str = "<dict>") -> "DeviceProfile":
+        where = f"devices.{name}"
+        d = _mapping(d, where, file)
+        peaks = _mapping(d.get("peak_tflops"), f"{where}.peak_tflops", file) if "peak_tflops" in d else None
+        if not peaks:
+            raise ProfileError("missing required field (dense TFLOP/s per dtype)", field=f"{where}.peak_tflops", file=file)
+        peak_flops = {str(k): _num(peaks, k, f"{where}.peak_tflops", file) * TERA for k in peaks}
+        memory = _num(d, "memory_gib", where, file) * GIB
+        reserve = _num(d, "reserve_gib", where, file, allow_zero=True, default=1.0) * GIB
+        if reserve >= memory:
+            raise ProfileError(f"reserve ({reserve / GIB} GiB) must be below memory_gib", field=f"{where}.reserve_gib", file=file)
+        return cls(
+            name=name,
+            peak_flops=peak_flops,
+            memory_bytes=memory,
+            memory_bandwidth=_num(d, "memory_bandwidth_tbs", where, file) * TERA,
+            memory_efficiency=_fraction(d, "memory_efficiency", where, file, default=0.85),
+            reserve_bytes=reserve,
+            num_sms=int(_num(d, "num_sms", where, file, default=108)),
+            gemm_max_efficiency=_fraction(d, "gemm_max_efficiency", where, file, default=0.8),
+            attention_fwd_efficiency=_fraction(d, "attention_fwd_efficiency", where, file, default=0.5),
+            attention_bwd_efficiency=_fraction(d, "attention_bwd_efficiency", where, file, default=0.4),
+            kernel_launch_s=_num(d, "kernel_launch_us", where, file, allow_zero=True, default=4) * 1e-6,
+            vendor=str(d.get("vendor", "nvidia")),
+            source=str(d.get("source", "")),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "peak_tflops": {k: v / TERA for k, v in sorted(self.peak_flops.items())},
+            "memory_gib": self.memory_bytes / GIB,
+            "memory_bandwidth_tbs": self.memory_bandwidth / TERA,
+            "memory_efficiency": self.memory_efficiency,
+            "reserve_gib": self.reserve_bytes / GIB,
+            "num_sms": self.num_sms,
+            "gemm_max_efficiency": self.gemm_max_efficiency,
+            "attention_fwd_efficiency": self.attention_fwd_efficiency,
+            "attention_bwd_efficiency": self.attention_bwd_efficiency,
+            "kernel_launch_us": self.kernel_launch_s * 1e6,
+            "vendor": self.vendor,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One interconnect tier, seen from one GPU."""
+
+    name: str
+    bandwidth: float  # B/s per GPU per direction, peak
+    bus_efficiency: float  # nccl-tests busbw / peak on large messages
+    latency_s: float  # alpha: one ring/tree step
+    source: str = ""
+
+    @property
+    def bus_bandwidth(self) -> float:
+        """What a ring collective's bus bandwidth reaches on this tier (B/s)."""
+        return self.bandwidth * self.bus_efficiency
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict, file: str = "<dict>") -> "LinkProfile":
+        where = f"links.{name}"
+        d = _mapping(d, where, file)
+        return cls(
+            name=name,
+            bandwidth=_num(d, "bandwidth_gbs", where, file) * GIGA,
+            bus_efficiency=_fraction(d, "bus_efficiency", where, file, default=0.8),
+            latency_s=_num(d, "latency_us", where, file, allow_zero=True) * 1e-6,
+            source=str(d.get("source", "")),
+        )
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_gbs": self.bandwidth / GIGA, "bus_efficiency": self.bus_efficiency,
+                "latency_us": self.latency_s * 1e6, "source": self.source}
+
+
+# -- shipped profiles ------------------------------------------------------------
+def _load_yaml(path: Path | str) -> dict:
+    path = str(path)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile file: {exc.strerror}", file=path) from None
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}", file=path) from None
+    if not isinstance(data, dict):
+        raise ProfileError("top level must be a mapping", file=path)
+    return data
+
+
+def load_devices(path: Path | str) -> dict[str, DeviceProfile]:
+    data = _load_yaml(path)
+    section = _mapping(data.get("devices"), "devices", str(path))
+    return {name: DeviceProfile.from_dict(name, d, str(path)) for name, d in section.items()}
+
+
+def load_links(path: Path | str) -> dict[str, LinkProfile]:
+    data = _load_yaml(path)
+    section = _mapping(data.get("links"), "links", str(path))
+    return {name: LinkProfile.from_dict(name, d, str(path)) for name, d in section.items()}
+
+
+@lru_cache(maxsize=None)
+def shipped_devices() -> dict[str, DeviceProfile]:
+    return load_devices(PROFILE_DIR / "devices.yaml")
+
+
+@lru_cache(maxsize=None)
+def shipped_links() -> dict[str, LinkProfile]:
+    return load_links(PROFILE_DIR / "links.yaml")
+
+
+@lru_cache(maxsize=None)
+def shipped_clusters() -> dict[str, dict]:
+    path = PROFILE_DIR / "clusters.yaml"
+    return dict(_mapping(_load_yaml(path).get("clusters"), "clusters", str(path)))
+
+
+def get_device(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "device") -> DeviceProfile:
+    """A device profile by name (`extra` holds user-defined ones, checked first)."""
+    if extra and name in extra:
+        return extra[name]
+    devices = shipped_devices()
+    if name not in devices:
+        known = ", ".join(sorted(devices) + sorted(extra or {}))
+        raise ProfileError(f"unknown device '{name}' (known: {known})", field=field, file=file)
+    return devices[name]
+
+
+def get_link(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "link") -> LinkProfile:
+    """A link profile by name (`extra` holds user-defined ones, checked first)."""
+    if extra and name in extra:
+        return extra[name]
+    links = shipped_links()
+    if name not in links:
+        known = ", ".join(sorted(links) + sorted(extra or {}))
+        raise ProfileError(f"unknown link '{name}' (known: {known})", field=field, file=file)
+    return links[name]
 
 
 @dataclass
-class ClusterSpec:  # placeholder, replaced by issue 3
+class ClusterSpec:
+    """nodes x gpus_per_node devices; intra-node and inter-node (per GPU) links.
+
+    host_memory_bytes (per node) bounds what CPU offload can hold; host_link
+    carries offload traffic; host_memory_bandwidth bounds a CPU optimizer step.
+    `devices` / `links` hold profiles a user file defined inline.
+    """
+
     nodes: int = 1
     gpus_per_node: int = 8
     device: str = "h100-sxm"
+    intra_node_link: str = "nvlink4"
+    inter_node_link: str = "ib-ndr"
+    host_memory_bytes: float = 2048 * GIB
+    host_link: str = "pcie5"
+    host_memory_bandwidth: float = 500 * GIGA
+    name: str | None = None
+    devices: dict = field(default_factory=dict)  # name -> DeviceProfile (user-defined)
+    links: dict = field(default_factory=dict)  # name -> LinkProfile (user-defined)
+    source: str = "<dict>"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ProfileError(f"must be a positive integer, got {value!r}", field=key, file=self.source)
+        for key in ("host_memory_bytes", "host_memory_bandwidth"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ProfileError(f"must be a positive number, got {value!r}", field=key, file=self.source)
+        # Resolve names now so a typo fails at load time, not deep in a solve.
+        get_device(self.device, self.devices, file=self.source, field="device")
+        for key in ("intra_node_link", "inter_node_link", "host_link"):
+            get_link(getattr(self, key), self.links, file=self.source, field=key)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def device_profile(self) -> DeviceProfile:
+        return get_device(self.device, self.devices, file=self.source)
+
+    @property
+    def intra_link(self) -> LinkProfile:
+        return get_link(self.intra_node_link, self.links, file=self.source)
+
+    @property
+    def inter_link(self) -> LinkProfile:
+        return get_link(self.inter_node_link, self.links, file=self.source)
+
+    @property
+    def host_link_profile(self) -> LinkProfile:
+        return get_link(self.host_link, self.links, file=self.source)
+
+    def cache_key(self) -> tuple:
+        """Hashable identity for memoising costs on this cluster."""
+        return (self.nodes, self.gpus_per_node, self.device, self.intra_node_link, self.inter_node_link,
+                self.host_memory_bytes, self.host_link, self.host_memory_bandwidth,
+                tuple(sorted(self.devices)), tuple(sorted(self.links)), id(self.devices), id(self.links))
+
+    def with_nodes(self, nodes: int) -> "ClusterSpec":
+        d = self.to_dict()
+        d["nodes"] = nodes
+        return ClusterSpec.from_dict(d, file=self.source)
+
+    # -- plain data ---------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {
+            "name": self.name,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "device": self.device,
+            "intra_node_link": self.intra_node_link,
+            "inter_node_link": self.inter_node_link,
+            "host_memory_gib": self.host_memory_bytes / GIB,
+            "host_link": self.host_link,
+            "host_memory_bandwidth_gbs": self.host_memory_bandwidth / GIGA,
+            "world_size": self.world_size,
+        }
+        if self.devices:
+            d["devices"] = {k: v.to_dict() for k, v in sorted(self.devices.items())}
+        if self.links:
+            d["links"] = {k: v.to_dict() for k, v in sorted(self.links.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, file: str = "<dict>") -> "ClusterSpec":
+        d = _mapping(d, "cluster", file)
+        devices = {n: DeviceProfile.from_dict(n, v, file) for n, v in _mapping(d.get("devices", {}), "devices", file).items()}
+        links = {n: LinkProfile.from_dict(n, v, file) for n, v in _mapping(d.get("links", {}), "links", file).items()}
+        body = d.get("cluster", d)
+        body = _mapping(body, "cluster", file)
+        base: dict = {}
+        if "preset" in body:  # start from a preset, override what the file gives
+            base = dict(_preset_body(_str(body, "preset", "cluster", file), file))
+        merged = {**base, **{k: v for k, v in body.items() if k != "preset"}}
+        known = {"name", "nodes", "gpus_per_node", "device", "intra_node_link", "inter_node_link",
+                 "host_memory_gib", "host_memory_bytes", "host_link", "host_memory_bandwidth_gbs", "world_size"}
+        unknown = sorted(set(merged) - known - {"devices", "links", "cluster"})
+        if unknown:
+            raise ProfileError(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})",
+                               field=unknown[0], file=file)
+        if "host_memory_bytes" in merged:
+            host_mem = _num(merged, "host_memory_bytes", "cluster", file)
+        else:
+            host_mem = _num(merged, "host_memory_gib", "cluster", file, default=2048) * GIB
+        nodes = merged.get("nodes", 1)
+        gpn = merged.get("gpus_per_node", 8)
+        spec = cls(
+            nodes=nodes,
+            gpus_per_node=gpn,
+            device=_str(merged, "device", "cluster", file),
+            intra_node_link=_str(merged, "intra_node_link", "cluster", file, default="nvlink4"),
+            inter_node_link=_str(merged, "inter_node_link", "cluster", file, default="ib-ndr"),
+            host_memory_bytes=host_mem,
+            host_link=_str(merged, "host_link", "cluster", file, default="pcie5"),
+            host_memory_bandwidth=_num(merged, "host_memory_bandwidth_gbs", "cluster", file, default=500) * GIGA,
+            name=merged.get("name"),
+            devices=devices,
+            links=links,
+            source=file,
+        )
+        if "world_size" in merged and merged["world_size"] != spec.world_size:
+            raise ProfileError(f"world_size {merged['world_size']} != nodes x gpus_per_node = {spec.world_size}",
+                               field="world_size", file=file)
+        return spec
+
+    @classmethod
+    def preset(cls, name: str, nodes: int | None = None) -> "ClusterSpec":
+        """A shipped preset ('dgx-h100'), optionally 'dgx-h100:16' for 16 nodes."""
+        if ":" in name and nodes is None:
+            name, _, count = name.partition(":")
+            if not count.isdigit() or int(count) < 1:
+                raise ProfileError(f"node count after ':' must be a positive integer, got {count!r}", field="nodes")
+            nodes = int(count)
+        body = dict(_preset_body(name, str(PROFILE_DIR / "clusters.yaml")))
+        body["name"] = name
+        if nodes is not None:
+            body["nodes"] = nodes
+        return cls.from_dict(body, file=str(PROFILE_DIR / "clusters.yaml"))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ClusterSpec":
+        path = str(path)
+        return cls.from_dict(_load_yaml(path), file=path)
+
+    @classmethod
+    def resolve(cls, x: Any) -> "ClusterSpec":
+        """A ClusterSpec from a spec, a dict, a preset name ('dgx-h100', 'dgx-h100:4'),
+        a device name (one node of 8), or a YAML/JSON file path."""
+        if isinstance(x, ClusterSpec):
+            return x
+        if isinstance(x, dict):
+            return cls.from_dict(x)
+        if not isinstance(x, (str, os.PathLike)):
+            raise ProfileError(f"cannot make a cluster from {type(x).__name__}", field="cluster")
+        text = str(x)
+        base = text.partition(":")[0]
+        if base in shipped_clusters():
+            return cls.preset(text)
+        if base in shipped_devices():
+            nodes = int(text.partition(":")[2] or 1) if text.partition(":")[2].isdigit() else 1
+            return cls.from_dict({"device": base, "nodes": nodes, **_default_links_for(base)}, file=f"<device {base}>")
+        if os.path.exists(text):
+            return cls.from_file(text)
+        raise ProfileError(
+            f"'{text}' is not a cluster preset ({', '.join(sorted(shipped_clusters()))}), "
+            f"a device ({', '.join(sorted(shipped_devices()))}) or an existing file",
+            field="cluster")
+
+
+def _preset_body(name: str, file: str | None) -> dict:
+    presets = shipped_clusters()
+    if name not in presets:
+        raise ProfileError(f"unknown cluster preset '{name}' (known: {', '.join(sorted(presets))})",
+                           field="preset", file=file)
+    return presets[name]
+
+
+def _default_links_for(device: str) -> dict:
+    """Links of the shipped preset that uses `device`, so 'a100-80g' gets NVLink3 + HDR."""
+    for body in shipped_clusters().values():
+        if body.get("device") == device:
+            return {k: body[k] for k in ("intra_node_link", "inter_node_link", "host_link",
+                                         "host_memory_gib", "host_memory_bandwidth_gbs") if k in body}
+    return {}

@@ -64,6 +64,8 @@ class OpSpec:
           'embedding' | 'reduction' | 'other'
     gemm: (m, n, k) of the forward GEMM for kind 'gemm' (batch dims folded
           into m), else None. Used for size-dependent GEMM efficiency.
+          A batched matmul (attention scores) may give (m, n, k, batch) so
+          its backward is priced as batched GEMMs too.
     tp_sharded: True if tensor parallelism divides this op's work by tp
           (inside a column->row parallel region, or a vocab-sharded
           embedding/head); False for ops that only sequence parallelism
@@ -79,6 +81,9 @@ class OpSpec:
     gemm: tuple | None = None
     tp_sharded: bool = False
     count: int = 1  # identical ops folded into this entry (flops/bytes are totals)
+    # kind 'attention' only: True/None = causal (a flash kernel skips the masked
+    # half, priced at half the unmasked FLOPs counted above), False = full.
+    causal: bool | None = None
 
 
 @dataclass

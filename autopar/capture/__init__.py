@@ -1,9 +1,14 @@
-"""Capture stage: model + example inputs -> ModelGraph (being built: issue 2)."""
+"""Capture stage: model + example inputs -> ModelGraph of costed layers.
 
+`capture(model, example_inputs)` runs the model on the meta device (no
+weights, no activations) under instrumentation and returns a `ModelGraph`
+whose `layers` are `Layer`s (= cost_models.workload.LayerSpec) with FLOPs,
+parameters and activation bytes as sympy expressions in B and S.
+See docs/capture.md.
+"""
+from cost_models.workload import LayerSpec as Layer
 
-class ModelGraph:  # replaced by the real one in autopar/capture/graph.py
-    pass
+from autopar.capture.capture import capture
+from autopar.capture.graph import ModelGraph
 
-
-def capture(model, example_inputs, **kwargs):
-    raise NotImplementedError("autopar.capture is being built (issue 2)")
+__all__ = ["capture", "ModelGraph", "Layer"]

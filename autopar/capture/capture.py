@@ -1,0 +1,256 @@
+"""autopar.capture: model + example inputs -> ModelGraph of costed layers.
+
+The model is copied to the meta device (no weights, no activations) and run
+forward + backward under instrumentation (tracer.py) at a few (batch, seq)
+points; every per-layer number is fitted to an exact polynomial in B and S
+(fit.py) and checked at one more point. See docs/capture.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from fractions import Fraction
+
+import torch
+import torch.nn as nn
+
+from autopar.capture.fit import PointGrid, fit
+from autopar.capture.graph import EXPR_FIELDS, ModelGraph
+from autopar.capture.inputs import template_from
+from autopar.capture.metrics import layer_metrics, tp_degrees
+from autopar.capture.module_tree import find_blocks, meta_copy, static_signature
+from autopar.capture.opgraph import build_op_graph
+from autopar.capture.tracer import Tracer
+from autopar.errors import CaptureError
+from cost_models.workload import LayerSpec, OpSpec
+
+
+def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
+            seq_dim="auto") -> ModelGraph:
+    """Capture `model` into a ModelGraph.
+
+    example_inputs: a tuple of tensors (any device; only shapes and dtypes are
+        used; a trailing dict is passed as keyword arguments) or a callable
+        `batch_size -> tuple`.
+    dtype: the training compute dtype; floating parameters and activations are
+        measured in it.
+    seq_dim: "auto" (dim 1 of 2-D integer / 3-D float inputs), an int, or None
+        (costs are fitted in batch only, at the given sequence length).
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture expects an nn.Module, got {type(model).__name__}")
+    start = time.perf_counter()
+    template = template_from(example_inputs, seq_dim)
+    meta = meta_copy(model, dtype)
+    blocks = find_blocks(meta)
+    tracer = Tracer(meta, blocks, [static_signature(m) for _, m in blocks])
+    notes = []
+
+    grid = PointGrid(template.seq)
+    traces = {}
+    try:
+        for point in grid.all_points:
+            args, kwargs = template.make(*point)
+            traces[point] = tracer.run(point[0], point[1], args, kwargs)
+    except CaptureError as exc:
+        if grid.seqs is None or not traces:
+            raise
+        # The model runs at its own length but not at shorter ones: fit in b only.
+        notes.append(f"sequence length fixed at {template.seq}: the model failed at a shorter one ({exc.message})")
+        grid = PointGrid(None)
+        traces = {}
+        for point in grid.all_points:
+            args, kwargs = template.make(point[0], template.seq)
+            traces[point] = tracer.run(point[0], template.seq, args, kwargs)
+
+    layers, indices, base = _build_layers(meta, blocks, traces, grid, template.seq, notes)
+    seq_len = template.seq
+    graph = ModelGraph(
+        name=name or type(model).__name__, layers=layers, seq_len=seq_len,
+        dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        tokens_per_sample=seq_len or 1, batch_size=base.batch, dtype=str(dtype).removeprefix("torch."),
+        notes=notes,
+    )
+    graph.graph = build_op_graph(base, list(zip(indices, (l.name for l in layers))),
+                                  {i + 1: path for i, (path, _) in enumerate(blocks)})
+    graph.capture_seconds = time.perf_counter() - start
+    _check_params(model, graph)
+    return graph
+
+
+def _check_params(model: nn.Module, graph: ModelGraph):
+    expected = sum(p.numel() for p in model.parameters())
+    if graph.total_params != expected:  # an internal bug, not a user error: say so plainly
+        raise CaptureError(f"internal error: captured {graph.total_params} parameters but the model has {expected}",
+                           hint="please report this model to the autopar maintainers")
+
+
+def _split_records(trace):
+    fwd, bwd = {}, {}
+    for r in trace.records:
+        (fwd if r.phase == "fwd" else bwd).setdefault(r.layer, []).append(r)
+    return fwd, bwd
+
+
+def _build_layers(meta, blocks, traces, grid, seq, notes):
+    n = len(blocks) + 2
+    prefix = {i + 1: path for i, (path, _) in enumerate(blocks)}
+    base_point = grid.points[0]
+    base = traces[base_point]
+
+    # Metrics of each measured layer at each point (shortcut layers reuse their representative's).
+    metrics = {}
+    for point, trace in traces.items():
+        fwd, bwd = _split_records(trace)
+        for layer in set(trace.rep_of.values()):
+            metrics[(point, layer)] = layer_metrics(trace, layer, fwd.get(layer, []), bwd.get(layer, []),
+                                                    prefix=prefix.get(layer, ""), is_head=layer == n - 1)
+
+    owners, shared = _param_owners(meta, blocks, traces, n)
+    sizes = {name: (p.numel(), p.element_size()) for name, p in meta.named_parameters()}
+    block_kinds = {_block_kind(metrics[(base_point, base.rep_of.get(i, i))]) for i in range(1, n - 1)}
+    exprs_cache = {}
+    layers, indices = [], []
+    for layer in range(n):
+        reps = tuple(traces[p].rep_of.get(layer, layer) for p in grid.all_points)
+        per_point = {p: metrics[(p, r)] for p, r in zip(grid.all_points, reps)}
+        m0 = per_point[base_point]
+        owned = [k for k, v in owners.items() if v == layer]
+        params = sum(sizes[k][0] for k in owned)
+        called = _top_level(base.called.get(layer, []))
+        if layer in (0, n - 1) and not (params or m0.fwd_flops or m0.activation_bytes or called):
+            continue  # nothing runs before the first / after the last block
+        kind, lname, paths = _name_and_kind(layer, n, prefix, m0, called, block_kinds)
+        what = f"layer {lname}"
+        if reps not in exprs_cache:
+            exprs_cache[reps] = _fit_layer(per_point, grid, what)
+        fields, ops = exprs_cache[reps]
+        attrs = dict(m0.attrs)
+        if seq is not None:
+            attrs["seq_len"] = seq
+        sig_src = (static_signature(blocks[layer - 1][1]), base.input_shapes.get(layer)) if 0 < layer < n - 1 \
+            else (lname, layer)
+        indices.append(layer)
+        layers.append(LayerSpec(
+            name=lname, kind=kind, params=params, param_bytes=sum(sizes[k][0] * sizes[k][1] for k in owned),
+            **fields, tp_allreduces=m0.tp_allreduces if kind != "head" else 0,
+            tp_degrees=tp_degrees(attrs, kind), ops=ops, attrs=attrs,
+            signature=hashlib.sha1(repr(sig_src).encode()).hexdigest()[:12],
+            module_paths=paths, shared_params=sorted(shared.get(layer, ())),
+        ))
+    return layers, indices, base
+
+
+def _top_level(paths: list) -> list:
+    unique = list(dict.fromkeys(paths))
+    return [p for p in unique if not any(p != q and p.startswith(q + ".") for q in unique)]
+
+
+def _block_kind(m) -> str:
+    if m.attrs.get("experts"):
+        return "moe_block"
+    if m.has_attention:
+        return "transformer_block"
+    if m.has_conv:
+        return "conv_stage"
+    return "mlp" if m.has_weight_gemm else "other"
+
+
+def _name_and_kind(layer, n, prefix, m, called, block_kinds):
+    if 0 < layer < n - 1:
+        path = prefix[layer]
+        return _block_kind(m), path or "model", [path]
+    if layer == 0:
+        sequence_model = bool(block_kinds & {"transformer_block", "moe_block"})
+        if m.has_embedding or ((m.has_conv or m.has_weight_gemm) and sequence_model):
+            kind = "embedding"  # token embedding, or a ViT patch embedding
+        elif m.has_conv:
+            kind = "conv_stage"
+        else:
+            kind = "embedding" if m.has_weight_gemm else "other"
+        default = {"embedding": "embedding", "conv_stage": "stem"}.get(kind, "input")
+    else:
+        kind = "head" if (m.has_weight_gemm or m.has_conv) else "norm" if m.has_norm else "other"
+        default = kind if kind != "other" else "output"
+    name = called[0] if len(called) == 1 else default
+    return kind, name, called
+
+
+def _param_owners(meta, blocks, traces, n):
+    """Each parameter belongs to the first layer (in execution order) that uses
+    it; other users list it in shared_params (tied weights counted once)."""
+    canonical = {}
+    for name, p in meta.named_parameters():
+        canonical.setdefault(id(p), name)
+    users = {}
+    for trace in traces.values():
+        for layer, names in trace.params_used.items():
+            for name in names:
+                users.setdefault(name, set()).add(layer)
+    for i, (path, block) in enumerate(blocks):
+        for _, p in block.named_parameters(remove_duplicate=False):
+            users.setdefault(canonical[id(p)], set()).add(i + 1)
+    owners, shared = {}, {}
+    for name in canonical.values():
+        layers = sorted(users.get(name, {0}))
+        owners[name] = layers[0]
+        for other in layers[1:]:
+            shared.setdefault(other, set()).add(name)
+    return owners, shared
+
+
+def _s2_flags(lists_by_seq: list, seqs) -> list | None:
+    """Per entry: does its value have an s^2 term (across three seq points, b=1)?"""
+    if len({len(x) for x in lists_by_seq}) != 1:
+        return None
+    (s1, s2, s3) = seqs
+    flags = []
+    for y1, y2, y3 in zip(*lists_by_seq):
+        d1 = Fraction(y2 - y1, s2 - s1)
+        d2 = (Fraction(y3 - y2, s3 - s2) - d1) / (s3 - s1)
+        flags.append(d2 != 0)
+    return flags
+
+
+def _fit_layer(per_point: dict, grid: PointGrid, what: str):
+    values = {f: {p: getattr(m, f) for p, m in per_point.items()}
+              for f in ("fwd_flops", "bwd_flops", "activation_bytes", "activation_bytes_tp_sharded",
+                        "input_bytes", "output_bytes")}
+    # Selective recomputation drops the saved tensors that grow with s^2 (the
+    # attention scores, softmax, dropout mask) and redoes the ops whose FLOPs
+    # grow with s^2 (QK^T, scores x V).
+    sel_bytes = {p: 0 for p in per_point}
+    sel_flops = {p: 0 for p in per_point}
+    if grid.seqs is not None:
+        b1 = [per_point[(1, s)] for s in grid.seqs]
+        saved_flags = _s2_flags([[e[0] for e in m.saved_entries] for m in b1], grid.seqs)
+        op_flags = _s2_flags([m.fwd_op_flops for m in b1], grid.seqs)
+        for p, m in per_point.items():
+            entries = m.saved_entries
+            if saved_flags is not None and len(entries) == len(saved_flags):
+                sel_bytes[p] = sum(e[0] for e, f in zip(entries, saved_flags) if f)
+            else:  # fall back to shapes: two dims equal to the sequence length
+                sel_bytes[p] = sum(e[0] for e in entries if list(e[1]).count(p[1]) >= 2)
+            if sel_bytes[p] and op_flags is not None and len(m.fwd_op_flops) == len(op_flags):
+                sel_flops[p] = sum(f for f, flag in zip(m.fwd_op_flops, op_flags) if flag)
+    values["activation_bytes_selective"] = sel_bytes
+    values["selective_recompute_flops"] = sel_flops
+    fields = {f: fit(v, grid, f"{f} of {what}") for f, v in values.items()}
+
+    ops = []
+    base = per_point[grid.points[0]]
+    for key, op in base.ops.items():
+        if not all(key in m.ops for m in per_point.values()):
+            continue  # an op that exists at some sizes only: kept in the layer totals
+        get = lambda field: {p: m.ops[key][field] for p, m in per_point.items()}
+        gemm = None
+        if op["gemm"] and all(m.ops[key]["gemm"] for m in per_point.values()):
+            gemm = tuple(fit({p: m.ops[key]["gemm"][i] for p, m in per_point.items()}, grid,
+                             f"gemm dim {i} of {key} in {what}") for i in range(3))
+        ops.append(OpSpec(name=key, kind=op["kind"], fwd_flops=fit(get("fwd_flops"), grid, f"{key} in {what}"),
+                          bwd_flops=fit(get("bwd_flops"), grid, f"{key} in {what}"),
+                          fwd_bytes=fit(get("fwd_bytes"), grid, f"{key} in {what}"),
+                          bwd_bytes=fit(get("bwd_bytes"), grid, f"{key} in {what}"),
+                          gemm=gemm, tp_sharded=op["tp_sharded"], count=op["count"]))
+    assert set(fields) >= set(EXPR_FIELDS)
+    return fields, ops

@@ -1,0 +1,106 @@
+"""Example inputs -> meta inputs at any (batch, seq).
+
+Only shapes and dtypes of the example inputs are used. The batch axis is
+found by calling `example_inputs(1)` and `example_inputs(2)` and seeing which
+dims change (or, for a fixed tuple, dim 0 of every tensor whose dim 0 is the
+given batch). The sequence axis is dim 1 of 2-D integer tensors (token ids,
+masks, labels) and of 3-D float tensors (embedded sequences); a model with
+neither (images) has no sequence axis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.errors import CaptureError
+
+
+@dataclass
+class InputTemplate:
+    spec: object  # pytree spec of (args, kwargs)
+    leaves: list  # per leaf: ("tensor", shape, dtype, batch_dim, seq_dim) or ("value", v)
+    seq: int | None
+
+    def make(self, batch: int, seq: int | None):
+        flat = []
+        for leaf in self.leaves:
+            if leaf[0] == "value":
+                flat.append(leaf[1])
+                continue
+            _, shape, dtype, batch_dim, seq_dim = leaf
+            shape = list(shape)
+            if batch_dim is not None:
+                shape[batch_dim] = batch
+            if seq_dim is not None and seq is not None:
+                shape[seq_dim] = seq
+            flat.append(torch.empty(shape, dtype=dtype, device="meta"))
+        args, kwargs = tree_unflatten(flat, self.spec)
+        return args, kwargs
+
+
+def _split(value) -> tuple[tuple, dict]:
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if not isinstance(value, (tuple, list)):
+        raise CaptureError(f"example inputs must be a tuple of tensors (or a callable returning one), "
+                           f"got {type(value).__name__}",
+                           hint="example_inputs(batch_size) should return e.g. (torch.randint(0, vocab, (batch_size, seq)),)")
+    value = tuple(value)
+    if value and isinstance(value[-1], dict):  # (args..., {kwargs})
+        return value[:-1], dict(value[-1])
+    return value, {}
+
+
+def template_from(example_inputs, seq_dim="auto") -> InputTemplate:
+    if callable(example_inputs):
+        try:
+            one, two = _split(example_inputs(1)), _split(example_inputs(2))
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(f"example_inputs(batch_size) raised {type(exc).__name__}: {exc}") from exc
+        flat, spec = tree_flatten(one)
+        flat2, spec2 = tree_flatten(two)
+        if spec != spec2:
+            raise CaptureError("example_inputs(1) and example_inputs(2) return different structures",
+                               hint="return the same tuple of tensors for every batch size")
+        batch_dims = []
+        for a, b in zip(flat, flat2):
+            if isinstance(a, torch.Tensor):
+                changed = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
+                batch_dims.append(changed[0] if changed else None)
+            else:
+                batch_dims.append(None)
+    else:
+        flat, spec = tree_flatten(_split(example_inputs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
+        given = tensors[0].shape[0] if tensors else None
+        batch_dims = [0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == given else None
+                      for x in flat]
+    leaves, seqs = [], set()
+    for x, bd in zip(flat, batch_dims):
+        if not isinstance(x, torch.Tensor):
+            leaves.append(("value", x))
+            continue
+        sd = None
+        if seq_dim == "auto":
+            token_like = x.dim() == 2 and not x.is_floating_point()
+            embedded = x.dim() == 3 and x.is_floating_point()
+            if bd == 0 and (token_like or embedded):
+                sd = 1
+        elif isinstance(seq_dim, int) and bd is not None and x.dim() > seq_dim:
+            sd = seq_dim
+        if sd is not None:
+            seqs.add(x.shape[sd])
+        leaves.append(("tensor", tuple(x.shape), x.dtype, bd, sd))
+    if not any(leaf[0] == "tensor" for leaf in leaves):
+        raise CaptureError("example inputs contain no tensor", hint="return at least one input tensor")
+    if len(seqs) > 1:
+        # Inputs of different lengths (e.g. encoder/decoder): treat seq as fixed.
+        leaves = [leaf if leaf[0] == "value" else leaf[:4] + (None,) for leaf in leaves]
+        seqs = set()
+    return InputTemplate(spec, leaves, seqs.pop() if seqs else None)

@@ -1,0 +1,211 @@
+"""Numbers for one layer at one (batch, seq) point, read off a PointTrace.
+
+Tensor-parallel facts come from the forward dataflow, the way Megatron
+shards a transformer: a GEMM with a weight whose activation input is full is
+*column*-parallel (its output is sharded), anything computed from a sharded
+tensor is sharded, and a weight GEMM fed a sharded activation is
+*row*-parallel (its output is full again, after an all-reduce). A column
+region that never reaches a row GEMM (an MoE router) is not a TP region;
+in the head, column regions are vocab-sharded logits and count.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from autopar.capture.tracer import PointTrace
+
+_LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
+
+
+@dataclass
+class LayerMetrics:
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    activation_bytes: int = 0
+    activation_bytes_tp_sharded: int = 0
+    saved_entries: list = field(default_factory=list)  # (nbytes, shape) per deduped storage, in save order
+    fwd_op_flops: list = field(default_factory=list)  # forward FLOPs per op, in op order
+    input_bytes: int = 0
+    output_bytes: int = 0
+    ops: dict = field(default_factory=dict)  # key -> dict of op numbers
+    tp_allreduces: int = 0
+    attrs: dict = field(default_factory=dict)
+    has_attention: bool = False
+    has_conv: bool = False
+    has_embedding: bool = False
+    has_weight_gemm: bool = False
+    has_norm: bool = False
+    col_widths: list = field(default_factory=list)
+
+
+def _normalise(path: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
+
+
+def _relative(path: str, prefix: str) -> str:
+    if prefix and (path == prefix or path.startswith(prefix + ".")):
+        return path[len(prefix) + 1:] or "."
+    return path or "."
+
+
+def tp_states(fwd: list, is_head: bool):
+    """Per forward record: sharded (bool); and the row GEMMs and column GEMMs."""
+    state, cols, rows, valid = {}, {}, [], set()
+    for r in fwd:
+        act = [state.get(i) for i in r.inputs]
+        if r.kind == "embedding" and r.uses_param:
+            st = None
+        elif r.uses_param and not r.inputs:
+            st = "param"
+        elif r.op in _LINEAR_GEMMS and (r.uses_param or "param" in act):
+            sharded = frozenset().union(*[s for s in act if isinstance(s, frozenset)])
+            if sharded:
+                rows.append(r)
+                valid |= sharded
+                st = None
+            else:
+                cols[r.idx] = r
+                st = frozenset([r.idx])
+        elif r.out_is_int:
+            st = None
+        elif act and all(s == "param" for s in act):
+            st = "param"
+        else:
+            regions = frozenset().union(*[s for s in act if isinstance(s, frozenset)])
+            st = regions or None
+        state[r.idx] = st
+    if is_head:
+        valid |= set(cols)
+    sharded = {idx: isinstance(st, frozenset) and bool(st & valid) for idx, st in state.items()}
+    return sharded, cols, rows, valid, state
+
+
+def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix: str, is_head: bool) -> LayerMetrics:
+    m = LayerMetrics()
+    sharded, cols, rows, valid, state = tp_states(fwd, is_head)
+    row_ids = {r.idx for r in rows}
+    m.fwd_flops = sum(r.flops for r in fwd)
+    m.bwd_flops = sum(r.flops for r in bwd)
+    m.fwd_op_flops = [r.flops for r in fwd]
+    m.input_bytes = trace.input_bytes.get(layer, 0)
+    m.output_bytes = trace.output_bytes.get(layer, 0)
+
+    seen = set()
+    for s in trace.saved:
+        if s.layer != layer or s.storage in seen:
+            continue
+        seen.add(s.storage)
+        m.activation_bytes += s.nbytes
+        m.saved_entries.append((s.nbytes, s.shape))
+        if s.producer is not None and sharded.get(s.producer, False):
+            m.activation_bytes_tp_sharded += s.nbytes
+
+    # Group ops by (module relative to the layer, op): stable across points.
+    by_idx = {}
+    for r in fwd:
+        key = f"{_relative(r.module, prefix)}:{r.op.removeprefix('aten.')}"
+        op = m.ops.get(key)
+        if op is None:
+            op = m.ops[key] = dict(kind=r.kind, fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0,
+                                   gemm=r.gemm if r.uses_param or r.kind == "gemm" else None,
+                                   tp_sharded=False, count=0)
+        op["fwd_flops"] += r.flops
+        op["fwd_bytes"] += r.nbytes
+        op["count"] += 1
+        op["tp_sharded"] |= sharded.get(r.idx, False) or r.idx in row_ids or (r.kind == "embedding" and r.uses_param)
+        by_idx[r.idx] = key
+    unattributed = dict(kind="other", fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0, gemm=None,
+                        tp_sharded=False, count=0)
+    for r in bwd:
+        op = m.ops.get(by_idx.get(r.fwd_ref), unattributed)
+        op["bwd_flops"] += r.flops
+        op["bwd_bytes"] += r.nbytes
+    if unattributed["bwd_flops"] or unattributed["bwd_bytes"]:
+        m.ops["(backward):other"] = unattributed
+    m.ops = {k: v for k, v in m.ops.items()
+             if v["fwd_flops"] or v["bwd_flops"] or v["fwd_bytes"] or v["bwd_bytes"]}
+
+    m.tp_allreduces = len({_normalise(r.module) for r in rows})
+    m.has_embedding = any(r.kind == "embedding" and r.uses_param for r in fwd)
+    if m.has_embedding and not is_head:
+        m.tp_allreduces += 1  # vocab-parallel embedding all-reduces its output
+    m.has_conv = any(r.op in ("aten.convolution", "aten._convolution") for r in fwd)
+    m.has_weight_gemm = bool(cols) or bool(rows)
+    m.has_norm = any(r.kind == "norm" for r in fwd)
+    m.attrs = _attrs(trace, layer, fwd, cols, valid, state)
+    m.has_attention = "heads" in m.attrs
+    return m
+
+
+def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, state: dict) -> dict:
+    attrs = {}
+    float_inputs = [x for x in trace.input_shapes.get(layer, ()) if isinstance(x, tuple) and "float" in x[1]]
+    if float_inputs:
+        shape = float_inputs[0][0]
+        if len(shape) == 4:
+            attrs["channels"] = shape[1]
+        elif shape:
+            attrs["hidden"] = shape[-1]
+    attention_regions = set()
+    for r in fwd:
+        if r.kind == "attention" and r.in_shapes and len(r.in_shapes[0]) == 4:
+            q, k = r.in_shapes[0], r.in_shapes[1]
+            attrs.setdefault("heads", q[1])
+            attrs.setdefault("head_dim", q[3])
+            if k[1] != q[1]:
+                attrs.setdefault("kv_heads", k[1])
+        elif r.kind == "softmax" and r.in_shapes and len(r.in_shapes[0]) >= 3:
+            shape = r.in_shapes[0]
+            heads = shape[1] if len(shape) == 4 else shape[0] // trace.batch
+            attrs.setdefault("heads", heads)
+            if attrs.get("hidden") and heads and attrs["hidden"] % heads == 0:
+                attrs.setdefault("head_dim", attrs["hidden"] // heads)
+        else:
+            continue
+        if isinstance(state.get(r.idx), frozenset):
+            attention_regions |= state[r.idx]
+    if "heads" in attrs and "kv_heads" not in attrs:
+        hd = attrs.get("head_dim")
+        widths = [c.gemm[1] for cid, c in cols.items() if cid in attention_regions and c.gemm]
+        smaller = [w for w in widths if hd and w % hd == 0 and w < attrs["heads"] * hd]
+        attrs["kv_heads"] = min(smaller) // hd if smaller else attrs["heads"]
+    ffn = [c.gemm[1] for cid, c in cols.items() if cid in valid and cid not in attention_regions and c.gemm]
+    if ffn and "heads" in attrs:
+        attrs["ffn_hidden"] = max(ffn)
+    elif ffn:
+        attrs["ffn_hidden"] = max(ffn)
+    for r in fwd:
+        if r.kind == "embedding" and r.uses_param:
+            attrs.setdefault("vocab_size", r.in_shapes[0][0])
+            attrs.setdefault("hidden", r.in_shapes[0][1])
+    if trace.topk.get(layer):
+        experts, k, _ = trace.topk[layer]
+        attrs["experts"], attrs["top_k"] = experts, k
+    return attrs
+
+
+def head_vocab(cols: dict) -> int | None:
+    widths = [c.gemm[1] for c in cols.values() if c.gemm]
+    return max(widths) if widths else None
+
+
+def divisors_up_to(n: int, limit: int = 1024) -> tuple:
+    return tuple(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def tp_degrees(attrs: dict, kind: str) -> tuple:
+    if kind in ("transformer_block", "moe_block") and attrs.get("heads"):
+        g = attrs["heads"]
+        for key in ("kv_heads", "ffn_hidden"):
+            if attrs.get(key):
+                g = math.gcd(g, attrs[key])
+        return divisors_up_to(g)
+    if kind in ("embedding", "head"):
+        # Vocabularies are padded to a multiple of the TP degree (Megatron), so
+        # any power of two works.
+        return (1, 2, 4, 8, 16, 32, 64, 128)
+    if attrs.get("ffn_hidden"):
+        return divisors_up_to(math.gcd(attrs["ffn_hidden"], attrs.get("hidden", attrs["ffn_hidden"])))
+    return (1,)

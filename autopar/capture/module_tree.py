@@ -1,0 +1,104 @@
+"""What the module tree says: the repeated blocks, their signatures, a meta copy.
+
+Layers follow the module tree. The repeated blocks are the children of the
+outermost ModuleList/Sequential containers whose parameterised children
+repeat a class (a transformer's `blocks`, a ResNet's `layer1..layer4`);
+containers nested inside a block (an MoE's `experts`) stay inside it.
+Everything the model runs before the first block is the embedding/stem
+layer, everything after the last block is the head layer.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import Counter
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import CaptureError
+
+_PRIMITIVES = (int, float, bool, str, type(None))
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the repeated blocks in module-tree order."""
+    containers = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [child for child in module.children() if _has_params(child)]
+        if len(kids) >= 2 and Counter(type(c) for c in kids).most_common(1)[0][1] >= 2:
+            containers.append(path)
+    outer = [c for c in containers
+             if not any(o != c and (o == "" or c.startswith(o + ".")) for o in containers)]
+    blocks = []
+    for path in outer:
+        container = model.get_submodule(path)
+        for name, child in container.named_children():
+            if _has_params(child):
+                blocks.append((f"{path}.{name}" if path else name, child))
+    if blocks:
+        return blocks
+    # No repeated structure: each parameterised child of the root is a layer.
+    blocks = [(name, child) for name, child in model.named_children() if _has_params(child)]
+    return blocks or [("", model)]
+
+
+def _primitive_attrs(module: nn.Module) -> tuple:
+    out = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or key == "training":
+            continue
+        if isinstance(value, _PRIMITIVES) or (isinstance(value, tuple) and all(isinstance(v, _PRIMITIVES) for v in value)):
+            out.append((key, value))
+    return tuple(out)
+
+
+def static_signature(module: nn.Module) -> str:
+    """Equal for modules that compute the same thing up to their weights' values:
+    same classes, same parameter/buffer shapes and dtypes, same plain config
+    attributes (a layer index or a per-layer window size makes blocks differ)."""
+    parts = []
+    for name, sub in module.named_modules():
+        parts.append((name, type(sub).__module__, type(sub).__qualname__, _primitive_attrs(sub)))
+    for name, p in module.named_parameters():
+        parts.append((name, tuple(p.shape), str(p.dtype), p.requires_grad))
+    for name, b in module.named_buffers():
+        parts.append((name, tuple(b.shape), str(b.dtype)))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+
+def meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` on the meta device with floating tensors in `dtype`.
+
+    Parameters and buffers are swapped through deepcopy's memo, so real
+    weights are never copied and tied weights stay tied. The caller's model
+    is not touched.
+    """
+    memo = {}
+    for p in model.parameters():  # deduplicated: tied weights appear once
+        memo[id(p)] = nn.Parameter(_meta_like(p, dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = _meta_like(b, dtype)
+    try:
+        meta = copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise CaptureError(f"could not copy the model to the meta device: {type(exc).__name__}: {exc}",
+                           hint="capture deep-copies the module (weights are not copied); make the module "
+                                "deep-copyable or build it under `with torch.device('meta'):` and pass that") from exc
+    # Plain tensor attributes (not registered as buffers) must live on meta too.
+    for module in meta.modules():
+        for key, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type != "meta":
+                setattr(module, key, _meta_like(value, dtype))
+    meta.train()
+    return meta
+
+
+def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")

@@ -1,0 +1,46 @@
+"""Route scaled_dot_product_attention to a flash-attention kernel during capture.
+
+On the meta device F.scaled_dot_product_attention falls back to the math
+decomposition (bmm, softmax, dropout, upcast to fp32), which saves the
+(s x s) score matrix for backward. Training on GPUs runs the flash kernel,
+which saves only q, k, v, the output and the logsumexp. To measure what
+training really keeps, capture sends every SDPA call to the CPU flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`), which has a meta
+implementation and a differentiable backward with the same saved tensors as
+the CUDA kernel. Models that write attention out by hand (softmax(QK^T)V)
+are measured as written.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        # The CUDA flash kernel handles grouped-query attention natively; the
+        # CPU one needs equal head counts, so k/v are expanded here (copies:
+        # the saved k/v bytes are overstated by heads/kv_heads for such models).
+        rep = query.shape[-3] // key.shape[-3]
+        key = key.unsqueeze(-3).expand(*key.shape[:-2], rep, *key.shape[-2:]).flatten(-4, -3)
+        value = value.unsqueeze(-3).expand(*value.shape[:-2], rep, *value.shape[-2:]).flatten(-4, -3)
+    squeeze = query.dim() == 3  # (heads, s, d) without a batch dim
+    if squeeze:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # The kernel takes an additive float mask.
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    out, _ = _flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out.squeeze(0) if squeeze else out
+
+
+class FlashSDPAMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return flash_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)

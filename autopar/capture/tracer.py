@@ -1,0 +1,394 @@
+"""One instrumented forward + backward of a meta model at one (batch, seq) point.
+
+How a run works:
+- Module hooks keep the module stack and a *layer pointer* (0 = everything
+  before the first block, i = block i, n+1 = everything after the last).
+- A TorchDispatchMode records every aten op (forward and backward) with its
+  shapes, FLOPs, bytes, module path, layer and the autograd node it belongs
+  to, so backward ops map back to the forward op that created them.
+- `saved_tensors_hooks` sees every tensor autograd saves for backward; it is
+  attributed to the current layer (deduplicated by storage later).
+- Block inputs are cut (detach + requires_grad) so each layer has its own
+  autograd graph; after the forward, backward is run layer by layer from the
+  layer's outputs, which attributes backward FLOPs exactly.
+- Blocks identical to an already measured block (same static signature, same
+  input shapes) are not run at all: their forward returns empty tensors shaped
+  like the representative's outputs, and the representative's numbers are
+  reused. That is what makes a 126-block model cost about one block.
+"""
+from __future__ import annotations
+
+import linecache
+import math
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.capture import ops as opinfo
+from autopar.capture.sdpa import FlashSDPAMode
+from autopar.errors import CaptureError
+
+aten = torch.ops.aten
+
+# Ops whose result is a Python value computed from tensor data: on meta there
+# is no data, so this is data-dependent control flow in the model.
+_DATA_DEPENDENT = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.item}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class OpRecord:
+    idx: int
+    op: str
+    kind: str
+    layer: int
+    module: str
+    phase: str  # "fwd" | "bwd"
+    in_shapes: tuple
+    out_shapes: tuple
+    out_dtypes: tuple
+    flops: int
+    nbytes: int  # read + written
+    gemm: tuple | None
+    seq_nr: int
+    uses_param: bool
+    param_names: tuple
+    inputs: tuple  # indices of producing records (forward dataflow)
+    out_is_int: bool
+    fwd_ref: int | None = None  # backward op: index of the forward op it differentiates
+
+
+@dataclass
+class SavedRecord:
+    layer: int
+    storage: int
+    nbytes: int
+    producer: int | None
+    shape: tuple
+
+
+@dataclass
+class PointTrace:
+    batch: int
+    seq: int | None
+    records: list = field(default_factory=list)
+    saved: list = field(default_factory=list)
+    rep_of: dict = field(default_factory=dict)  # layer -> measured layer with the same numbers
+    input_bytes: dict = field(default_factory=dict)
+    output_bytes: dict = field(default_factory=dict)
+    input_shapes: dict = field(default_factory=dict)  # layer -> shapes of its tensor inputs
+    called: dict = field(default_factory=dict)  # layer -> module paths called there (outside blocks)
+    params_used: dict = field(default_factory=dict)  # layer -> set of parameter names
+    topk: dict = field(default_factory=dict)  # layer -> (experts, k)
+
+
+class _CaptureAbort(Exception):
+    """Raised inside the model's forward; turned into CaptureError at the top."""
+
+    def __init__(self, error: CaptureError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def _user_frame(tb_frames=None) -> str:
+    """`file:line: code` of the innermost frame in the user's code (not torch, not autopar)."""
+    frames = tb_frames if tb_frames is not None else traceback.extract_stack()
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH_DIR) or path.startswith(_AUTOPAR_DIR) or "<frozen" in path:
+            continue
+        code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        return f"{frame.filename}:{frame.lineno}: {code}"
+    return "unknown location"
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tracer = self.tracer
+        packet = func._overloadpacket
+        if packet in _DATA_DEPENDENT:
+            raise _CaptureAbort(tracer.data_dependent_error(func))
+        if packet is aten.nonzero or packet is aten.argwhere:
+            out = tracer.balanced_nonzero(func, args[0])
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except _CaptureAbort:
+                raise
+            except Exception as exc:
+                raise _CaptureAbort(tracer.op_error(func, exc)) from None
+        tracer.record(func, args, kwargs, out)
+        return out
+
+
+class Tracer:
+    """Instruments one meta model; `run(batch, seq, args, kwargs)` -> PointTrace."""
+
+    def __init__(self, model: nn.Module, blocks: list, block_signatures: list):
+        self.model = model
+        self.blocks = blocks
+        self.n_layers = len(blocks) + 2  # pre, blocks..., post
+        self.block_layer = {id(m): i + 1 for i, (_, m) in enumerate(blocks)}
+        self.block_sig = {i + 1: sig for i, sig in enumerate(block_signatures)}
+        self.paths = {}
+        for path, module in model.named_modules():
+            self.paths.setdefault(id(module), path)
+        block_paths = [p for p, _ in blocks]
+        # Modules that are a block, inside one, or contain one are not "pre/post" modules.
+        self.grouping = {}
+        for path, module in model.named_modules():
+            inside = any(path == b or path.startswith(b + ".") or b == "" for b in block_paths)
+            contains = any(b.startswith(path + ".") or path == "" for b in block_paths)
+            self.grouping[id(module)] = not (inside or contains)
+        self.param_storage = {}
+        for name, p in model.named_parameters():
+            self.param_storage.setdefault(p.untyped_storage()._cdata, name)
+        self.state_storage = set(self.param_storage) | {b.untyped_storage()._cdata for b in model.buffers()}
+        self._install()
+
+    # -- hooks ---------------------------------------------------------------
+    def _install(self):
+        for module in self.model.modules():
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._leave, always_call=True)
+        for i, (_, block) in enumerate(self.blocks):
+            block.register_forward_pre_hook(self._block_enter, with_kwargs=True, prepend=True)
+            block.register_forward_hook(self._block_leave)
+            original = block.forward
+            layer = i + 1
+
+            def forward(*args, _original=original, _layer=layer, **kwargs):
+                rep = self.shortcut.get(_layer)
+                if rep is not None:
+                    return self._fabricate(rep)
+                return _original(*args, **kwargs)
+
+            block.forward = forward
+
+    def _enter(self, module, args):
+        path = self.paths.get(id(module), "?")
+        self.module_stack.append(path)
+        if self.grouping.get(id(module)) and path:
+            self.trace.called.setdefault(self.pointer, []).append(path)
+
+    def _leave(self, module, args, output):
+        if self.module_stack:
+            self.module_stack.pop()
+
+    def _block_enter(self, module, args, kwargs):
+        layer = self.block_layer[id(module)]
+        flat, spec = tree_flatten((args, kwargs))
+        new_flat = []
+        in_bytes, storages, shapes = 0, set(), []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                shapes.append((tuple(x.shape), str(x.dtype)))
+                key = x.untyped_storage()._cdata
+                if key not in self.state_storage and key not in storages:
+                    storages.add(key)
+                    in_bytes += x.untyped_storage().nbytes()
+                if x.requires_grad and x.grad_fn is not None:
+                    x = self._cut(x)
+            else:
+                shapes.append(repr(x) if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__)
+            new_flat.append(x)
+        self.trace.input_bytes[layer] = in_bytes
+        self.trace.input_shapes[layer] = tuple(shapes)
+        self.pointer = layer
+        rep = self.reps.setdefault((self.block_sig[layer], tuple(shapes)), layer)
+        self.trace.rep_of[layer] = rep
+        if rep != layer:
+            self.shortcut[layer] = rep
+        args, kwargs = tree_unflatten(new_flat, spec)
+        return args, kwargs
+
+    def _block_leave(self, module, args, output):
+        layer = self.block_layer[id(module)]
+        flat, spec = tree_flatten(output)
+        if layer not in self.shortcut:
+            self.out_specs[layer] = (spec, [(tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
+                                            else ("value", t) for t in flat])
+        self.trace.output_bytes[layer] = sum(opinfo.tensor_bytes(t) for t in flat if isinstance(t, torch.Tensor))
+        if layer == self.n_layers - 2:  # last block: cut its outputs from the head
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self.seg_outputs.setdefault(layer, []).append(t)
+            flat = [self._cut(t, layer) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat]
+            self.pointer = self.n_layers - 1
+            return tree_unflatten(flat, spec)
+        return output
+
+    def _cut(self, x: torch.Tensor, producer_layer: int | None = None) -> torch.Tensor:
+        leaf = self.cuts.get(id(x))
+        if leaf is None:
+            if producer_layer is None:
+                rec = self.producer.get(id(x))
+                producer_layer = self.trace.records[rec].layer if rec is not None else self.pointer
+                self.seg_outputs.setdefault(producer_layer, []).append(x)
+            leaf = x.detach().requires_grad_()
+            self.cuts[id(x)] = leaf
+            self.keep.extend((x, leaf))
+            if id(x) in self.producer:
+                self.producer[id(leaf)] = self.producer[id(x)]
+        return leaf
+
+    def _fabricate(self, rep: int):
+        spec, leaves = self.out_specs[rep]
+        flat = []
+        for leaf in leaves:
+            if leaf[0] == "value":
+                flat.append(leaf[1])
+            else:
+                shape, dtype, requires_grad = leaf
+                flat.append(torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad))
+        return tree_unflatten(flat, spec)
+
+    def _pack(self, t: torch.Tensor):
+        if self.phase == "fwd":
+            key = t.untyped_storage()._cdata
+            if key not in self.state_storage:
+                self.trace.saved.append(SavedRecord(self.pointer, key, t.untyped_storage().nbytes(),
+                                                    self.producer.get(id(t)), tuple(t.shape)))
+        return t
+
+    # -- op recording ----------------------------------------------------------
+    def record(self, func, args, kwargs, out):
+        in_flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        out_flat = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        trace = self.trace
+        idx = len(trace.records)
+        params = []
+        for x in in_flat:
+            name = self.param_storage.get(x.untyped_storage()._cdata)
+            if name is not None:
+                params.append(name)
+        if self.phase == "fwd":
+            seq_nr = torch.autograd._get_sequence_nr() - 1
+            inputs = tuple(self.producer[id(x)] for x in in_flat if id(x) in self.producer)
+        else:
+            node = torch._C._current_autograd_node()
+            seq_nr = node._sequence_nr() if node is not None else -1
+            inputs = ()
+        nbytes = 0 if opinfo.moves_no_data(func) else (
+            sum(opinfo.tensor_bytes(x) for x in in_flat) + sum(opinfo.tensor_bytes(x) for x in out_flat))
+        packet = func._overloadpacket
+        rec = OpRecord(
+            idx=idx, op=str(packet), kind=opinfo.op_kind(packet), layer=self.pointer,
+            module=self.module_stack[-1] if self.module_stack else "",
+            phase=self.phase, in_shapes=tuple(tuple(x.shape) for x in in_flat),
+            out_shapes=tuple(tuple(x.shape) for x in out_flat), out_dtypes=tuple(str(x.dtype) for x in out_flat),
+            flops=opinfo.flops_of(func, args, kwargs, out), nbytes=nbytes,
+            gemm=opinfo.gemm_shape(func, args, out_flat[0]) if self.phase == "fwd" and out_flat
+            and opinfo.op_kind(packet) == "gemm" else None,
+            seq_nr=seq_nr, uses_param=bool(params), param_names=tuple(params), inputs=inputs,
+            out_is_int=bool(out_flat) and not (out_flat[0].is_floating_point() or out_flat[0].is_complex()),
+        )
+        if self.phase == "fwd":
+            self.seq_to_fwd.setdefault((self.pointer, seq_nr), idx)
+            for x in out_flat:
+                self.producer[id(x)] = idx
+            self.keep.extend(out_flat)
+            if packet is aten.topk:
+                k = args[1] if len(args) > 1 else kwargs.get("k")
+                trace.topk[self.pointer] = (args[0].shape[-1], int(k), math.prod(args[0].shape[:-1]))
+            if params:
+                trace.params_used.setdefault(self.pointer, set()).update(params)
+        else:
+            rec.fwd_ref = self.seq_to_fwd.get((self.pointer, seq_nr))
+            if rec.fwd_ref is not None:
+                rec.module = trace.records[rec.fwd_ref].module
+        trace.records.append(rec)
+
+    def balanced_nonzero(self, func, mask: torch.Tensor) -> torch.Tensor:
+        """nonzero() has a data-dependent size. Inside a layer that ran top-k
+        routing it is the token list of one expert: assume balanced routing,
+        rows * k / experts tokens. Anywhere else it cannot be sized: error."""
+        routing = self.trace.topk.get(self.pointer)
+        if routing is None:
+            raise _CaptureAbort(CaptureError(
+                f"module {self._where()}: {func} has a data-dependent output size at {_user_frame()}",
+                hint="capture runs on the meta device (no values); write it with fixed shapes "
+                     "(a boolean mask multiplied in, torch.where(cond, a, b), or a fixed capacity) "
+                     "or use it only inside a top-k routed MoE layer, where balanced routing is assumed"))
+        experts, k, rows = routing
+        count = min(mask.numel(), (rows * k) // experts)
+        return torch.empty((count, mask.dim()), dtype=torch.long, device="meta")
+
+    def _where(self) -> str:
+        return self.module_stack[-1] if self.module_stack and self.module_stack[-1] else "<root>"
+
+    def data_dependent_error(self, func) -> CaptureError:
+        return CaptureError(
+            f"module {self._where()}: data-dependent control flow on a tensor value ({func}) at {_user_frame()}",
+            hint="capture traces on the meta device, where tensors have shapes but no values; "
+                 "replace Python branching on tensor values with tensor ops (torch.where, masking, "
+                 "clamp) or move the check out of forward()")
+
+    def op_error(self, func, exc: Exception) -> CaptureError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, NotImplementedError) or "Meta" in str(exc) or "meta" in first:
+            return CaptureError(
+                f"module {self._where()}: op {func} cannot run on the meta device ({first}) at {_user_frame()}",
+                hint="register a meta/fake implementation for it (torch.library.register_fake) or "
+                     "replace it with standard torch ops")
+        return CaptureError(f"module {self._where()}: op {func} failed: {type(exc).__name__}: {first} "
+                            f"at {_user_frame()}",
+                            hint="check that example_inputs(batch_size) returns inputs of the right "
+                                 "shapes and dtypes for this model")
+
+    # -- one run -------------------------------------------------------------
+    def run(self, batch: int, seq: int | None, args: tuple, kwargs: dict) -> PointTrace:
+        self.trace = PointTrace(batch, seq)
+        self.module_stack, self.pointer, self.phase = [], 0, "fwd"
+        self.reps, self.shortcut, self.out_specs = {}, {}, {}
+        self.cuts, self.producer, self.keep, self.seg_outputs, self.seq_to_fwd = {}, {}, [], {}, {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
+                    FlashSDPAMode(), _Recorder(self), torch.enable_grad():
+                output = self.model(*args, **kwargs)
+                post = self.n_layers - 1
+                outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                self.trace.output_bytes[post] = sum(opinfo.tensor_bytes(t) for t in outs)
+                self.seg_outputs.setdefault(post, []).extend(t for t in outs if t.requires_grad)
+                self.phase = "bwd"
+                self.module_stack = []
+                for layer in sorted(self.seg_outputs, reverse=True):
+                    roots = [t for t in self.seg_outputs[layer] if t.grad_fn is not None]
+                    if not roots or layer in self.shortcut:
+                        continue
+                    self.pointer = layer
+                    # retain_graph: a tensor reused across layers (a skip connection
+                    # around a block) must not free a graph another layer walks.
+                    torch.autograd.backward(roots, [torch.empty_like(t) for t in roots], retain_graph=True)
+        except _CaptureAbort as abort:
+            raise abort.error from None
+        except CaptureError:
+            raise
+        except Exception as exc:
+            frames = traceback.extract_tb(exc.__traceback__)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CaptureError(
+                f"module {self._where()}: {type(exc).__name__}: {first} at {_user_frame(frames)}",
+                hint="the model's forward failed on meta tensors of the example inputs' shapes; "
+                     "check example_inputs(batch_size) and that forward() uses no tensor values") from None
+        finally:
+            self.keep = []
+        for layer in range(self.n_layers):
+            self.trace.rep_of.setdefault(layer, layer)
+        # Only layer 0's pre-hook never runs: its input is the model's input.
+        self.trace.input_bytes.setdefault(0, sum(
+            opinfo.tensor_bytes(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)))
+        self.trace.output_bytes.setdefault(0, sum(opinfo.tensor_bytes(t) for t in self.seg_outputs.get(0, [])))
+        self.trace.input_bytes.setdefault(self.n_layers - 1, self.trace.output_bytes.get(self.n_layers - 2, 0))
+        return self.trace

@@ -1,0 +1,115 @@
+"""Options shared by `autopar plan`, `autopar report` and `autopar compile`:
+the model file, the cluster, the workload and the pinning flags, and the one
+function that turns them into a Plan (plus the captured ModelGraph).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopar.errors import AutoparError, ClusterSpecError
+
+DEFAULT_DEVICE = "h100-sxm"
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model file following the model-file convention, as path.py[:factory]")
+    cl = parser.add_argument_group("cluster")
+    cl.add_argument("--gpus", type=int, default=None, metavar="N",
+                    help="total GPU count (default: one node of the device or the --cluster file's size)")
+    cl.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default: 8)")
+    cl.add_argument("--device", default=None, metavar="NAME",
+                    help=f"device profile or cluster preset, e.g. a100-80g, h100-sxm, dgx-h100 (default: {DEFAULT_DEVICE})")
+    cl.add_argument("--cluster", default=None, metavar="FILE", help="cluster YAML/JSON file (devices, links, nodes)")
+    wl = parser.add_argument_group("workload")
+    wl.add_argument("--batch-size", type=int, default=None, metavar="B",
+                    help="global batch size in samples per optimizer step (default: one sample per GPU)")
+    wl.add_argument("--seq-len", type=int, default=None, metavar="S", help="sequence length (default: the model's)")
+    wl.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="training compute dtype")
+    pin = parser.add_argument_group("pin part of the layout (everything pinned = estimate a hand layout)")
+    pin.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    pin.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
+    pin.add_argument("--dp", type=int, default=None, help="data-parallel size")
+    pin.add_argument("--micro-batch", type=int, default=None, metavar="N", help="samples per micro-batch")
+    pin.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO level of every layer")
+    pin.add_argument("--checkpoint", default=None, choices=("none", "selective", "full"),
+                     help="activation checkpointing of every layer")
+    pin.add_argument("--offload", default=None, choices=("none", "optimizer", "params"), help="CPU offload of every layer")
+    pin.add_argument("--schedule", default=None, metavar="NAME", help="gpipe, 1f1b, interleaved or interleaved:V")
+    pin.add_argument("--sequence-parallel", dest="sequence_parallel", action=argparse.BooleanOptionalAction,
+                     default=None, help="pin sequence parallelism on or off")
+    parser.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+                        help="CP-SAT deterministic time limit per candidate (default 10)")
+
+
+def constraints_from_args(args) -> dict:
+    keys = ("tp", "pp", "dp", "micro_batch", "zero", "checkpoint", "schedule", "sequence_parallel", "offload")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def cluster_from_args(args):
+    """ClusterSpec from --cluster / --device / --gpus / --gpus-per-node."""
+    from cost_models.errors import CostModelError
+    from cost_models.hardware import ClusterSpec
+
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise ClusterSpecError(f"{flag} must be a positive integer, got {value}")
+    if args.cluster and args.device:
+        raise ClusterSpecError("--cluster and --device both name the hardware; pass one of them",
+                               hint="a cluster file names its device; --gpus still scales its node count")
+    try:
+        base = ClusterSpec.resolve(args.cluster or args.device or DEFAULT_DEVICE)
+        d = base.to_dict()
+        gpn = args.gpus_per_node or d["gpus_per_node"]
+        gpus = args.gpus or (d["nodes"] * gpn if args.cluster else gpn)
+        if gpus < gpn:
+            if args.gpus_per_node and args.gpus_per_node > gpus:
+                raise ClusterSpecError(f"--gpus {gpus} is less than --gpus-per-node {args.gpus_per_node}")
+            gpn = gpus
+        if gpus % gpn:
+            raise ClusterSpecError(f"--gpus {gpus} is not a whole number of {gpn}-GPU nodes",
+                                   hint="pass a multiple of --gpus-per-node, or set --gpus-per-node")
+        d["gpus_per_node"] = gpn
+        d["nodes"] = gpus // gpn
+        return ClusterSpec.from_dict(d, file=base.source)
+    except CostModelError as exc:
+        raise ClusterSpecError(str(exc)) from exc
+
+
+def load_graph(args):
+    """Load the model file and capture it (the ModelGraph the planner and report read)."""
+    from autopar.capture import capture
+    from autopar.model_file import load_model
+
+    loaded = load_model(args.model)
+    graph = capture(loaded.model, loaded.example_inputs, name=loaded.name)
+    if getattr(graph, "source", None) in (None, ""):
+        try:
+            graph.source = args.model
+        except AttributeError:  # a frozen graph type: the plan records the source itself
+            pass
+    return graph, loaded
+
+
+def plan_from_args(args, progress=None):
+    """(Plan, ModelGraph) for the shared plan options."""
+    from autopar.solve import plan
+
+    cluster = cluster_from_args(args)
+    graph, loaded = load_graph(args)
+    result = plan(graph, cluster, global_batch_size=args.batch_size, constraints=constraints_from_args(args),
+                  seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5) or 5,
+                  time_limit_s=args.time_limit, progress=progress, source=args.model)
+    return result, graph
+
+
+def stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+__all__ = ["add_plan_arguments", "plan_from_args", "cluster_from_args", "constraints_from_args", "load_graph",
+           "AutoparError"]

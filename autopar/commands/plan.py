@@ -1,0 +1,187 @@
+"""`autopar plan model.py[:factory] --gpus N`: search the layout and print it.
+
+Prints the plan as tables a person reads top to bottom (what was planned,
+the mesh, how fast and how full, the stages, the per-layer choices with runs
+of identical layers collapsed, the alternatives and why they lost);
+`--json` prints the Plan's JSON instead, `--html FILE` also writes the
+report. A spinner on stderr shows progress when stderr is a terminal.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+from autopar.commands.common import add_plan_arguments, plan_from_args, stderr_is_tty
+from autopar.errors import AutoparError
+
+GB = 1e9
+
+
+def add_arguments(parser) -> None:
+    add_plan_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the Plan as JSON on stdout (nothing else)")
+    parser.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to keep and show (default 5)")
+    parser.add_argument("--html", default=None, metavar="FILE", help="also write the HTML report of the plan to FILE")
+
+
+def run(args) -> int:
+    if args.top < 0:
+        raise AutoparError(f"--top must be >= 0, got {args.top}")
+    plan, graph = _plan_with_progress(args)
+    if args.html:
+        _write_html(plan, args.html, graph)
+    if args.json:
+        sys.stdout.write(plan.to_json() + "\n")
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    render(plan, console, top=args.top)
+    if args.html:
+        console.print(f"report written to [bold]{args.html}[/]")
+    return 0
+
+
+def _plan_with_progress(args):
+    if not stderr_is_tty():
+        return plan_from_args(args)
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    with err.status("capturing the model...") as status:
+        def progress(phase, done, total, best_s):
+            best = f", best {best_s:.3f} s/step" if best_s else ""
+            status.update(f"{phase} layouts: {done}/{total}{best}")
+        return plan_from_args(args, progress=progress)
+
+
+def _write_html(plan, path, graph) -> None:
+    try:
+        import autopar.report as report
+    except ImportError as exc:  # pragma: no cover - the package ships with autopar
+        raise AutoparError(f"--html needs autopar.report: {exc}") from exc
+    if hasattr(report, "write_html"):
+        report.write_html(plan, path, graph)
+    elif hasattr(report, "render_html"):
+        with open(path, "w") as f:
+            f.write(report.render_html(plan, graph))
+    else:
+        raise AutoparError("this autopar has no HTML report yet (autopar.report.write_html is missing)")
+
+
+# -- terminal rendering ---------------------------------------------------------
+def _fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
+def _fmt_count(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def name_range(names: list[str]) -> str:
+    """'blocks.0'..'blocks.11' -> 'blocks.0-11'; otherwise 'first .. last'."""
+    if len(names) == 1:
+        return names[0]
+    parts = [re.fullmatch(r"(.*?)(\d+)", n) for n in names]
+    if all(parts) and len({p.group(1) for p in parts}) == 1:
+        nums = [int(p.group(2)) for p in parts]
+        if nums == list(range(nums[0], nums[0] + len(nums))):
+            return f"{parts[0].group(1)}{nums[0]}-{nums[-1]}"
+    return f"{names[0]} .. {names[-1]}"
+
+
+def collapse_runs(layers) -> list[tuple[list, object]]:
+    """Consecutive layers with the same kind and choices, as (layers, first)."""
+    runs = []
+    for c in layers:
+        key = (c.kind, c.zero, c.checkpoint, c.offload, c.tp_style)
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(c)
+        else:
+            runs.append((key, [c]))
+    return [(group, group[0]) for _, group in runs]
+
+
+def _bar(used: float, capacity: float, width: int = 24) -> str:
+    frac = used / capacity if capacity else 0.0
+    filled = min(width, int(round(frac * width)))
+    color = "green" if frac <= 0.85 else "yellow" if frac <= 1.0 else "red"
+    return f"[{color}]{'#' * filled}[/][dim]{'.' * (width - filled)}[/] {frac:.0%}"
+
+
+def render(plan, console, top: int = 5) -> None:
+    from rich.table import Table
+
+    m, p = plan.model, plan.predicted
+    cl = plan.cluster
+    world = plan.mesh.world_size
+    console.print(f"[bold]{m.get('name')}[/] ({_fmt_count(m.get('total_params', 0))} parameters, "
+                  f"{m.get('num_layers')} layers, seq {plan.seq_len}) on {world} x {cl.get('device')} "
+                  f"({cl.get('nodes')} nodes x {cl.get('gpus_per_node')}), global batch {plan.global_batch_size}, "
+                  f"{plan.precision}")
+    if plan.constraints:
+        console.print("pinned: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.constraints.items())))
+
+    mesh = Table(title="Layout", show_header=True, header_style="bold")
+    for col in ("pp", "dp", "tp", "sequence parallel", "schedule", "micro-batch", "micro-batches"):
+        mesh.add_column(col, justify="right")
+    sched = plan.schedule if plan.schedule != "interleaved" else f"interleaved (V={plan.virtual_stages})"
+    if plan.mesh.pp == 1:
+        sched = "none (grad. accumulation)"
+    mesh.add_row(str(plan.mesh.pp), str(plan.mesh.dp), str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
+                 sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
+    console.print(mesh)
+
+    speed = Table(title="Predicted", show_header=True, header_style="bold")
+    for col in ("step time", "tokens/s", "TFLOP/s per GPU", "MFU"):
+        speed.add_column(col, justify="right")
+    speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.tokens_per_s), f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}")
+    console.print(speed)
+    if p.time_breakdown:
+        parts = [f"{k.removesuffix('_s')} {_fmt_time(v)}" for k, v in p.time_breakdown.items()
+                 if isinstance(v, (int, float)) and v > 0]
+        console.print("step time breakdown: " + ", ".join(parts))
+
+    memt = Table(title="Memory per GPU (fullest GPU of each pp rank)", show_header=True, header_style="bold")
+    for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "of capacity"):
+        memt.add_column(col, justify="right")
+    for r, peak in enumerate(p.peak_memory_bytes):
+        b = p.memory_breakdown[r] if r < len(p.memory_breakdown) else {}
+        cap = b.get("capacity") or 0.0
+        memt.add_row(str(r), *(f"{b.get(k, 0.0) / GB:.1f}" for k in ("params", "grads", "optimizer", "activations",
+                                                                       "buffers")),
+                     f"{peak / GB:.1f} GB", _bar(peak, cap) + (f" of {cap / GB:.0f} GB" if cap else ""))
+    console.print(memt)
+
+    st = Table(title="Pipeline stages and per-layer choices", show_header=True, header_style="bold")
+    for col in ("stage", "pp rank", "layers", "kind", "zero", "checkpoint", "offload", "tensor parallel"):
+        st.add_column(col)
+    for stage in plan.stages:
+        for i, (group, c) in enumerate(collapse_runs(stage.layers)):
+            label = name_range([x.name for x in group]) + (f" ({len(group)})" if len(group) > 1 else "")
+            st.add_row(str(stage.index) if i == 0 else "", str(stage.pp_rank) if i == 0 else "", label, c.kind,
+                       str(c.zero), c.checkpoint, c.offload, c.tp_style)
+    console.print(st)
+
+    if plan.alternatives and top:
+        alt = Table(title="Alternatives considered", show_header=True, header_style="bold")
+        for col in ("#", "pp x dp x tp", "schedule", "micro-batch", "step time", "status", "why"):
+            alt.add_column(col)
+        for i, a in enumerate(plan.alternatives[:top], 1):
+            mesh_s = f"{a['mesh']['pp']} x {a['mesh']['dp']} x {a['mesh']['tp']}" + (" +SP" if a.get("sequence_parallel") else "")
+            sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
+            step = a.get("predicted", {}).get("step_time_s")
+            alt.add_row(str(i), mesh_s, sched, f"{a['micro_batch_size']} x {a['num_micro_batches']}",
+                        _fmt_time(step) if step else "-", a["status"], a["why"])
+        console.print(alt)
+    s = plan.solver
+    console.print(f"[dim]solver: {s.get('status')} (gap {s.get('gap', 0):.2%}), {s.get('candidates')} candidate "
+                  f"layouts, {s.get('solved')} solved, {s.get('pruned_by_bound')} pruned by bound, "
+                  f"{s.get('oom')} out of memory; {s.get('time_s')} s[/]")

@@ -1,0 +1,231 @@
+"""Cross-entropy over a large vocabulary, and the chunked linear + cross-entropy.
+
+`cross_entropy(logits, targets)`: one kernel streams each row of logits in
+blocks with an online log-sum-exp (a 128k vocabulary never has to fit in
+registers) and saves only the per-row lse; backward recomputes the softmax
+from logits + lse and writes d(logits) directly. Eager saves the full
+log-softmax tensor (another N x V) and reads it back.
+
+`linear_cross_entropy(hidden, weight, targets)`: the output head and the
+loss together, over chunks of rows. For each chunk it computes the chunk's
+logits (a GEMM), and one kernel turns them *in place* into d(logits) while
+computing the loss; two more GEMMs accumulate d(hidden) and d(weight).
+Full N x V logits never exist: peak extra memory is one chunk of logits
+instead of logits + log-softmax + their gradient (3 x N x V in eager; for
+Llama-3 at 8k tokens that is 3 x 8192 x 128256 x 2 bytes = 6.3 GB).
+Backward only scales the stored gradients by the incoming scalar.
+
+Semantics follow F.cross_entropy(..., ignore_index=-100, reduction='mean'|'sum'):
+targets equal to ignore_index contribute nothing, the mean divides by the
+number of non-ignored targets (0/0 = nan when all are ignored, as torch).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autopar.kernels._runtime import HAVE_TRITON, new_empty, next_pow2, rows_of, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ce_fwd_kernel(LOGITS, TARGETS, LOSS, LSE, DLOGITS, V, ignore_index, grad_scale,
+                       WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = LOGITS + row * V
+        t = tl.load(TARGETS + row).to(tl.int64)
+        # pass 1: online max / sum-exp over the row, block by block
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        ignored = t == ignore_index
+        t_safe = tl.where(ignored, 0, t)
+        x_t = tl.load(base + t_safe).to(tl.float32)
+        tl.store(LOSS + row, tl.where(ignored, 0.0, lse - x_t))
+        tl.store(LSE + row, lse)
+        if WRITE_GRAD:
+            # pass 2: d(loss)/d(logits) = (softmax - onehot) * grad_scale, written
+            # over the logits (DLOGITS may alias LOGITS: each element is read
+            # before it is written, by the same program).
+            g = tl.where(ignored, 0.0, grad_scale)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+                d = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * g
+                tl.store(DLOGITS + row * V + cols, d.to(DLOGITS.dtype.element_ty), mask=cols < V)
+
+    @triton.jit
+    def _ce_bwd_kernel(LOGITS, TARGETS, LSE, DLOSS, DLOGITS, V, ignore_index,
+                       PER_ROW_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(TARGETS + row).to(tl.int64)
+        lse = tl.load(LSE + row)
+        if PER_ROW_GRAD:
+            g = tl.load(DLOSS + row).to(tl.float32)
+        else:
+            g = tl.load(DLOSS).to(tl.float32)
+        g = tl.where(t == ignore_index, 0.0, g)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(LOGITS + row * V + cols, mask=cols < V, other=0.0).to(tl.float32)
+            d = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * g
+            tl.store(DLOGITS + row * V + cols, d.to(DLOGITS.dtype.element_ty), mask=cols < V)
+
+
+def _block(v: int) -> int:
+    return min(next_pow2(v), 4096)
+
+
+def _check_targets(logits_shape, targets, name):
+    from autopar.errors import AutoparError
+
+    if tuple(targets.shape) != tuple(logits_shape[:-1]):
+        raise AutoparError(f"{name}: targets shape {tuple(targets.shape)} must equal the logits' leading shape {tuple(logits_shape[:-1])}")
+    if targets.is_floating_point():
+        raise AutoparError(f"{name}: targets must be integer class indices, got {targets.dtype}")
+
+
+def _reduce(loss_rows, targets, ignore_index, reduction, dtype):
+    if reduction == "none":
+        return loss_rows.view(targets.shape).to(dtype)
+    total = loss_rows.sum()
+    if reduction == "sum":
+        return total.to(dtype)
+    return (total / (targets != ignore_index).sum()).to(dtype)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction):
+        x2 = rows_of(logits)
+        t = targets.contiguous().view(-1)
+        n, v = x2.shape
+        loss = new_empty((n,), torch.float32, x2.device)
+        lse = new_empty((n,), torch.float32, x2.device)
+        _ce_fwd_kernel[(n,)](x2, t, loss, lse, x2, v, ignore_index, 0.0, WRITE_GRAD=False, BLOCK=_block(v))
+        ctx.save_for_backward(x2, t, lse)
+        ctx.ignore_index, ctx.reduction, ctx.shape = ignore_index, reduction, logits.shape
+        return _reduce(loss, targets, ignore_index, reduction, logits.dtype)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x2, t, lse = ctx.saved_tensors
+        n, v = x2.shape
+        if ctx.reduction == "mean":
+            dloss = dloss / (t != ctx.ignore_index).sum()
+        dloss = dloss.float().contiguous().view(-1)
+        dx = new_empty((n, v), x2.dtype, x2.device)
+        _ce_bwd_kernel[(n,)](x2, t, lse, dloss, dx, v, ctx.ignore_index,
+                             PER_ROW_GRAD=ctx.reduction == "none", BLOCK=_block(v))
+        return dx.view(ctx.shape), None, None, None
+
+
+def cross_entropy_reference(logits, targets, ignore_index: int = -100, reduction: str = "mean"):
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+                           reduction=reduction).view(targets.shape if reduction == "none" else ())
+
+
+def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "mean"):
+    """F.cross_entropy over the last dim of `logits` (..., V) with `targets` (...)."""
+    _check_targets(logits.shape, targets, "cross_entropy")
+    if reduction not in ("mean", "sum", "none"):
+        from autopar.errors import AutoparError
+
+        raise AutoparError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not use_triton(logits, targets):
+        return cross_entropy_reference(logits, targets, ignore_index, reduction)
+    return _CrossEntropy.apply(logits, targets, int(ignore_index), reduction)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk_rows):
+        h2 = rows_of(hidden)
+        t = targets.contiguous().view(-1)
+        n, _ = h2.shape
+        v = weight.shape[0]
+        n_valid = int((t != ignore_index).sum())
+        grad_scale = 1.0 / n_valid if (reduction == "mean" and n_valid > 0) else 1.0
+        loss = new_empty((n,), torch.float32, h2.device)
+        lse = new_empty((n,), torch.float32, h2.device)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dh = new_empty(h2.shape, hidden.dtype, h2.device) if need_grad else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=h2.device) if need_grad else None
+        for start in range(0, n, chunk_rows):
+            end = min(n, start + chunk_rows)
+            logits = h2[start:end] @ weight.t()  # (rows, V): the only logits in memory
+            _ce_fwd_kernel[(end - start,)](
+                logits, t[start:end], loss[start:], lse[start:], logits, v, ignore_index, grad_scale,
+                WRITE_GRAD=need_grad, BLOCK=_block(v))
+            if need_grad:  # logits now hold d(loss)/d(logits) for this chunk
+                dh[start:end] = logits @ weight
+                dw += (logits.t() @ h2[start:end]).float()  # fp32-accumulated GEMM, summed in fp32
+        ctx.save_for_backward(dh, dw)
+        ctx.shape, ctx.w_dtype = hidden.shape, weight.dtype
+        if reduction == "mean" and n_valid == 0:
+            return (loss.sum() / 0.0).to(hidden.dtype)  # nan, as F.cross_entropy
+        return _reduce(loss, targets, ignore_index, reduction, hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dh, dw = ctx.saved_tensors
+        g = dloss.float()
+        dh_out = (dh.float() * g).to(dh.dtype).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        dw_out = (dw * g).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return dh_out, dw_out, None, None, None, None
+
+
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index: int = -100, reduction: str = "mean",
+                                   chunk_rows: int = 4096):
+    logits = F.linear(hidden, weight)
+    return cross_entropy_reference(logits, targets, ignore_index, reduction)
+
+
+def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, reduction: str = "mean",
+                         chunk_rows: int = 4096):
+    """cross_entropy(hidden @ weight.T, targets) without materialising the full logits.
+
+    `hidden` (..., H), `weight` (V, H) (the output head / tied embedding),
+    `targets` (...). `chunk_rows` bounds the logits held at once (chunk_rows x V).
+    """
+    from autopar.errors import AutoparError
+
+    _check_targets(hidden.shape, targets, "linear_cross_entropy")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise AutoparError(f"linear_cross_entropy: weight shape {tuple(weight.shape)} must be (vocab, {hidden.shape[-1]})")
+    if reduction not in ("mean", "sum"):
+        raise AutoparError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_rows < 1:
+        raise AutoparError(f"linear_cross_entropy: chunk_rows must be >= 1, got {chunk_rows}")
+    if not use_triton(hidden, weight, targets):
+        return linear_cross_entropy_reference(hidden, weight, targets, ignore_index, reduction)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, int(ignore_index), reduction, int(chunk_rows))
+
+
+def make_cross_entropy_inputs(seed: int, shape=None, dtype=torch.float32):
+    shape = tuple(shape or (3, 5, 1000))  # (..., vocab)
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(shape, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    targets.view(-1)[:: 4] = -100  # some ignored positions, as padding produces
+    return (logits, targets)
+
+
+def make_linear_cross_entropy_inputs(seed: int, shape=None, dtype=torch.float32):
+    # shape = (..., hidden, vocab): leading dims of the tokens, then H and V.
+    shape = tuple(shape or (3, 5, 64, 1000))
+    *lead, hid, vocab = shape
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*lead, hid, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hid, generator=g) / hid**0.5).to(dtype)
+    targets = torch.randint(0, vocab, tuple(lead), generator=g)
+    targets.view(-1)[1::5] = -100
+    return (hidden, weight, targets)

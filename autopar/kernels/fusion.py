@@ -1,0 +1,527 @@
+"""The fusion pass: find fusable chains in a model, record them, swap them in.
+
+`find_fusions(model)` traces each layer module (each element of the model's
+block `nn.ModuleList`s, or the modules a ModelGraph's layers name) with
+torch.fx and matches the memory-bound chains that eager PyTorch runs as
+several kernels:
+
+  pattern          chain in the block's graph                    kernel
+  bias_gelu        Linear(bias) -> gelu                          bias_gelu
+  bias_silu        Linear(bias) -> silu                          bias_silu
+  swiglu           silu(a) * b                                   swiglu
+  add_layernorm    x + y -> LayerNorm                            add_layernorm
+  add_rmsnorm      x + y -> RMSNorm (torch's or a Llama-style)   add_rmsnorm
+  scaled_softmax   softmax((s * c).masked_fill(m, -inf)) / softmax(s * c)
+                                                                scaled_masked_softmax
+  dropout_add      Dropout(x) + y                                dropout_add
+  linear_cross_entropy  the model's output Linear (recorded for the loss path)
+
+Each match is a plain dict (JSON-ready, stored in `Plan.fusions`):
+  {"layer", "pattern", "kernel", "anchor", "modules", "ops", "scope",
+   "width", "params"}
+`anchor` identifies the match inside the layer; `width` is the row width the
+kernel runs on (None where it is only known at run time, e.g. softmax keys).
+
+`apply_fusions(model, fusions)` rewrites each listed layer in place and
+returns the model: the layer becomes an fx GraphModule with the same
+submodules and parameter names, matched modules get their fused class
+(`fused_modules.swap_class`), and only the modules a chain lives in are
+traced through (the rest stay leaf calls, so e.g. `self.training` checks in
+attention still run at call time). `linear_cross_entropy` is not applied
+here: the loss lives outside the model; the lowering's loss path calls
+`autopar.kernels.linear_cross_entropy(hidden, head.weight, targets)`.
+
+`fusion_bytes(fusion, rows, ...)` gives the HBM bytes each chain moves
+unfused (eager) and fused, for the cost model.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.errors import AutoparError
+from autopar.kernels import fused_modules as fm
+
+PATTERNS = ("bias_gelu", "bias_silu", "swiglu", "add_layernorm", "add_rmsnorm", "scaled_softmax",
+            "dropout_add", "linear_cross_entropy")
+
+# -- recognising ops ------------------------------------------------------------
+_ADD = {operator.add, torch.add}
+_MUL = {operator.mul, torch.mul}
+_GELU = {F.gelu}
+_SILU = {F.silu}
+_SOFTMAX = {F.softmax, torch.softmax}
+_DROPOUT = {F.dropout}
+
+
+def _is_fn(n: fx.Node, fns: set, method: str | None = None) -> bool:
+    if n.op == "call_function" and n.target in fns:
+        return True
+    return method is not None and n.op == "call_method" and n.target == method
+
+
+def _module(n: fx.Node, modules: dict) -> nn.Module | None:
+    return modules.get(n.target) if n.op == "call_module" else None
+
+
+def is_rmsnorm(m: nn.Module) -> bool:
+    """torch's RMSNorm, or a user RMSNorm (Llama / HF style: a 1-D `weight` and an eps).
+    A user class is only trusted after `_rmsnorm_probe` agrees numerically."""
+    # _parameters, not getattr: while fx traces, module attribute access
+    # returns proxies for parameters.
+    w = m._parameters.get("weight")
+    if isinstance(m, nn.RMSNorm):
+        return w is not None
+    return ("rmsnorm" in type(m).__name__.lower() and isinstance(w, nn.Parameter) and w.dim() == 1
+            and any(isinstance(getattr(m, a, None), float) for a in ("eps", "variance_epsilon", "epsilon")))
+
+
+def _rmsnorm_probe(m: nn.Module) -> bool:
+    """Does this module compute weight * x / rms(x)? Checked on a small random input."""
+    from autopar.kernels.add_norm import add_rmsnorm_reference
+
+    if isinstance(m, nn.RMSNorm):
+        return True
+    w = m.weight
+    if w.is_meta:
+        return True  # nothing to run on; the name and attributes matched
+    x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        want, _ = add_rmsnorm_reference(x, None, w, fm.norm_eps(m))
+        try:
+            got = m(x)
+        except Exception:
+            return False
+    return isinstance(got, torch.Tensor) and torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm) or is_rmsnorm(m)
+
+
+class _Tracer(fx.Tracer):
+    """Treats norms as leaves (they are matched as modules). With `open_paths`
+    given, every module outside it is a leaf too: only the scopes a chain
+    lives in are inlined."""
+
+    def __init__(self, open_paths: set[str] | None = None):
+        super().__init__()
+        self.open_paths = open_paths
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if _is_norm(m):
+            return True
+        if self.open_paths is not None and qualname not in self.open_paths:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def _trace(block: nn.Module, open_paths: set[str] | None) -> fx.Graph | None:
+    try:
+        return _Tracer(open_paths).trace(block)
+    except Exception:
+        if open_paths is None:  # data-dependent code somewhere inside: see the block's own forward only
+            try:
+                return _Tracer(set()).trace(block)
+            except Exception:
+                return None
+        return None
+
+
+def _scope(n: fx.Node) -> str:
+    """Module path (relative to the traced block) whose forward created node n."""
+    if n.op == "call_module":
+        return n.target.rpartition(".")[0]
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return list(stack.keys())[-1].split("@")[0]
+
+
+def _other(n: fx.Node, a: Any) -> Any:
+    x, y = n.args[0], n.args[1]
+    return y if x is a else x
+
+
+def _only_user(n: fx.Node, user: fx.Node) -> bool:
+    return list(n.users) == [user]
+
+
+# -- matching -------------------------------------------------------------------
+
+def _match(graph: fx.Graph, modules: dict) -> list[dict]:
+    """All chains in one block's graph, as {pattern, anchor, nodes, ...}; a node
+    belongs to at most one chain (add+norm is matched before dropout+add)."""
+    found: list[dict] = []
+    used: set[fx.Node] = set()
+    nodes = list(graph.nodes)
+
+    for n in nodes:  # residual add -> norm
+        m = _module(n, modules)
+        if m is None or not _is_norm(m) or len(n.args) != 1 or n.kwargs:
+            continue
+        a = n.args[0]
+        if not (isinstance(a, fx.Node) and _is_fn(a, _ADD, "add") and len(a.args) == 2 and not a.kwargs
+                and all(isinstance(v, fx.Node) for v in a.args)):
+            continue
+        if isinstance(m, nn.LayerNorm):
+            if len(m.normalized_shape) != 1:
+                continue
+            pattern, width, params = "add_layernorm", m.normalized_shape[0], {"eps": m.eps}
+        else:
+            if not _rmsnorm_probe(m):
+                continue
+            pattern, width, params = "add_rmsnorm", m.weight.shape[0], {"eps": fm.norm_eps(m)}
+        found.append(dict(pattern=pattern, anchor=n.target, nodes=[a, n], ops=["add", n.target], width=width,
+                          params=params, modules=[n.target]))
+        used.update([a, n])
+
+    for n in nodes:  # silu(a) * b
+        if n in used or not _is_fn(n, _MUL, "mul") or len(n.args) != 2 or n.kwargs:
+            continue
+        for s in n.args:
+            if (isinstance(s, fx.Node) and s not in used and (_is_fn(s, _SILU, "silu") or isinstance(_module(s, modules), nn.SiLU))
+                    and _only_user(s, n) and isinstance(_other(n, s), fx.Node) and not s.kwargs.get("inplace")):
+                src = s.args[0]
+                anchor = src.target if isinstance(src, fx.Node) and src.op == "call_module" else n.name
+                lin = _module(src, modules) if isinstance(src, fx.Node) else None
+                width = lin.out_features if isinstance(lin, nn.Linear) else None
+                found.append(dict(pattern="swiglu", anchor=anchor, nodes=[s, n], ops=["silu", "mul"], width=width,
+                                  params={}, modules=[]))
+                used.update([s, n])
+                break
+
+    for n in nodes:  # Linear(bias) -> gelu / silu
+        if n in used:
+            continue
+        act_mod = _module(n, modules)
+        if _is_fn(n, _GELU, "gelu") or isinstance(act_mod, nn.GELU):
+            approx = act_mod.approximate if act_mod is not None else n.kwargs.get("approximate", "none")
+            pattern, act = "bias_gelu", ("gelu_tanh" if approx == "tanh" else "gelu")
+        elif (_is_fn(n, _SILU, "silu") or isinstance(act_mod, nn.SiLU)) and not n.kwargs.get("inplace"):
+            pattern, act = "bias_silu", "silu"
+        else:
+            continue
+        if len(n.args) != 1:
+            continue
+        src = n.args[0]
+        lin = _module(src, modules) if isinstance(src, fx.Node) else None
+        if type(lin) not in (nn.Linear,) and not isinstance(lin, fm._FusedBiasActLinearMixin) or lin.bias is None:
+            continue
+        if not _only_user(src, n) or src in used:
+            continue
+        found.append(dict(pattern=pattern, anchor=src.target, nodes=[src, n], ops=[src.target, act],
+                          width=lin.out_features, params={"act": act}, modules=[src.target]))
+        used.update([src, n])
+
+    for n in nodes:  # scale (+ causal mask) -> softmax
+        if n in used or not _is_fn(n, _SOFTMAX, "softmax"):
+            continue
+        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+        if dim != -1:
+            continue
+        src = n.args[0]
+        mask = None
+        chain = [n]
+        if isinstance(src, fx.Node) and _is_fn(src, {torch.masked_fill}, "masked_fill") and _only_user(src, n):
+            fill = src.args[2] if len(src.args) > 2 else src.kwargs.get("value")
+            if fill != float("-inf"):
+                continue
+            mask, chain, src = src.args[1], [src] + chain, src.args[0]
+        if not (isinstance(src, fx.Node) and _only_user(src, chain[0]) and len(src.args) == 2
+                and (_is_fn(src, _MUL, "mul") or _is_fn(src, {operator.truediv, torch.div}, "div"))):
+            continue
+        x, c = src.args
+        if not (isinstance(x, fx.Node) and isinstance(c, (int, float))):
+            continue
+        scale = float(c) if not _is_fn(src, {operator.truediv, torch.div}, "div") else 1.0 / float(c)
+        found.append(dict(pattern="scaled_softmax", anchor=n.name, nodes=[src] + chain,
+                          ops=[s.name for s in [src] + chain], width=None,
+                          params={"scale": scale, "masked": mask is not None}, modules=[], mask=mask))
+        used.update([src] + chain)
+
+    for n in nodes:  # dropout(x) + y
+        if n in used or not _is_fn(n, _ADD, "add") or len(n.args) != 2 or n.kwargs:
+            continue
+        for d in n.args:
+            dm = _module(d, modules) if isinstance(d, fx.Node) else None
+            if (isinstance(dm, nn.Dropout) and d not in used and _only_user(d, n)
+                    and isinstance(_other(n, d), fx.Node) and not dm.inplace):
+                src = _module(d.args[0], modules) if isinstance(d.args[0], fx.Node) else None
+                width = src.out_features if isinstance(src, nn.Linear) else None
+                found.append(dict(pattern="dropout_add", anchor=n.name, nodes=[d, n], ops=[d.target, "add"],
+                                  width=width, params={"p": dm.p}, modules=[d.target]))
+                used.update([d, n])
+                break
+    return found
+
+
+def _record(layer: str, match: dict) -> dict:
+    scopes = sorted({_scope(x) for x in match["nodes"]})
+    kernel = {"scaled_softmax": "scaled_masked_softmax"}.get(match["pattern"], match["pattern"])
+    return {
+        "layer": layer,
+        "pattern": match["pattern"],
+        "kernel": kernel,
+        "anchor": match["anchor"],
+        "modules": [f"{layer}.{p}" if layer else p for p in match["modules"]],
+        "ops": list(match["ops"]),
+        "scope": scopes,
+        "width": match["width"],
+        "params": dict(match["params"]),
+    }
+
+
+# -- which modules are layers ---------------------------------------------------
+
+def layer_modules(model: nn.Module, graph=None) -> list[tuple[str, nn.Module]]:
+    """The modules the pass traces, one per layer: the paths a ModelGraph's
+    layers name (when given), else every element of the model's
+    ModuleLists/Sequentials that is not inside another one, else the model."""
+    named = dict(model.named_modules())
+    if graph is not None and getattr(graph, "layers", None):
+        out = []
+        for layer in graph.layers:
+            for p in getattr(layer, "module_paths", None) or [layer.name]:
+                if p in named and p:
+                    out.append((p, named[p]))
+        return out
+    out, taken = [], []
+    for path, m in model.named_modules():
+        if any(path.startswith(t + ".") for t in taken):
+            continue
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
+            for name, child in m.named_children():
+                out.append((f"{path}.{name}" if path else name, child))
+            taken.append(path)
+    return out or [("", model)]
+
+
+def _output_head(model: nn.Module) -> dict | None:
+    """The Linear whose output is the model's output (the LM head), if any: found
+    by tracing the model's own forward (layers as leaves); when that forward
+    does not trace (e.g. it slices a buffer by an input's size), the last
+    direct-child Linear of the model, the usual place of an LM head."""
+    path = None
+    g = _trace(model, open_paths={""})
+    if g is not None:
+        out = next(n for n in g.nodes if n.op == "output").args[0]
+        if isinstance(out, fx.Node) and out.op == "call_module":
+            path = out.target
+    else:
+        linears = [n for n, c in model.named_children() if isinstance(c, nn.Linear)]
+        path = linears[-1] if linears else None
+    lin = dict(model.named_modules()).get(path) if path else None
+    if not isinstance(lin, nn.Linear) or lin.bias is not None:
+        return None
+    return {"layer": path, "pattern": "linear_cross_entropy", "kernel": "linear_cross_entropy",
+            "anchor": path, "modules": [path], "ops": [path, "cross_entropy"], "scope": [""],
+            "width": lin.out_features, "params": {"hidden": lin.in_features, "applied_by": "loss"}}
+
+
+# -- public API -----------------------------------------------------------------
+
+def find_fusions(model, graph=None, *, patterns: Iterable[str] = PATTERNS) -> list[dict]:
+    """Fusable chains of `model` (an nn.Module; a ModelGraph may be passed as
+    `graph` to take the layer list from it). Deterministic order: layers in
+    model order, chains in pattern order within a layer."""
+    from autopar.capture import ModelGraph
+
+    if isinstance(model, ModelGraph):
+        module = getattr(model, "module", None) or getattr(model, "model", None)
+        if not isinstance(module, nn.Module):
+            raise AutoparError(
+                "find_fusions needs the model's modules to trace; a ModelGraph alone does not carry them",
+                hint="call find_fusions(model, graph) with the nn.Module and its ModelGraph",
+            )
+        model, graph = module, model
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"find_fusions expects an nn.Module, got {type(model).__name__}")
+    patterns = set(patterns)
+    unknown = patterns - set(PATTERNS)
+    if unknown:
+        raise AutoparError(f"unknown fusion pattern(s): {', '.join(sorted(unknown))}", hint=f"known: {', '.join(PATTERNS)}")
+    out = []
+    for path, block in layer_modules(model, graph):
+        g = _trace(block, None)
+        if g is None:
+            continue
+        for match in _match(g, dict(block.named_modules())):
+            if match["pattern"] in patterns:
+                out.append(_record(path, match))
+    if "linear_cross_entropy" in patterns:
+        head = _output_head(model)
+        if head is not None:
+            out.append(head)
+    return out
+
+
+def _open_paths(records: list[dict]) -> set[str]:
+    paths = {""}
+    for r in records:
+        for s in r["scope"]:
+            parts = s.split(".") if s else []
+            for i in range(len(parts) + 1):
+                paths.add(".".join(parts[:i]))
+    return paths
+
+
+def _rewrite(graph: fx.Graph, modules: dict, match: dict) -> None:
+    pattern, nodes = match["pattern"], match["nodes"]
+    if pattern in ("add_layernorm", "add_rmsnorm"):
+        add, norm = nodes
+        fm.swap_class(modules[norm.target], pattern)
+        with graph.inserting_after(norm):
+            fused = graph.call_module(norm.target, tuple(add.args))
+        with graph.inserting_after(fused):
+            out = graph.call_function(operator.getitem, (fused, 0))
+        with graph.inserting_after(out):
+            h = graph.call_function(operator.getitem, (fused, 1))
+        norm.replace_all_uses_with(out)
+        add.replace_all_uses_with(h)
+        graph.erase_node(norm)
+        graph.erase_node(add)
+    elif pattern in ("bias_gelu", "bias_silu"):
+        lin, act = nodes
+        fm.swap_class(modules[lin.target], "bias_act", fused_act=match["params"]["act"])
+        act.replace_all_uses_with(lin)
+        graph.erase_node(act)
+    elif pattern == "swiglu":
+        silu, mul = nodes
+        with graph.inserting_before(mul):
+            fused = graph.call_function(fm.swiglu_fn, (silu.args[0], _other(mul, silu)))
+        mul.replace_all_uses_with(fused)
+        graph.erase_node(mul)
+        graph.erase_node(silu)
+    elif pattern == "scaled_softmax":
+        scale_node, last = nodes[0], nodes[-1]
+        x = scale_node.args[0]
+        with graph.inserting_before(last):
+            if match["params"]["masked"]:
+                fused = graph.call_function(fm.fused_masked_softmax, (x, match["mask"], match["params"]["scale"]))
+            else:
+                fused = graph.call_function(fm.fused_scaled_softmax, (x, match["params"]["scale"]))
+        last.replace_all_uses_with(fused)
+        for old in reversed(nodes):
+            graph.erase_node(old)
+    elif pattern == "dropout_add":
+        drop, add = nodes
+        fm.swap_class(modules[drop.target], "dropout_add")
+        with graph.inserting_before(add):
+            fused = graph.call_module(drop.target, (drop.args[0], _other(add, drop)))
+        add.replace_all_uses_with(fused)
+        graph.erase_node(add)
+        graph.erase_node(drop)
+
+
+def _keep_non_persistent(old: nn.Module, new: nn.Module) -> None:
+    # GraphModule re-registers copied buffers as persistent; restore the
+    # original flags so state_dict keys do not change.
+    for path, m in old.named_modules():
+        for name in m._non_persistent_buffers_set:
+            try:
+                owner = new.get_submodule(path) if path else new
+            except AttributeError:
+                continue
+            if name in owner._buffers:
+                owner._non_persistent_buffers_set.add(name)
+
+
+def apply_fusions(model: nn.Module, fusions: list[dict]) -> nn.Module:
+    """Rewrite `model` in place so the listed chains run fused; returns it.
+
+    Parameter and buffer names are unchanged. Entries whose layer or chain
+    is not found (a different model, or a layer that no longer traces) are
+    skipped, never half-applied; `linear_cross_entropy` entries are for the
+    loss path and are skipped here."""
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"apply_fusions expects an nn.Module, got {type(model).__name__}")
+    by_layer: dict[str, list[dict]] = {}
+    for f in fusions:
+        if not isinstance(f, dict) or "layer" not in f or "pattern" not in f:
+            raise AutoparError(f"apply_fusions: malformed fusion record {f!r}",
+                               hint="pass the dicts find_fusions returned (Plan.fusions)")
+        if f.get("params", {}).get("applied_by") == "loss":
+            continue
+        by_layer.setdefault(f["layer"], []).append(f)
+    for path, records in by_layer.items():
+        try:
+            block = model.get_submodule(path) if path else model
+        except AttributeError:
+            continue
+        graph = _trace(block, _open_paths(records))
+        if graph is None:
+            continue
+        modules = dict(block.named_modules())
+        wanted = {(r["pattern"], r["anchor"]) for r in records}
+        matches = [m for m in _match(graph, modules) if (m["pattern"], m["anchor"]) in wanted]
+        if not matches:
+            continue
+        for m in matches:
+            _rewrite(graph, modules, m)
+        graph.lint()
+        gm = fx.GraphModule(block, graph, class_name=f"Fused{type(block).__name__}")
+        _keep_non_persistent(block, gm)
+        gm.train(block.training)
+        if not path:
+            return gm
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        parent._modules[name] = gm
+    return model
+
+
+# -- bytes for the cost model ---------------------------------------------------
+# HBM traffic per row, in units of (width x element bytes), outside any GEMM
+# (a GEMM's own reads are the same fused or not; its output write is counted
+# where the chain reads it back). (fwd_unfused, fwd_fused, bwd_unfused, bwd_fused)
+_TRAFFIC = {
+    # addmm writes y, gelu reads y writes z | gelu' reads dz,y writes dy, bias grad reads dy
+    "bias_gelu": (3, 3, 4, 3),
+    "bias_silu": (3, 3, 4, 3),
+    # silu r a w s, mul r s,b w o | mul' 2x(r 2 w 1), silu' r ds,a w da ; fused r a,b w o | r do,a,b w da,db
+    "swiglu": (5, 3, 9, 5),
+    # add r x,r w h; norm r h w y | norm' r dy,h w dx (+ r dy,h for dw/db); add' r dx,dres w sum
+    "add_layernorm": (5, 4, 8, 4),
+    "add_rmsnorm": (5, 4, 8, 4),
+    # mul r w, masked_fill r w, softmax r w | softmax' r dp,p w, masked_fill' r w, mul' r w
+    "scaled_softmax": (6, 2, 7, 3),
+    # dropout r x w y (+mask), add r y,r w o | dropout' r dy (+mask) w dx
+    "dropout_add": (5, 3, 2, 2),
+    # head writes logits, log_softmax r w | nll' w, log_softmax' r 2 w 1 ; fused: chunk logits w, CE r 2 w 1 | none
+    "linear_cross_entropy": (3, 4, 4, 0),
+}
+
+
+def fusion_bytes(fusion: dict, rows, width=None, dtype_bytes: int = 2) -> dict:
+    """HBM bytes one fused chain moves per micro-batch, eager vs fused.
+
+    rows: rows the kernel runs over (tokens per micro-batch, b*s, for every
+      pattern but scaled_softmax, whose rows are b*heads*s); a number or a
+      sympy expression (workload.B, workload.S).
+    width: the row width; defaults to the record's `width` (softmax: keys, s).
+    Returns {fwd_unfused, fwd_fused, bwd_unfused, bwd_fused, saved} in bytes;
+    dropout's 1-byte mask (written in forward, read in backward by eager,
+    never by the fused kernel) is included.
+    """
+    pattern = fusion["pattern"]
+    if pattern not in _TRAFFIC:
+        raise AutoparError(f"fusion_bytes: unknown pattern {pattern!r}", hint=f"known: {', '.join(_TRAFFIC)}")
+    width = width if width is not None else fusion.get("width")
+    if width is None:
+        raise AutoparError(f"fusion_bytes: the {pattern} chain in {fusion.get('layer')!r} has no static width",
+                           hint="pass width= (e.g. the sequence length for scaled_softmax)")
+    unit = rows * width * dtype_bytes
+    fu, ff, bu, bf = _TRAFFIC[pattern]
+    out = {"fwd_unfused": fu * unit, "fwd_fused": ff * unit, "bwd_unfused": bu * unit, "bwd_fused": bf * unit}
+    if pattern == "dropout_add":
+        mask = rows * width  # bool mask, one byte per element
+        out["fwd_unfused"] += mask
+        out["bwd_unfused"] += mask
+    out["saved"] = out["fwd_unfused"] + out["bwd_unfused"] - out["fwd_fused"] - out["bwd_fused"]
+    return out

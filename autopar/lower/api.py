@@ -1,0 +1,57 @@
+"""`autopar.compile`: plan (unless given a plan), then lower, on this rank."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.lower.parallel_model import ParallelModel, lower
+from autopar.plan import Plan
+
+
+def load_plan(plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        if not os.path.isfile(plan):
+            raise PlanMismatchError(f"plan file not found: {plan}")
+        return Plan.load(str(plan))
+    raise PlanMismatchError(f"plan must be a Plan, a dict or a JSON path, not {type(plan).__name__}")
+
+
+def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global_batch_size: int | None = None,
+            loss_fn, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
+            constraints: dict | None = None, fusion: bool = False, init_fn=None,
+            local_batch: bool = False) -> ParallelModel:
+    """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
+
+    Call it in every process of a torchrun/SLURM job (or after
+    init_process_group). `example_inputs` is a tuple of tensors for one
+    micro-batch, or a callable batch_size -> tuple; `loss_fn(output, targets)`
+    returns a mean loss. `init_fn(module)` initialises a meta-device model
+    module by module (parameters and buffers); real weights are kept.
+    """
+    if plan is None:
+        try:
+            from autopar.solve import plan as make_plan
+        except ImportError as exc:  # the solver is optional for lowering
+            raise AutoparError("no plan given and the planner is not available",
+                               hint="pass plan=Plan or a plan JSON path") from exc
+        if cluster_spec is None or global_batch_size is None:
+            raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)")
+        kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size}
+        if constraints:
+            kwargs["constraints"] = constraints
+        plan = make_plan(model, cluster_spec, **kwargs)
+    plan = load_plan(plan)
+    if global_batch_size is not None and global_batch_size != plan.global_batch_size:
+        raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "
+                                f"{plan.global_batch_size}")
+    if fusion and plan.fusions:
+        from autopar.kernels.fusion import apply_fusions
+        model = apply_fusions(model, plan.fusions)
+    return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                 optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch)

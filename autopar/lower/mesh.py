@@ -1,0 +1,70 @@
+"""The DeviceMesh every parallelism is laid on: axes ("pp", "dp", "tp").
+
+Rank order is pp-major, tp-minor: the tp group of a rank is its neighbours
+(same node on a GPU cluster, where tensor-parallel traffic belongs), dp groups
+stride over tp, and pp groups stride over the whole dp x tp slab. Stage i of
+the plan runs on pp coordinate i % pp.
+
+Everything that could make ranks disagree (world size, missing launcher
+environment) is checked here, before the first collective, so a wrong launch
+fails with a message instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import PlanMismatchError
+from autopar.plan import Plan
+
+AXES = ("pp", "dp", "tp")
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group (torchrun or SLURM), or use the one already set up."""
+    if dist.is_initialized():
+        return
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        # srun without torchrun: translate SLURM's variables to torch's.
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    missing = [k for k in _LAUNCH_ENV if k not in os.environ]
+    if missing:
+        raise PlanMismatchError(
+            f"no torch.distributed process group and no launcher environment (missing {', '.join(missing)})",
+            hint="start the program with torchrun (e.g. `torchrun --nproc_per_node 8 train.py`) or srun, "
+                 "or call torch.distributed.init_process_group() before autopar.compile")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def check_world_size(plan: Plan) -> None:
+    world = dist.get_world_size()
+    m = plan.mesh
+    if m.world_size != world:
+        raise PlanMismatchError(
+            f"the plan is for {m.world_size} ranks (pp={m.pp} x dp={m.dp} x tp={m.tp}) but this job has {world}",
+            hint=f"launch {m.world_size} processes, or re-plan for {world} GPUs (autopar plan ... --gpus {world})")
+
+
+def build_mesh(plan: Plan) -> DeviceMesh:
+    check_world_size(plan)
+    m = plan.mesh
+    return init_device_mesh(device_type(), (m.pp, m.dp, m.tp), mesh_dim_names=AXES)
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

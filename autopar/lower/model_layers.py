@@ -1,0 +1,139 @@
+"""Map a Plan's layers onto the user's module tree, and check that they match.
+
+A plan names layers; each `LayerChoice.module_paths` lists the modules of the
+user's model it covers (`blocks.3`, or `wte` + `wpe` for an embedding
+layer). Lowering never guesses a layer from names: it resolves these paths,
+and refuses a model that differs from the planned one (a missing module, a
+parameter count that is not the planned one) before any collective runs,
+because a mismatch found later shows up as a hang or a silent wrong answer.
+
+Vocabulary used by the other lowering files:
+  - block: a layer whose single module sits in the model's repeated
+    `nn.ModuleList` (the transformer blocks); pipeline stages cut between
+    blocks.
+  - pre layers (embeddings) run before the first block, post layers (final
+    norm, head) after the last one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from autopar.errors import PlanMismatchError
+from autopar.plan import LayerChoice, Plan
+
+
+@dataclass
+class ResolvedLayer:
+    choice: LayerChoice
+    stage: int  # stage index in execution order
+    paths: list[str]
+    block_index: int | None = None  # position in the block ModuleList, None for pre/post layers
+    position: str = "block"  # "pre" | "block" | "post"
+
+
+@dataclass
+class ModelLayout:
+    """The plan's layers resolved against one model."""
+
+    layers: list[ResolvedLayer]
+    blocks_path: str | None  # path of the nn.ModuleList holding the blocks
+    num_blocks: int
+    tied: list[list[str]] = field(default_factory=list)  # parameter names sharing one tensor
+
+    def layers_of_stage(self, stage: int) -> list[ResolvedLayer]:
+        return [l for l in self.layers if l.stage == stage]
+
+
+def unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by their first name (tied weights once), as named_parameters gives them."""
+    return dict(model.named_parameters())
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _parent(path: str) -> tuple[str, str]:
+    parent, _, leaf = path.rpartition(".")
+    return parent, leaf
+
+
+def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
+    if not plan.stages or not plan.layer_choices:
+        raise PlanMismatchError("the plan has no stages/layers to lower",
+                                hint="make the plan with autopar.plan(...) or `autopar plan ... --json`")
+    modules = dict(model.named_modules())
+    layers: list[ResolvedLayer] = []
+    for stage in sorted(plan.stages, key=lambda s: s.index):
+        for choice in stage.layers:
+            paths = list(choice.module_paths) or [choice.name]
+            for p in paths:
+                if p not in modules:
+                    raise PlanMismatchError(
+                        f"the model differs from the planned one: layer {choice.name!r} names module {p!r}, "
+                        f"which this model does not have",
+                        hint="re-plan for this model (autopar plan), or pass the model the plan was made for")
+            layers.append(ResolvedLayer(choice=choice, stage=stage.index, paths=paths))
+    _check_parameters(model, plan, layers)
+
+    # The block container: the ModuleList that is the parent of single-module layers.
+    containers = {}
+    for l in layers:
+        if len(l.paths) == 1:
+            parent, leaf = _parent(l.paths[0])
+            if parent in modules and isinstance(modules[parent], nn.ModuleList) and leaf.isdigit():
+                containers.setdefault(parent, []).append(l)
+    blocks_path = max(containers, key=lambda k: len(containers[k])) if containers else None
+    num_blocks = len(modules[blocks_path]) if blocks_path else 0
+    seen_block = False
+    for l in layers:
+        parent, leaf = _parent(l.paths[0]) if len(l.paths) == 1 else ("", "")
+        if blocks_path is not None and parent == blocks_path:
+            l.block_index, l.position = int(leaf), "block"
+            seen_block = True
+        else:
+            l.position = "post" if seen_block else "pre"
+    return ModelLayout(layers=layers, blocks_path=blocks_path, num_blocks=num_blocks,
+                       tied=tied_parameter_names(model))
+
+
+def _check_parameters(model: nn.Module, plan: Plan, layers: list[ResolvedLayer]) -> None:
+    params = unique_parameters(model)
+    total = sum(p.numel() for p in params.values())
+    planned = plan.model.get("total_params") if isinstance(plan.model, dict) else None
+    if planned and int(planned) != total:
+        raise PlanMismatchError(
+            f"the model differs from the planned one: it has {total:,} parameters, the plan was made for {int(planned):,}",
+            hint="re-plan for this model, or load the model the plan was made for")
+    shapes = plan.model.get("param_shapes") if isinstance(plan.model, dict) else None
+    if shapes:
+        for name, shape in shapes.items():
+            if name not in params:
+                raise PlanMismatchError(f"the model differs from the planned one: parameter {name!r} is missing")
+            if list(params[name].shape) != list(shape):
+                raise PlanMismatchError(
+                    f"the model differs from the planned one: parameter {name!r} has shape "
+                    f"{list(params[name].shape)}, the plan says {list(shape)}")
+    covered = set()
+    for l in layers:
+        for p in l.paths:
+            prefix = p + "."
+            covered.update(n for n in params if n.startswith(prefix))
+    loose = sorted(set(params) - covered)
+    if loose:
+        raise PlanMismatchError(
+            f"the model differs from the planned one: parameters not covered by any planned layer: "
+            f"{', '.join(loose[:5])}{' ...' if len(loose) > 5 else ''}",
+            hint="re-plan for this model so that every parameter belongs to a layer")
+
+
+def model_signature(model: nn.Module) -> dict:
+    """What a plan records about the model so lowering can check it later."""
+    params = unique_parameters(model)
+    return {"total_params": sum(p.numel() for p in params.values()),
+            "param_shapes": {n: list(p.shape) for n, p in params.items()}}

@@ -1,0 +1,331 @@
+"""ParallelModel: this rank's share of the model, its optimizer and its schedule.
+
+`lower(model, plan, ...)` composes the parallelisms in torchtitan's order,
+each from its own file, on one DeviceMesh ("pp", "dp", "tp"):
+
+  1. pipeline   cut the model into this rank's stage modules (pipeline_parallel)
+  2. tensor     parallelize_module on the local blocks, embeddings, head (tensor_parallel)
+  3. checkpoint wrap the local layers the plan recomputes (checkpointing)
+  4. data       fully_shard per layer + stage root, or replicate (data_parallel)
+  5. weights    meta -> local shards + the model's own init (materialize)
+  6. tied       weights whose ends sit on different pipeline ranks: one copy
+                per end, gradients all-reduced over the ranks holding them
+                (as Megatron does for the word embedding)
+  7. optimizer  the user's optimizer class over the local (sharded) parameters
+  8. schedule   the plan's pipeline schedule over the local stages
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel
+from autopar.lower.materialize import materialize
+from autopar.lower.mesh import build_mesh, init_distributed, local_device
+from autopar.lower.model_layers import ModelLayout, resolve
+from autopar.plan import Plan
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ParallelModel:
+    """This rank's part of a model compiled from a Plan.
+
+    train_step(inputs, targets) -> float   one optimizer step over the global batch;
+                                           returns the global mean loss (same on every rank)
+    full_state_dict() -> {name: tensor}    unsharded parameters (a collective: call on all ranks)
+    plan, mesh, module, stages, optimizer
+    """
+
+    def __init__(self, *, plan: Plan, mesh, layout: ModelLayout, stages: list[nn.Module], optimizer,
+                 loss_fn, schedule, holders: dict, tied_groups: list, local_batch: bool, device,
+                 fsdp: bool):
+        self.plan, self.mesh, self.layout, self.stages = plan, mesh, layout, stages
+        self.optimizer, self.loss_fn, self.schedule = optimizer, loss_fn, schedule
+        self._holders, self._tied_groups = holders, tied_groups
+        self.local_batch, self.device, self._fsdp = local_batch, device, fsdp
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.dp_rank = mesh["dp"].get_local_rank()
+        self.tp_rank = mesh["tp"].get_local_rank()
+        n_stages = len(plan.stages)
+        self.has_first = any(s.stage_index == 0 for s in stages)
+        self.has_last = any(s.stage_index == n_stages - 1 for s in stages)
+
+    @property
+    def module(self) -> nn.Module:
+        """The (sharded) module; the whole model when the plan has no pipeline."""
+        return self.stages[0] if len(self.stages) == 1 else nn.ModuleList(self.stages)
+
+    # -- training ----------------------------------------------------------
+    def _local_slice(self, t: torch.Tensor) -> torch.Tensor:
+        if self.local_batch or self.plan.mesh.dp == 1:
+            return t.to(self.device)
+        dp = self.plan.mesh.dp
+        if t.shape[0] % dp:
+            raise PlanMismatchError(f"global batch of {t.shape[0]} samples does not split over dp={dp} ranks")
+        n = t.shape[0] // dp
+        return t[self.dp_rank * n:(self.dp_rank + 1) * n].to(self.device)
+
+    def train_step(self, inputs, targets) -> float:
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        inputs = tuple(self._local_slice(x) for x in inputs)
+        targets = self._local_slice(targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is None:
+            local_loss = self._accumulate(inputs, targets)
+        else:
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+            self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
+            local_loss = torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
+        self._sync_tied_grads()
+        self.optimizer.step()
+        return self._global_mean(local_loss)
+
+    def _accumulate(self, inputs, targets) -> torch.Tensor:
+        n = self.plan.num_micro_batches
+        if inputs[0].shape[0] % n:
+            raise PlanMismatchError(f"local batch of {inputs[0].shape[0]} does not split into {n} micro-batches")
+        chunks = [x.tensor_split(n) for x in inputs]
+        tchunks = targets.tensor_split(n)
+        stage = self.stages[0]
+        total = torch.zeros((), device=self.device)
+        for i in range(n):
+            if self._fsdp:  # reduce-scatter gradients once, after the last micro-batch
+                stage.set_requires_gradient_sync(i == n - 1)
+            loss = self.loss_fn(stage(*(c[i] for c in chunks)), tchunks[i])
+            (loss / n).backward()
+            total += loss.detach().float()
+        return total / n
+
+    def _global_mean(self, local_loss) -> float:
+        # Only one rank per (dp) replica contributes: last pipeline rank, tp rank 0.
+        contributes = self.has_last and self.tp_rank == 0 and local_loss is not None
+        t = local_loss.reshape(1).clone() if contributes else torch.zeros(1, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item() / self.plan.mesh.dp)
+
+    def _sync_tied_grads(self) -> None:
+        for param_of, group in self._tied_groups:
+            p = param_of()
+            g = p.grad
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            dist.all_reduce(local, group=group)
+
+    # -- state -------------------------------------------------------------
+    def _local_params(self) -> dict[str, torch.Tensor]:
+        local_modules = {id(m) for s in self.stages for m in s.modules()}
+        out = {}
+        for name in sorted(self._holders):
+            for module, attr in self._holders[name]:
+                if id(module) in local_modules:
+                    out[name] = getattr(module, attr)
+                    break
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters under the user's names (tied weights once). Collective."""
+        mine = {}
+        for name, p in self._local_params().items():
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            mine[name] = t.detach().to("cpu", copy=True)
+        if self.plan.mesh.pp == 1:
+            return mine
+        gathered = [None] * self.plan.mesh.pp
+        dist.all_gather_object(gathered, mine, group=self.mesh["pp"].get_group())
+        full = {}
+        for part in gathered:
+            for k, v in part.items():
+                full.setdefault(k, v)
+        return dict(sorted(full.items()))
+
+    def local_parameter_bytes(self) -> int:
+        """Bytes of parameter storage this rank holds (its shards only)."""
+        seen, total = set(), 0
+        for s in self.stages:
+            for p in s.parameters():
+                t = p._local_tensor if isinstance(p, DTensor) else p
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total
+
+
+def _param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    canonical: dict[int, str] = {}
+    holders: dict[str, list] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = canonical.setdefault(id(p), name)
+        path, _, attr = name.rpartition(".")
+        holders.setdefault(key, []).append((model.get_submodule(path) if path else model, attr))
+    return holders
+
+
+def _example_args(example_inputs, batch: int) -> tuple:
+    args = example_inputs(batch) if callable(example_inputs) else example_inputs
+    return tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def _dummy_inputs_fn(example_inputs, device):
+    template = _example_args(example_inputs, 1)
+
+    def make(batch: int) -> tuple:
+        return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in template)
+    return make
+
+
+def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=torch.optim.AdamW,
+          optimizer_kwargs=None, init_fn=None, local_batch: bool = False) -> ParallelModel:
+    if loss_fn is None:
+        raise AutoparError("autopar.compile needs loss_fn(output, targets)")
+    init_distributed()
+    layout = resolve(model, plan)  # checks the model before any collective
+    mesh = build_mesh(plan)  # checks the world size
+    device = local_device()
+    pp, tp = plan.mesh.pp, plan.mesh.tp
+    n_stages = len(plan.stages)
+    for st in plan.stages:
+        if st.pp_rank != st.index % pp:
+            raise PlanMismatchError(f"stage {st.index} is on pp rank {st.pp_rank}; lowering places stage i on i % pp")
+    if pp > 1:
+        pipeline_parallel.check_stage_cuts(layout, n_stages)
+    elif n_stages != 1:
+        raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
+    pp_rank = mesh["pp"].get_local_rank()
+    local = sorted(st.index for st in plan.stages if st.pp_rank == pp_rank)
+    holders = _param_holders(model)
+    layer_of_module = {}
+    for l in layout.layers:
+        for p in l.paths:
+            layer_of_module[p] = l
+
+    # Tensor-parallel roles come from one traced forward of the whole model.
+    block_plans = {}
+    tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
+    if tp > 1 and any(l.position == "block" for l in tp_layers):
+        tensor_parallel.register_cpu_attention_sharding()
+        blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in tp_layers if l.position == "block"}
+        block_plans = tensor_parallel.probe_blocks(model, blocks,
+                                                   _example_args(example_inputs, plan.micro_batch_size))
+
+    # 1. pipeline stage modules (views over the model)
+    dummy = _dummy_inputs_fn(example_inputs, device)
+    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy) for i in local]
+
+    # 2. tensor parallel
+    tp_mesh = mesh["tp"]
+    if tp > 1:
+        for l in tp_layers:
+            if l.position == "block":
+                parallelize = tensor_parallel.parallelize_block
+                parallelize(model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
+                            sequence_parallel=l.choice.tp_style == "sequence",
+                            first=l.block_index == 0, last=l.block_index == layout.num_blocks - 1)
+            else:
+                for p in l.paths:
+                    tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position)
+
+    # Tied weights: re-tie the ends that share this rank (parallelize_module
+    # swaps in new Parameter objects); ends on other pp ranks sync gradients.
+    local_modules = {id(m) for s in stages for m in s.modules()}
+    tied_local, tied_remote = set(), []
+    for name, hs in holders.items():
+        if len(hs) < 2:
+            continue
+        here = [(m, a) for m, a in hs if id(m) in local_modules]
+        if len(here) > 1:
+            p = getattr(*here[0])
+            for m, a in here[1:]:
+                other = getattr(m, a)
+                if isinstance(p, DTensor) != isinstance(other, DTensor) or (
+                        isinstance(p, DTensor) and p.placements != other.placements):
+                    raise PlanMismatchError(f"tied parameter {name!r} has differently sharded ends under this plan")
+                setattr(m, a, p)
+            tied_local.update(_names_of(model, hs))
+        tied_remote.append((name, hs))
+
+    # 3. activation checkpointing, 4. data parallel
+    for s in stages:
+        checkpointing.apply_checkpointing(s.model, layout, {s.stage_index})
+    fsdp = False
+    if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
+            or plan.precision != "fp32":
+        if data_parallel.uses_replicate(plan):
+            data_parallel.apply_replicate(stages[0], mesh["dp"])
+        else:
+            for s in stages:
+                data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local)
+            fsdp = True
+    if not fsdp and plan.precision in _DTYPES:
+        for s in stages:
+            s.autocast_dtype = _DTYPES[plan.precision]
+
+    # 5. weights
+    was_meta = materialize(stages, device, init_fn)
+
+    # 6. tied ends on different pipeline ranks
+    tied_groups = _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta)
+
+    # 7. optimizer over the unique local parameters
+    params, seen = [], set()
+    for s in stages:
+        for p in s.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    kwargs = dict(optimizer_kwargs or {})
+    if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
+        # torch's foreach kernels reject a list mixing DTensor and plain tensors.
+        kwargs.setdefault("foreach", False)
+    opt = optimizer(params, **kwargs)
+
+    # 8. schedule
+    schedule = None
+    if pp > 1:
+        schedule = pipeline_parallel.build_schedule(plan, stages, mesh["pp"].get_group(), device, loss_fn)
+    return ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
+                         schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
+                         device=device, fsdp=fsdp)
+
+
+def _names_of(model, hs):
+    names = {id(m): n for n, m in model.named_modules()}
+    return {f"{names[id(m)]}.{a}" if names[id(m)] else a for m, a in hs}
+
+
+def _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta):
+    """One process group per tied weight and (dp, tp) coordinate, over the pp
+    ranks holding an end. Every rank creates every group (new_group is collective)."""
+    groups = []
+    if plan.mesh.pp == 1:
+        return groups
+    stage_of_module = {}
+    for l in layout.layers:
+        for p in l.paths:
+            for n, m in model.get_submodule(p).named_modules():
+                stage_of_module[id(m)] = l.stage
+    ranks = mesh.mesh  # tensor (pp, dp, tp) of global ranks
+    me = dist.get_rank()
+    for name, hs in tied_remote:
+        pp_coords = sorted({stage_of_module[id(m)] % plan.mesh.pp for m, _ in hs if id(m) in stage_of_module})
+        if len(pp_coords) < 2:
+            continue
+        here = [(m, a) for m, a in hs if id(m) in local_modules]
+        for d in range(plan.mesh.dp):
+            for t in range(plan.mesh.tp):
+                members = [int(ranks[c, d, t]) for c in pp_coords]
+                group = dist.new_group(members)
+                if me in members:
+                    m, a = here[0]
+                    if was_meta:  # one initialisation for both ends: the first stage's
+                        p = getattr(m, a)
+                        local = p._local_tensor if isinstance(p, DTensor) else p
+                        with torch.no_grad():
+                            dist.broadcast(local, src=members[0], group=group)
+                    groups.append((lambda m=m, a=a: getattr(m, a), group))
+    return groups

@@ -1,0 +1,204 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+A stage must run a slice of the user's forward without the user rewriting it
+(GPT's forward is `x = drop(wte(idx) + wpe(pos[:s])); for block in blocks:
+...; return lm_head(ln_f(x))`). A `StageModule` runs that same forward on a
+*view* of the model in which:
+  - blocks before the stage are `_SkipBlock`s: the first one swaps in the
+    activation received from the previous stage, the rest pass it on;
+  - blocks after the stage are `_StopBlock`s: the first one ends the forward
+    and its input becomes the stage's output;
+  - embeddings of other stages are `_ZeroEmbedding`s (zeros of the right
+    shape, no weights), other stages' post layers are never reached.
+So the glue code between layers (the add of two embeddings, the RoPE slicing
+`rope_cos[:s]` that feeds every block) runs unchanged on every stage, and a
+non-first stage only needs dummy model inputs of the right shape.
+
+Stages are cut between blocks (the embedding layers start stage 0, the head
+layers end the last stage). Stage i lives on pp coordinate i % pp; with
+interleaving a rank holds several stages, as the looped schedules expect.
+Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved ->
+ScheduleInterleaved1F1B.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from autopar.errors import PlanMismatchError
+from autopar.lower.model_layers import ModelLayout
+
+
+class _StageOutput(Exception):
+    def __init__(self, value):
+        self.value = value
+
+
+class _SkipBlock(nn.Module):
+    def __init__(self, stage: "StageModule", inject: bool):
+        super().__init__()
+        self._stage = [stage]  # a list: not a registered child (no cycle in the module tree)
+        self.inject = inject
+
+    def forward(self, x, *args, **kwargs):
+        return self._stage[0]._received if self.inject else x
+
+
+class _StopBlock(nn.Module):
+    def forward(self, x, *args, **kwargs):
+        raise _StageOutput(x)
+
+
+class _ZeroEmbedding(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, idx, *args, **kwargs):
+        return torch.zeros(*idx.shape, self.dim, dtype=self.dtype, device=idx.device)
+
+
+class _Absent(nn.Module):
+    """Stands in for a post layer of another stage; reaching it is a bug."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("autopar: a pipeline stage reached a layer placed on another stage")
+
+
+def _shallow_view(module: nn.Module) -> nn.Module:
+    """A new module object with the same class, attributes and children, own dicts."""
+    view = copy.copy(module)
+    view._modules = OrderedDict(module._modules)
+    view._parameters = OrderedDict(module._parameters)
+    view._buffers = OrderedDict(module._buffers)
+    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
+                  "_load_state_dict_pre_hooks"):
+        if hasattr(module, hooks):
+            setattr(view, hooks, OrderedDict())
+    return view
+
+
+def _set(root: nn.Module, path: str, new: nn.Module) -> None:
+    """Replace the module at `path` inside a view, copying (shallowly) every
+    ancestor on the way that is still shared with the user's model."""
+    parts = path.split(".")
+    parent = root
+    owned = root.__dict__.setdefault("_autopar_owned", {id(root)})
+    for name in parts[:-1]:
+        child = parent._modules[name]
+        if id(child) not in owned:
+            child = _shallow_view(child)
+            owned.add(id(child))
+            parent._modules[name] = child
+        parent = child
+    parent._modules[parts[-1]] = new
+
+
+class StageModule(nn.Module):
+    """One pipeline stage (or, with pp == 1, the whole model) as one module.
+
+    `forward(*args)`: on the first stage args are the model inputs, on the
+    others the activation from the previous stage."""
+
+    def __init__(self, model: nn.Module, layout: ModelLayout | None, stage: int, num_stages: int,
+                 dummy_inputs=None):
+        super().__init__()
+        self.stage_index, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self._received = None
+        self.autocast_dtype = None  # set when the plan asks for bf16/fp16 without FSDP's mixed precision
+        self._dummy_inputs = dummy_inputs  # batch_size -> tuple of model inputs (shape only)
+        if num_stages == 1:
+            self.model = model
+            return
+        view = _shallow_view(model)
+        blocks = view.get_submodule(layout.blocks_path)
+        mine = [l.block_index for l in layout.layers_of_stage(stage) if l.position == "block"]
+        lo = min(mine) if mine else None
+        if lo is None:  # a stage of only pre or only post layers
+            lo = 0 if self.is_first else layout.num_blocks
+        hi = (max(mine) + 1) if mine else lo
+        new_blocks = nn.ModuleList()
+        for i in range(layout.num_blocks):
+            if i < lo:
+                new_blocks.append(_SkipBlock(self, inject=(i == 0)))
+            elif i < hi:
+                new_blocks.append(blocks[i])
+            else:
+                new_blocks.append(_StopBlock())
+        self.model = view
+        _set(view, layout.blocks_path, new_blocks)
+        for l in layout.layers:
+            if l.position == "pre" and not self.is_first:
+                for p in l.paths:
+                    m = view.get_submodule(p)
+                    if not isinstance(m, nn.Embedding):
+                        raise PlanMismatchError(
+                            f"pipeline stages after the first need a stand-in for pre-block module {p!r} "
+                            f"({type(m).__name__}); only nn.Embedding is supported there")
+                    _set(view, p, _ZeroEmbedding(m.embedding_dim, m.weight.dtype))
+            elif l.position == "post" and not self.is_last:
+                for p in l.paths:
+                    _set(view, p, _Absent())
+        if not self.is_first and layout.num_blocks == 0:
+            raise PlanMismatchError("pipeline stages need a block ModuleList to cut between")
+
+    def forward(self, *args):
+        if self.autocast_dtype is None:
+            return self._forward(*args)
+        device_type = args[0].device.type
+        with torch.autocast(device_type, dtype=self.autocast_dtype):
+            return self._forward(*args)
+
+    def _forward(self, *args):
+        if self.num_stages == 1:
+            return self.model(*args)
+        if self.is_first:
+            model_args = args
+        else:
+            (self._received,) = args
+            model_args = self._dummy_inputs(args[0].shape[0])
+        try:
+            out = self.model(*model_args)
+        except _StageOutput as stop:
+            out = stop.value
+        finally:
+            self._received = None
+        return out
+
+
+def check_stage_cuts(layout: ModelLayout, num_stages: int) -> None:
+    """Stages must be contiguous, cut between blocks, pre layers first, post layers last."""
+    order = {"pre": 0, "block": 1, "post": 2}
+    prev = (-1, -1, -1)
+    for l in layout.layers:
+        key = (l.stage, order[l.position], l.block_index if l.block_index is not None else -1)
+        if key < prev:
+            raise PlanMismatchError(f"layer {l.choice.name!r} is out of order across pipeline stages")
+        prev = key
+        if l.position == "pre" and l.stage != 0:
+            raise PlanMismatchError(f"embedding layer {l.choice.name!r} must be on the first pipeline stage")
+        if l.position == "post" and l.stage != num_stages - 1:
+            raise PlanMismatchError(f"head layer {l.choice.name!r} must be on the last pipeline stage")
+
+
+def build_schedule(plan, stage_modules: list[StageModule], pp_group, device, loss_fn):
+    n_stages = len(stage_modules) * plan.mesh.pp
+    stages = [PipelineStage(m, m.stage_index, n_stages, device, group=pp_group) for m in stage_modules]
+    n_mb = plan.num_micro_batches
+    if plan.schedule == "interleaved" or len(stages) > 1:
+        if n_mb % plan.mesh.pp:
+            raise PlanMismatchError(f"interleaved 1F1B needs micro-batches ({n_mb}) divisible by pp ({plan.mesh.pp})")
+        return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
+    if plan.schedule == "1f1b":
+        if n_mb < plan.mesh.pp:
+            raise PlanMismatchError(f"1F1B needs at least as many micro-batches ({n_mb}) as stages ({plan.mesh.pp})",
+                                    hint="raise num_micro_batches or use schedule 'gpipe'")
+        return Schedule1F1B(stages[0], n_mb, loss_fn=loss_fn)
+    return ScheduleGPipe(stages[0], n_mb, loss_fn=loss_fn)

@@ -1,0 +1,178 @@
+"""What the user pinned: the `constraints` dict of `autopar.plan` and the CLI's
+pinning flags (`--tp --pp --dp --micro-batch --zero --checkpoint --schedule
+--sequence-parallel`), parsed once and checked before any search.
+
+A pinned value removes every other value of that knob from the search space;
+with everything pinned, the planner only prices the one layout (an estimator
+for a hand-written plan). Contradictions (tp*pp*dp not the GPU count,
+interleaving with one pipeline stage, sequence parallelism without tensor
+parallelism, a batch that does not split into micro-batches) are rejected
+here with a message naming the flags, before any cost is computed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from autopar.errors import AutoparError
+
+KNOWN_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "checkpoint", "schedule",
+              "sequence_parallel", "offload")
+CHECKPOINTS = ("none", "selective", "full")
+OFFLOADS = ("none", "optimizer", "params")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+# CLI spelling of each key, so messages name the flag a person typed.
+FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "micro_batch": "--micro-batch", "zero": "--zero",
+        "checkpoint": "--checkpoint", "schedule": "--schedule", "sequence_parallel": "--sequence-parallel",
+        "offload": "--offload"}
+
+
+class ConstraintError(AutoparError):
+    """Pinned layout values that are malformed or contradict each other or the cluster."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch: int | None = None  # samples per micro-batch
+    zero: int | None = None
+    checkpoint: str | None = None
+    schedule: str | None = None  # gpipe | 1f1b | interleaved
+    virtual_stages: int | None = None  # from "interleaved:V"
+    sequence_parallel: bool | None = None
+    offload: str | None = None
+
+    def to_dict(self) -> dict:
+        """The pinned values only (what a Plan records under `constraints`)."""
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if "virtual_stages" in d:  # keep the user's spelling: schedule "interleaved:V"
+            d["schedule"] = f"interleaved:{d.pop('virtual_stages')}"
+        return d
+
+    @property
+    def fully_pinned(self) -> bool:
+        return all(v is not None for v in (self.tp, self.pp, self.dp, self.micro_batch, self.zero,
+                                           self.checkpoint, self.schedule))
+
+
+def _positive_int(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConstraintError(f"{FLAG[key]} must be a positive integer, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConstraintError(f"{FLAG[key]} must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ConstraintError(f"{FLAG[key]} must be a positive integer, got {value!r}")
+    return n
+
+
+def parse_schedule(value: str) -> tuple[str, int | None]:
+    """'gpipe' | '1f1b' | 'interleaved' | 'interleaved:V' -> (schedule, V or None)."""
+    text = str(value).strip().lower()
+    name, _, v = text.partition(":")
+    if name not in SCHEDULES:
+        raise ConstraintError(f"--schedule {value!r} is not a schedule",
+                              hint="use gpipe, 1f1b, interleaved or interleaved:V (V virtual stages per pp rank)")
+    if not v:
+        return name, (1 if name != "interleaved" else None)
+    if name != "interleaved":
+        raise ConstraintError(f"--schedule {value!r}: only interleaved takes a virtual-stage count")
+    try:
+        stages = int(v)
+    except ValueError:
+        raise ConstraintError(f"--schedule {value!r}: V must be an integer >= 2") from None
+    if stages < 2:
+        raise ConstraintError(f"--schedule {value!r}: interleaving needs V >= 2 virtual stages per pp rank",
+                              hint="use --schedule 1f1b for one stage per pp rank")
+    return name, stages
+
+
+def parse_constraints(raw: dict | Constraints | None) -> Constraints:
+    """Check types and spellings of a constraints dict (no cluster needed yet)."""
+    if raw is None:
+        return Constraints()
+    if isinstance(raw, Constraints):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConstraintError(f"constraints must be a dict, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(KNOWN_KEYS))
+    if unknown:
+        raise ConstraintError(f"unknown constraint(s): {', '.join(unknown)}",
+                              hint=f"known keys: {', '.join(KNOWN_KEYS)}")
+    out: dict = {}
+    for key in ("tp", "pp", "dp", "micro_batch"):
+        if raw.get(key) is not None:
+            out[key] = _positive_int(key, raw[key])
+    if raw.get("zero") is not None:
+        z = raw["zero"]
+        if isinstance(z, bool) or str(z) not in ("0", "1", "2", "3"):
+            raise ConstraintError(f"--zero must be 0, 1, 2 or 3, got {z!r}")
+        out["zero"] = int(z)
+    if raw.get("checkpoint") is not None:
+        c = str(raw["checkpoint"]).lower()
+        if c not in CHECKPOINTS:
+            raise ConstraintError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {raw['checkpoint']!r}")
+        out["checkpoint"] = c
+    if raw.get("offload") is not None:
+        o = str(raw["offload"]).lower()
+        if o not in OFFLOADS:
+            raise ConstraintError(f"--offload must be one of {', '.join(OFFLOADS)}, got {raw['offload']!r}")
+        out["offload"] = o
+    if raw.get("schedule") is not None:
+        out["schedule"], v = parse_schedule(raw["schedule"])
+        if v is not None:
+            out["virtual_stages"] = v
+    if raw.get("sequence_parallel") is not None:
+        sp = raw["sequence_parallel"]
+        if not isinstance(sp, bool):
+            raise ConstraintError(f"sequence_parallel must be true or false, got {sp!r}")
+        out["sequence_parallel"] = sp
+    c = Constraints(**out)
+    _check_contradictions(c)
+    return c
+
+
+def _check_contradictions(c: Constraints) -> None:
+    if c.sequence_parallel and c.tp == 1:
+        raise ConstraintError("--sequence-parallel contradicts --tp 1: sequence parallelism splits the "
+                              "sequence over the tensor-parallel group",
+                              hint="drop --sequence-parallel or pin --tp > 1")
+    if c.schedule == "interleaved" and c.pp == 1:
+        raise ConstraintError("--schedule interleaved contradicts --pp 1: interleaving needs a pipeline",
+                              hint="pin --pp >= 2 or drop --schedule")
+    if c.offload == "params" and c.zero is not None and c.zero != 3:
+        raise ConstraintError(f"--offload params needs --zero 3 (parameters are offloaded shard by shard), got --zero {c.zero}")
+    if c.offload == "optimizer" and c.zero == 0:
+        raise ConstraintError("--offload optimizer needs --zero >= 1 (the optimizer state is offloaded per shard)")
+
+
+def check_against_cluster(c: Constraints, world_size: int, global_batch_size: int) -> None:
+    """Contradictions between pinned values, the GPU count and the global batch."""
+    pinned = {k: getattr(c, k) for k in ("pp", "dp", "tp") if getattr(c, k) is not None}
+    product = 1
+    for v in pinned.values():
+        product *= v
+    desc = " x ".join(f"{FLAG[k]} {v}" for k, v in pinned.items())
+    if len(pinned) == 3 and product != world_size:
+        raise ConstraintError(f"{desc} = {product} GPUs, but the cluster has {world_size}",
+                              hint="pp x dp x tp must equal the GPU count; leave one of them free")
+    if pinned and world_size % product:
+        raise ConstraintError(f"{desc} = {product} does not divide the {world_size} GPUs of the cluster",
+                              hint="pp x dp x tp must equal the GPU count")
+    if c.dp is not None and global_batch_size % c.dp:
+        raise ConstraintError(f"global batch {global_batch_size} is not divisible by --dp {c.dp}",
+                              hint="each data-parallel replica needs a whole number of samples")
+    if c.micro_batch is not None:
+        if c.micro_batch > global_batch_size:
+            raise ConstraintError(f"--micro-batch {c.micro_batch} exceeds the global batch {global_batch_size}")
+        if global_batch_size % c.micro_batch:
+            raise ConstraintError(f"global batch {global_batch_size} is not divisible by --micro-batch {c.micro_batch}",
+                                  hint="global batch = dp x micro-batch x number of micro-batches")
+        if c.dp is not None and global_batch_size % (c.dp * c.micro_batch):
+            raise ConstraintError(
+                f"global batch {global_batch_size} is not divisible by --dp {c.dp} x --micro-batch {c.micro_batch}"
+                f" = {c.dp * c.micro_batch}",
+                hint="global batch = dp x micro-batch x number of micro-batches")

@@ -1,0 +1,132 @@
+"""CP-SAT model of one candidate's stage problem (see `problem.py`).
+
+Identical layers share variables: the layers are cut into *runs* of
+consecutive layers with one signature (96 GPT-3 blocks are one run), and the
+model decides, per stage and run, only *how many* of the run's layers the
+stage holds (`count[s, j]`) and how many of those take each option
+(`uses[s, j, k]`). Layers of a run are interchangeable, so this loses no
+solution and removes the permutation symmetry a per-layer model would have;
+the model size is stages x runs x options, independent of the layer count.
+
+Stage s covers layers [b[s], b[s+1]) with b[0] = 0, b[S] = n and
+b[s+1] >= b[s] + 1; the part of run [st, en) inside it is
+max(0, min(b[s+1], en) - max(b[s], st)).
+
+Determinism: one worker, a fixed seed, and a *deterministic* time limit
+(CP-SAT's work units, about a second each on this class of machine), so the
+same problem gives the same answer on any machine load. The returned
+solution lists options per layer in a fixed order (within a stage and run,
+lower option indices go to earlier layers).
+"""
+from __future__ import annotations
+
+import time
+
+from ortools.sat.python import cp_model
+
+from autopar.solve.problem import StageProblem, StageSolution, lower_bound
+
+
+def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: int = 1,
+                seed: int = 0) -> StageSolution:
+    t0 = time.perf_counter()
+    p = problem
+    n, S, pp, V = p.num_layers, p.num_stages, p.pp, p.virtual_stages
+    if n < S:
+        return StageSolution(objective=None, status="infeasible", wall_s=time.perf_counter() - t0)
+    lb = lower_bound(p)
+    if lb is None:
+        return StageSolution(objective=None, status="infeasible", wall_s=time.perf_counter() - t0)
+    runs = p.runs()
+    m = cp_model.CpModel()
+
+    # Stage boundaries; stage s can start no earlier than layer s and no later
+    # than n - (S - s) (every stage needs at least one layer).
+    b = [m.NewConstant(0)] + [m.NewIntVar(s, n - S + s, f"b{s}") for s in range(1, S)] + [m.NewConstant(n)]
+    for s in range(S):
+        m.Add(b[s + 1] >= b[s] + 1)
+
+    rank_time = [[] for _ in range(pp)]
+    rank_step = [[] for _ in range(pp)]
+    rank_static = [[] for _ in range(pp)]
+    rank_act = [[] for _ in range(pp)]
+    n_peaks = max((len(o.peaks) for opts in p.group_options for o in opts), default=0)
+    # rank_peak[r][t]: the largest peak-term t among the options used on rank r
+    rank_peak = [[m.NewIntVar(0, max((o.peaks[t] for opts in p.group_options for o in opts if len(o.peaks) > t),
+                                     default=0), f"peak{r}_{t}") for t in range(n_peaks)] for r in range(pp)]
+    uses = {}
+    for s in range(S):
+        r = s % pp
+        s_lo, s_hi = s, n - S + s + 1  # widest range stage s can cover
+        for j, (st, en, g) in enumerate(runs):
+            if en <= s_lo or st >= s_hi:
+                continue  # this run can never meet this stage
+            size = min(en, s_hi) - max(st, s_lo)
+            lo = m.NewIntVar(0, n, f"lo{s}_{j}")
+            hi = m.NewIntVar(0, n, f"hi{s}_{j}")
+            m.AddMaxEquality(lo, [b[s], st])
+            m.AddMinEquality(hi, [b[s + 1], en])
+            count = m.NewIntVar(0, size, f"count{s}_{j}")
+            m.AddMaxEquality(count, [0, hi - lo])
+            opts = p.group_options[g]
+            if len(opts) == 1:
+                ks = [count]
+            else:
+                ks = [m.NewIntVar(0, size, f"uses{s}_{j}_{k}") for k in range(len(opts))]
+                m.Add(sum(ks) == count)
+            uses[s, j] = ks
+            for k, (o, var) in enumerate(zip(opts, ks)):
+                if any(o.peaks):
+                    used = m.NewBoolVar(f"used{s}_{j}_{k}")
+                    m.Add(var <= size * used)  # used = 0 forces no layer of this option here
+                    for t, value in enumerate(o.peaks):
+                        if value:
+                            m.Add(rank_peak[r][t] >= value * used)
+                rank_time[r].append(o.time * var)
+                rank_step[r].append(o.step * var)
+                rank_static[r].append(o.static_mem * var)
+                rank_act[r].append(o.act_mem * var)
+
+    overhead = V * p.stage_time_overhead if pp > 1 else 0
+    max_time = sum(max(o.time for o in p.group_options[g]) for g in p.layer_group) + overhead
+    max_step = sum(max(o.step for o in p.group_options[g]) for g in p.layer_group)
+    T = m.NewIntVar(0, max_time, "max_rank_time")
+    D = m.NewIntVar(0, max_step, "max_rank_step")
+    for r in range(pp):
+        m.Add(T >= sum(rank_time[r]) + overhead)
+        m.Add(D >= sum(rank_step[r]))
+        m.Add(V * (sum(rank_static[r]) + sum(rank_peak[r])) + p.in_flight_num[r] * sum(rank_act[r])
+              <= V * p.capacity[r])
+    objective = p.time_weight * T + p.step_weight * D
+    m.Add(objective >= lb)  # redundant, helps the proof of optimality
+    m.Minimize(objective)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_search_workers = workers
+    solver.parameters.random_seed = seed
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = 4 * time_limit_s  # backstop only; the deterministic limit binds first
+    code = solver.Solve(m)
+    wall = time.perf_counter() - t0
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
+        return StageSolution(objective=None, status=status, wall_s=wall)
+
+    bounds = [solver.Value(x) for x in b]
+    stage_of_layer = [0] * n
+    option_of_layer = [0] * n
+    for s in range(S):
+        for layer in range(bounds[s], bounds[s + 1]):
+            stage_of_layer[layer] = s
+        for j, (st, en, g) in enumerate(runs):
+            if (s, j) not in uses:
+                continue
+            first = max(bounds[s], st)
+            for k, var in enumerate(uses[s, j]):
+                for _ in range(solver.Value(var)):
+                    option_of_layer[first] = k
+                    first += 1
+    value = int(round(solver.ObjectiveValue()))
+    return StageSolution(objective=value, stage_of_layer=stage_of_layer, option_of_layer=option_of_layer,
+                         status="optimal" if code == cp_model.OPTIMAL else "feasible",
+                         bound=int(round(solver.BestObjectiveBound())), wall_s=wall)

@@ -1,0 +1,57 @@
+"""Plan <-> cost_models Layout.
+
+The cost model prices a `Layout` (global values plus per-layer overrides);
+the planner decides per layer. These two functions translate, so the numbers
+a Plan carries are `estimate(model, layout_of(plan), cluster)` exactly.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from cost_models.layout import Layout
+
+from autopar.solve.search_space import Candidate
+
+
+def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
+                     checkpoint: str = "none", offload: str = "none") -> Layout:
+    """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model)."""
+    return Layout(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.micro_batch_size,
+                  num_micro_batches=c.num_micro_batches, schedule=c.schedule,
+                  virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
+                  checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer)
+
+
+def _mode(values):
+    # Most common value; ties go to the first seen (deterministic).
+    counts = Counter(values)
+    best = max(counts.values())
+    return next(v for v in values if counts[v] == best)
+
+
+def assignment_layout(c: Candidate, stage_layers: list[int], choices: list[tuple], *, precision: str,
+                      optimizer: str = "adam") -> Layout:
+    """Layout for a candidate with explicit stages and per-layer (zero, checkpoint, offload)."""
+    zeros = [z for z, _, _ in choices]
+    ckpts = [k for _, k, _ in choices]
+    offs = [o for _, _, o in choices]
+    layout = candidate_layout(c, precision=precision, optimizer=optimizer, zero=_mode(zeros),
+                              checkpoint=_mode(ckpts), offload=_mode(offs))
+    layout.stage_layers = list(stage_layers)
+    layout.layer_zero = zeros
+    layout.layer_checkpoint = ckpts
+    layout.layer_offload = offs
+    return layout
+
+
+def layout_of(plan) -> Layout:
+    """The cost model's Layout for a Plan (what `estimate` prices)."""
+    choices = [(c.zero, c.checkpoint, c.offload) for c in plan.layer_choices]
+    cand = Candidate(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, micro_batch_size=plan.micro_batch_size,
+                     num_micro_batches=plan.num_micro_batches, schedule=plan.schedule,
+                     virtual_stages=plan.virtual_stages, sequence_parallel=plan.sequence_parallel)
+    optimizer = plan.assumptions.get("optimizer", "adam") if isinstance(plan.assumptions, dict) else "adam"
+    if not choices:
+        return candidate_layout(cand, precision=plan.precision, optimizer=optimizer)
+    return assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
+                             optimizer=optimizer)

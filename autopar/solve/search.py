@@ -1,0 +1,116 @@
+"""The outer search: price every candidate's lower bound, then solve the
+candidates in order of that bound and stop once no unsolved bound can beat
+the best answers found (branch and bound over meshes).
+
+This module knows nothing about layers or hardware: it takes candidates and
+a function that builds each one's integer `StageProblem` (`table.py` does
+that from the cost model; tests pass random tables), so the same loop runs
+against CP-SAT and against the brute-force reference.
+
+Why it is exact: a candidate is skipped only when its lower bound is at
+least the `keep`-th best objective already proven, and a lower bound never
+exceeds the candidate's optimum; so the best `keep` candidates found are the
+best `keep` of the whole space (under the solvers' own proven gaps).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from autopar.solve.cpsat import solve_cpsat
+from autopar.solve.problem import NS, StageProblem, StageSolution, lower_bound
+
+
+@dataclass
+class CandidateResult:
+    candidate: object
+    problem: StageProblem | None
+    lower_bound_s: float | None  # None: cannot fit in memory (or no stage layout exists)
+    solution: StageSolution | None = None
+    status: str = "pending"  # ok | oom | pruned | unsolved
+
+    @property
+    def step_s(self) -> float | None:
+        if self.solution is None or self.solution.objective is None:
+            return None
+        return self.solution.objective * NS / self.problem.virtual_stages
+
+
+@dataclass
+class SearchResult:
+    ranked: list  # CandidateResult with status ok, best first
+    oom: list  # CandidateResult that cannot fit (bound or solver)
+    pruned: int = 0
+    solved: int = 0
+    candidates: int = 0
+    wall_s: float = 0.0
+    solve_wall_s: float = 0.0
+    max_gap: float = 0.0
+    all_optimal: bool = True
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> CandidateResult | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: Callable | None = None,
+           time_limit_s: float = 10.0, progress: Callable | None = None, order_key: Callable | None = None
+           ) -> SearchResult:
+    """Solve `candidates` (objects with a total order) to the best `keep` of them.
+
+    build_problem(candidate) -> StageProblem | None (None: ruled out while
+    building, e.g. one layer alone exceeds memory). progress(done, total,
+    best_s) is called after each candidate's bound and each solve.
+    """
+    t0 = time.perf_counter()
+    solve = solver or (lambda p: solve_cpsat(p, time_limit_s=time_limit_s))
+    order_key = order_key or (lambda c: c)
+    results = []
+    oom = []
+    total = len(candidates)
+    for i, cand in enumerate(candidates):
+        problem = build_problem(cand)
+        lb = lower_bound(problem) if problem is not None else None
+        r = CandidateResult(cand, problem, None if lb is None else lb * NS / problem.virtual_stages)
+        if lb is None:
+            r.status = "oom"
+            oom.append(r)
+        else:
+            results.append(r)
+        if progress and (i % 64 == 0 or i == total - 1):
+            progress("bounding", i + 1, total, None)
+    # Deterministic order: by bound, then by the candidate itself.
+    results.sort(key=lambda r: (r.lower_bound_s, order_key(r.candidate)))
+    solved: list[CandidateResult] = []
+    pruned = 0
+    solve_wall = 0.0
+    max_gap = 0.0
+    all_optimal = True
+    for idx, r in enumerate(results):
+        if len(solved) >= keep and r.lower_bound_s >= solved[keep - 1].step_s:
+            for rest in results[idx:]:
+                rest.status = "pruned"
+            pruned = len(results) - idx
+            break
+        sol = solve(r.problem)
+        r.solution = sol
+        solve_wall += sol.wall_s
+        if sol.objective is None:
+            r.status = "oom" if sol.status == "infeasible" else "unsolved"
+            if r.status == "oom":
+                oom.append(r)
+            else:
+                all_optimal = False
+            continue
+        r.status = "ok"
+        max_gap = max(max_gap, sol.gap)
+        all_optimal = all_optimal and sol.status == "optimal"
+        solved.append(r)
+        solved.sort(key=lambda x: (x.step_s, order_key(x.candidate)))
+        if progress:
+            progress("solving", idx + 1, len(results), solved[0].step_s)
+    return SearchResult(ranked=solved, oom=oom, pruned=pruned, solved=len(solved), candidates=total,
+                        wall_s=time.perf_counter() - t0, solve_wall_s=solve_wall, max_gap=max_gap,
+                        all_optimal=all_optimal)

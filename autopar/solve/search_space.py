@@ -1,0 +1,147 @@
+"""The global part of the search space: every (mesh, micro-batching, schedule,
+sequence-parallel) combination the planner may price.
+
+A `Candidate` fixes everything that is the same on every GPU; the per-layer
+part (stage partition, ZeRO level, checkpointing, offload of each layer) is
+left to the stage solver (`cpsat.py`). Enumeration rules, and why:
+
+- pp x dp x tp = GPU count. tp must divide every tensor-parallel layer
+  (`LayerSpec.tp_degrees` of blocks: heads, kv heads, ffn); layers that cannot
+  split at that tp (an odd vocabulary, a norm) run replicated over tp.
+  tp larger than a node is kept (it crosses the slower inter-node link and the
+  cost model charges it) so the search can take it when it pays.
+- pp <= number of layers (every stage holds at least one layer).
+- dp divides the global batch; the micro-batch size divides the per-replica
+  batch; the number of micro-batches follows.
+- pp = 1: one schedule (gradient accumulation over the micro-batches).
+  pp > 1: GPipe, 1F1B, and interleaved 1F1B with V virtual stages per rank
+  when pp*V <= layers and the micro-batch count is a multiple of pp (the
+  Megatron / torch.distributed.pipelining looped-schedule requirement).
+- sequence parallelism only with tp > 1.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from autopar.solve.constraints import Constraints
+
+INTERLEAVE_CHOICES = (2, 3, 4, 6, 8)  # virtual stages per pp rank tried when unpinned
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    pp: int
+    dp: int
+    tp: int
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        sched = self.schedule if self.schedule != "interleaved" else f"interleaved:{self.virtual_stages}"
+        if self.pp == 1:
+            sched = "no pipeline"
+        sp = " +SP" if self.sequence_parallel else ""
+        return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{sp}, micro-batch {self.micro_batch_size} x "
+                f"{self.num_micro_batches}, {sched}")
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class SpaceReport:
+    """Why meshes were dropped (turned into a message when nothing is left)."""
+
+    rejected: dict  # reason -> list of short mesh descriptions
+
+    def add(self, reason: str, what: str) -> None:
+        self.rejected.setdefault(reason, []).append(what)
+
+    def summary(self, limit: int = 4) -> str:
+        parts = []
+        for reason, items in self.rejected.items():
+            shown = ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+            parts.append(f"{reason}: {shown}")
+        return "; ".join(parts)
+
+
+def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: int, tp_degrees,
+                         constraints: Constraints | None = None, *, max_micro_batch: int | None = None,
+                         interleave_choices=INTERLEAVE_CHOICES) -> tuple[list[Candidate], SpaceReport]:
+    """All candidates allowed by the cluster, the model and the pins, in a fixed order."""
+    c = constraints or Constraints()
+    report = SpaceReport({})
+    tp_ok = set(tp_degrees)
+    out: list[Candidate] = []
+    for tp in divisors(world_size):
+        if c.tp is not None and tp != c.tp:
+            continue
+        if tp not in tp_ok:
+            report.add("tp does not divide the layers' heads/ffn", f"tp{tp}")
+            continue
+        for pp in divisors(world_size // tp):
+            if c.pp is not None and pp != c.pp:
+                continue
+            dp = world_size // (tp * pp)
+            if c.dp is not None and dp != c.dp:
+                continue
+            mesh = f"pp{pp}xdp{dp}xtp{tp}"
+            if pp > num_layers:
+                report.add(f"more pipeline stages than the {num_layers} layers", mesh)
+                continue
+            if global_batch_size % dp:
+                report.add(f"dp does not divide the global batch {global_batch_size}", mesh)
+                continue
+            per_replica = global_batch_size // dp
+            for mbs in divisors(per_replica):
+                if c.micro_batch is not None and mbs != c.micro_batch:
+                    continue
+                if max_micro_batch is not None and c.micro_batch is None and mbs > max_micro_batch:
+                    continue
+                m = per_replica // mbs
+                for schedule, v in _schedules(pp, m, num_layers, c, interleave_choices):
+                    for sp in _sequence_parallel(tp, c):
+                        out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
+                                             schedule=schedule, virtual_stages=v, sequence_parallel=sp))
+    return out, report
+
+
+def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choices):
+    if pp == 1:
+        # No pipeline: micro-batches are plain gradient accumulation. A pinned
+        # gpipe/1f1b is accepted (they coincide); interleaving needs pp > 1.
+        if c.schedule != "interleaved":
+            yield (c.schedule or "1f1b"), 1
+        return
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        if c.schedule is not None and schedule != c.schedule:
+            continue
+        if schedule != "interleaved":
+            yield schedule, 1
+            continue
+        choices = (c.virtual_stages,) if c.virtual_stages else interleave_choices
+        for v in choices:
+            if pp * v <= num_layers and m % pp == 0:
+                yield schedule, v
+
+
+def _sequence_parallel(tp: int, c: Constraints):
+    if tp == 1:
+        if not c.sequence_parallel:
+            yield False
+        return
+    for sp in (False, True):
+        if c.sequence_parallel is None or c.sequence_parallel == sp:
+            yield sp

@@ -1,0 +1,236 @@
+"""Analytic GPT / Llama workloads (Megatron and Korthikanti formulas).
+
+`transformer(...)` builds the same `ModelSpec` capture would produce for a
+decoder-only transformer, from its shape alone, so published runs can be
+priced without tracing 100B-parameter models and the captured zoo models can
+be checked against it. Layers: `embedding`, `blocks.{i}`, `head` (final norm
++ output projection + loss).
+
+Per block (T = b s tokens, h hidden, a heads, g kv heads, d = h / a head dim,
+f ffn hidden; FLOPs count a multiply-add as 2, attention unmasked):
+- GEMM FLOPs forward 2 T h (h + 2 g d) + 2 T h h + 2 T h f (x2 if gated) + 2 T f h,
+  backward twice that: 24 b s h^2 forward for GPT (Megatron);
+- attention core 4 b s^2 h forward (QK^T and PV), backward 8 b s^2 h;
+- saved activations (Korthikanti et al. 2022, 16-bit): with dropout and an
+  unfused softmax, 34 s b h + 5 a s^2 b, of which 10 s b h (norm inputs,
+  GEMM inputs outside the TP region, dropout masks) is not divided by tensor
+  parallelism and 5 a s^2 b is the attention core selective checkpointing drops.
+  With FlashAttention the s^2 terms are never stored (it saves q, k, v, the
+  output and a fp32 log-sum-exp per row and recomputes the scores).
+"""
+from __future__ import annotations
+
+from cost_models.workload import B, S, LayerSpec, ModelSpec, OpSpec
+
+BYTES = 2  # 16-bit activations and weights (the captured training dtype)
+
+
+def _divisors_for_tp(*sizes: int) -> tuple:
+    return tuple(t for t in (1, 2, 4, 8, 16, 32, 64) if all(x % t == 0 for x in sizes if x))
+
+
+def _gemm(name: str, m, n: int, k: int, *, tp_sharded: bool = True) -> OpSpec:
+    flops = 2 * m * n * k
+    return OpSpec(name=name, kind="gemm", fwd_flops=flops, bwd_flops=2 * flops,
+                  # forward reads input and weight, writes output; backward twice
+                  fwd_bytes=BYTES * (m * k + k * n + m * n), bwd_bytes=2 * BYTES * (m * k + k * n + m * n),
+                  gemm=(m, n, k), tp_sharded=tp_sharded)
+
+
+def _elementwise(name: str, kind: str, reads, writes, *, tp_sharded: bool, count: int = 1, flops=0) -> OpSpec:
+    # backward reads the output gradient plus what the forward saved, writes input gradients
+    return OpSpec(name=name, kind=kind, fwd_flops=flops, bwd_flops=2 * flops, fwd_bytes=reads + writes,
+                  bwd_bytes=2 * reads + writes, tp_sharded=tp_sharded, count=count)
+
+
+def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int | None = None, gated_mlp: bool = False,
+          norm: str = "layernorm", dropout: bool = False, attention: str = "flash", bias: bool = True,
+          fused_qkv: bool = True, rope: bool = False, name: str | None = None) -> LayerSpec:
+    """One transformer block as a LayerSpec (expressions in B and S)."""
+    h, a, f = hidden, heads, ffn_hidden
+    g = kv_heads or heads
+    d = h // a
+    kv = g * d
+    T = B * S
+    act = BYTES * T  # bytes of one 16-bit value per token
+
+    ops: list[OpSpec] = []
+    norm_params = 2 * h if norm == "layernorm" else h
+    ops.append(_elementwise("attn_norm", "norm", act * h, act * h, tp_sharded=False))
+    if fused_qkv:
+        ops.append(_gemm("qkv", T, h + 2 * kv, h))
+    else:
+        ops += [_gemm("wq", T, h, h), _gemm("wk", T, kv, h), _gemm("wv", T, kv, h)]
+    if rope:
+        ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), tp_sharded=True, count=2))
+    core_flops = 4 * B * S * S * h  # QK^T + PV, unmasked
+    score_elems = B * a * S * S
+    if attention == "flash":
+        ops.append(OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=2 * core_flops,
+                          fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), tp_sharded=True,
+                          causal=True))
+    else:  # Megatron 2022: two batched GEMMs around a fused scale-mask-softmax kernel
+        ops.append(OpSpec(name="scores", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
+                          fwd_bytes=act * 2 * h + BYTES * score_elems, bwd_bytes=2 * (act * 2 * h + BYTES * score_elems),
+                          gemm=(S, S, d, B * a), tp_sharded=True))
+        ops.append(_elementwise("softmax", "softmax", BYTES * score_elems, BYTES * score_elems, tp_sharded=True))
+        if dropout:
+            ops.append(_elementwise("attn_dropout", "elementwise", BYTES * score_elems,
+                                    BYTES * score_elems + score_elems, tp_sharded=True))
+        ops.append(OpSpec(name="context", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
+                          fwd_bytes=BYTES * score_elems + act * 2 * h, bwd_bytes=2 * (BYTES * score_elems + act * 2 * h),
+                          gemm=(S, d, S, B * a), tp_sharded=True))
+    ops.append(_gemm("attn_out", T, h, h))
+    ops.append(_elementwise("attn_residual", "elementwise", 2 * act * h, act * h + (T * h if dropout else 0),
+                            tp_sharded=False))
+    ops.append(_elementwise("mlp_norm", "norm", act * h, act * h, tp_sharded=False))
+    if gated_mlp:
+        ops += [_gemm("w1", T, f, h), _gemm("w3", T, f, h)]
+        ops.append(_elementwise("swiglu", "elementwise", 2 * act * f, act * f, tp_sharded=True))
+    else:
+        ops.append(_gemm("fc1", T, f, h))
+        ops.append(_elementwise("gelu", "elementwise", act * f, act * f, tp_sharded=True))
+    ops.append(_gemm("fc2", T, h, f))
+    ops.append(_elementwise("mlp_residual", "elementwise", 2 * act * h, act * h + (T * h if dropout else 0),
+                            tp_sharded=False))
+
+    # -- saved activations: (bytes, divided by tp, dropped by selective checkpointing)
+    saved = [
+        (act * h, False, False),  # attention norm input
+        (act * h, False, False),  # qkv GEMM input (norm output), replicated across tp
+        (act * h, False, False),  # mlp norm input
+        (act * h, False, False),  # fc1 / w1,w3 input (norm output)
+        (act * h, True, False),  # attention output, input of attn_out GEMM
+    ]
+    if attention == "flash":
+        saved += [(act * (h + 2 * kv), True, False),  # q, k, v
+                  (4 * B * a * S, True, False)]  # fp32 log-sum-exp per row
+    else:
+        saved += [(act * (h + kv), True, False),  # q, k for QK^T
+                  (act * kv, True, False),  # v for PV
+                  (BYTES * score_elems, True, True)]  # softmax output
+        if dropout:
+            saved += [(score_elems, True, True), (BYTES * score_elems, True, True)]  # mask, dropped probs
+    if gated_mlp:
+        saved += [(3 * act * f, True, False),  # w1 out, silu out, w3 out
+                  (act * f, True, False)]  # w2 input
+    else:
+        saved += [(act * f, True, False), (act * f, True, False)]  # gelu input, fc2 input
+    if dropout:
+        saved += [(T * h, False, False), (T * h, False, False)]  # two residual dropout masks
+
+    total = sum(x for x, _, _ in saved)
+    sharded = sum(x for x, tp, _ in saved if tp)
+    selective = sum(x for x, _, sel in saved if sel)
+    params = (h * (h + 2 * kv) + h * h + (2 if gated_mlp else 1) * h * f + f * h + 2 * norm_params
+              + ((h + 2 * kv) + h + f + h if bias else 0))
+    sig = (f"transformer_block:h{h}:a{a}:g{g}:f{f}:gated{int(gated_mlp)}:{norm}:drop{int(dropout)}:"
+           f"{attention}:bias{int(bias)}:rope{int(rope)}")
+    return LayerSpec(
+        name=name or f"blocks.{index}",
+        kind="transformer_block",
+        params=params,
+        param_bytes=BYTES * params,
+        fwd_flops=sum(op.fwd_flops for op in ops),
+        bwd_flops=sum(op.bwd_flops for op in ops),
+        activation_bytes=total,
+        output_bytes=act * h,
+        input_bytes=act * h,
+        activation_bytes_tp_sharded=sharded,
+        activation_bytes_selective=selective,
+        selective_recompute_flops=core_flops if attention != "flash" else 0,
+        tp_allreduces=2,
+        tp_degrees=_divisors_for_tp(a, g, f),
+        ops=ops,
+        attrs={"hidden": h, "heads": a, "kv_heads": g, "head_dim": d, "ffn_hidden": f, "causal": True},
+        signature=sig,
+        module_paths=[name or f"blocks.{index}"],
+    )
+
+
+def embedding(*, hidden: int, vocab_size: int, seq_len: int, learned_positions: bool, dropout: bool,
+              norm: bool = False) -> LayerSpec:
+    h, v = hidden, vocab_size
+    T = B * S
+    act = BYTES * T
+    params = v * h + (seq_len * h if learned_positions else 0) + (2 * h if norm else 0)
+    ops = [OpSpec(name="lookup", kind="embedding", fwd_bytes=2 * act * h + 8 * T,
+                  # backward scatters into a dense vocab-sized gradient: zero it, then add T rows
+                  bwd_bytes=BYTES * v * h + 2 * act * h, tp_sharded=True, count=2)]
+    if learned_positions or dropout:
+        ops.append(_elementwise("pos_add_dropout", "elementwise", 2 * act * h, act * h, tp_sharded=False))
+    if norm:
+        ops.append(_elementwise("embed_norm", "norm", act * h, act * h, tp_sharded=False))
+    saved = (T * h if dropout else 0) + (act * h if norm else 0)
+    return LayerSpec(
+        name="embedding", kind="embedding", params=params, param_bytes=BYTES * params,
+        fwd_flops=0, bwd_flops=0, activation_bytes=saved, output_bytes=act * h, input_bytes=8 * T,
+        activation_bytes_tp_sharded=0, tp_allreduces=1, tp_degrees=_divisors_for_tp(v) or (1,),
+        ops=ops, attrs={"hidden": h, "vocab_size": v}, signature=f"embedding:v{v}:h{h}",
+        module_paths=["wte", "wpe"] if learned_positions else ["tok_embeddings"],
+    )
+
+
+def head(*, hidden: int, vocab_size: int, tied: bool, norm: str = "layernorm") -> LayerSpec:
+    h, v = hidden, vocab_size
+    T = B * S
+    act = BYTES * T
+    norm_params = 2 * h if norm == "layernorm" else h
+    ops = [
+        _elementwise("final_norm", "norm", act * h, act * h, tp_sharded=False),
+        _gemm("lm_head", T, v, h),
+        # cross-entropy over fp32 logits: read bf16 logits, write the fp32 softmax it saves
+        OpSpec(name="cross_entropy", kind="softmax", fwd_flops=5 * T * v, bwd_flops=2 * T * v,
+               fwd_bytes=6 * T * v, bwd_bytes=6 * T * v, tp_sharded=True, count=3),
+    ]
+    params = norm_params + (0 if tied else v * h)
+    saved_replicated = 2 * act * h  # final norm input, lm_head input
+    saved_sharded = 4 * T * v  # fp32 softmax of the logits (Korthikanti: 4 s b v / t)
+    return LayerSpec(
+        name="head", kind="head", params=params, param_bytes=BYTES * params,
+        fwd_flops=sum(op.fwd_flops for op in ops if op.kind == "gemm"),
+        bwd_flops=sum(op.bwd_flops for op in ops if op.kind == "gemm"),
+        activation_bytes=saved_replicated + saved_sharded, output_bytes=4 * B, input_bytes=act * h,
+        activation_bytes_tp_sharded=saved_sharded, tp_allreduces=1, tp_degrees=_divisors_for_tp(v) or (1,),
+        ops=ops, attrs={"hidden": h, "vocab_size": v, "tied_param_count": v * h if tied else 0},
+        signature=f"head:v{v}:h{h}:tied{int(tied)}",
+        module_paths=["ln_f", "lm_head"], shared_params=["wte.weight"] if tied else [],
+    )
+
+
+def transformer(name: str, *, hidden: int, heads: int, layers: int, seq_len: int, vocab_size: int,
+                kv_heads: int | None = None, ffn_hidden: int | None = None, gated_mlp: bool = False,
+                tied: bool = True, learned_positions: bool = True, norm: str = "layernorm", dropout: bool = False,
+                attention: str = "flash", bias: bool = True, fused_qkv: bool = True, rope: bool = False,
+                embedding_norm: bool = False) -> ModelSpec:
+    """A decoder-only transformer workload from its shape."""
+    ffn = ffn_hidden or 4 * hidden
+    blocks = [block(i, hidden=hidden, heads=heads, ffn_hidden=ffn, kv_heads=kv_heads, gated_mlp=gated_mlp, norm=norm,
+                    dropout=dropout, attention=attention, bias=bias, fused_qkv=fused_qkv, rope=rope)
+              for i in range(layers)]
+    layers_ = ([embedding(hidden=hidden, vocab_size=vocab_size, seq_len=seq_len, learned_positions=learned_positions,
+                          dropout=dropout, norm=embedding_norm)]
+               + blocks + [head(hidden=hidden, vocab_size=vocab_size, tied=tied, norm=norm)])
+    return ModelSpec(name=name, layers=layers_, seq_len=seq_len, dtype_bytes=BYTES, tokens_per_sample=seq_len)
+
+
+def gpt(name: str, *, hidden: int, heads: int, layers: int, seq_len: int, vocab_size: int, dropout: bool = False,
+        attention: str = "flash", **kw) -> ModelSpec:
+    """GPT-2/3 style: LayerNorm, GELU MLP of 4h, biases, learned positions, tied head."""
+    return transformer(name, hidden=hidden, heads=heads, layers=layers, seq_len=seq_len, vocab_size=vocab_size,
+                       dropout=dropout, attention=attention, **kw)
+
+
+def llama(name: str, *, hidden: int, heads: int, layers: int, seq_len: int, vocab_size: int, kv_heads: int,
+          ffn_hidden: int, **kw) -> ModelSpec:
+    """Llama style: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied head."""
+    kw = {"tied": False, "learned_positions": False, "norm": "rmsnorm", "bias": False, "fused_qkv": False,
+          "rope": True, "gated_mlp": True, **kw}
+    return transformer(name, hidden=hidden, heads=heads, layers=layers, seq_len=seq_len, vocab_size=vocab_size,
+                       kv_heads=kv_heads, ffn_hidden=ffn_hidden, **kw)
+
+
+def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
+    """Model FLOPs (forward + backward, no recomputation) for one optimizer step."""
+    return sum(layer.eval("fwd_flops", 1, model.seq_len) + layer.eval("bwd_flops", 1, model.seq_len)
+               for layer in model.layers) * global_batch_size

@@ -1,0 +1,126 @@
+"""Collective communication: alpha-beta times on a two-tier topology.
+
+Sizes follow nccl-tests (PERFORMANCE.md): `nbytes` is the full buffer (the
+all-reduce buffer, the gathered output of an all-gather, the input of a
+reduce-scatter, one rank's send buffer of an all-to-all). With bus bandwidth
+B and n ranks, the ring formulas are
+
+    all-reduce            t = 2 (n-1)/n * S / B + 2 (n-1) alpha
+    all-gather, reduce-scatter, all-to-all
+                          t =   (n-1)/n * S / B +   (n-1) alpha
+    broadcast             t = S / B + (n-1) alpha      (pipelined chain)
+    point-to-point        t = S / B_link + alpha
+
+and a double-binary tree all-reduce, t = 2 S / B + 2 ceil(log2 n) alpha, wins
+for small messages on many ranks; NCCL picks the faster, so do we.
+
+Placement: mesh axes are laid out tp innermost, then dp, then pp, and ranks
+are numbered node-major (ranks 0..g-1 on node 0). A group inside one node
+runs at the intra-node link's bus bandwidth. A group that spans nodes pays
+the network: each GPU has its own NIC (one rail per GPU, as in DGX / HGX
+nodes), so a group with r members per node drives r rails at once and its
+bus bandwidth is min(intra-node busbw, r x per-GPU network busbw).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from cost_models.errors import CostModelError
+from cost_models.hardware import ClusterSpec
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where one process group of a mesh axis lands on the cluster."""
+
+    axis: str
+    size: int
+    nodes_spanned: int
+    ranks_per_node: int  # members of the group on each node it touches
+
+    @property
+    def tier(self) -> str:
+        return "intra_node" if self.nodes_spanned <= 1 else "inter_node"
+
+
+@lru_cache(maxsize=4096)
+def _placement(axis: str, tp: int, dp: int, pp: int, gpus_per_node: int) -> GroupPlacement:
+    stride = {"tp": 1, "dp": tp, "pp": tp * dp}[axis]
+    size = {"tp": tp, "dp": dp, "pp": pp}[axis]
+    ranks = [i * stride for i in range(size)]  # the group of rank 0; others are translates
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+    return GroupPlacement(axis, size, len(nodes), max(nodes.values()))
+
+
+def group_placement(axis: str, tp: int, dp: int, pp: int, cluster: ClusterSpec) -> GroupPlacement:
+    if axis not in ("tp", "dp", "pp"):
+        raise CostModelError(f"unknown mesh axis '{axis}' (tp, dp, pp)")
+    return _placement(axis, tp, dp, pp, cluster.gpus_per_node)
+
+
+def bus_bandwidth(place: GroupPlacement, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bus bandwidth B/s, per-step latency s) a ring over this group reaches."""
+    intra = cluster.intra_link
+    if place.nodes_spanned <= 1:
+        return intra.bus_bandwidth, intra.latency_s
+    inter = cluster.inter_link
+    return min(intra.bus_bandwidth, place.ranks_per_node * inter.bus_bandwidth), inter.latency_s
+
+
+def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: ClusterSpec) -> float:
+    """Seconds for one collective of `nbytes` (nccl-tests size convention) over `place`."""
+    n = place.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = bus_bandwidth(place, cluster)
+    if kind == "all_reduce":
+        ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+        tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(n)) * alpha
+        return min(ring, tree)
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes / bw + (n - 1) * alpha
+    if kind == "all_to_all":
+        if place.nodes_spanned > 1:
+            # The share bound for other nodes leaves through this GPU's own NIC.
+            r = place.ranks_per_node
+            cross = (n - r) / n * nbytes / cluster.inter_link.bus_bandwidth
+            local = (r - 1) / n * nbytes / cluster.intra_link.bus_bandwidth
+            return max(cross, local) + (n - 1) * alpha
+        return (n - 1) / n * nbytes / bw + (n - 1) * alpha
+    if kind == "broadcast":
+        return nbytes / bw + (n - 1) * alpha
+    if kind == "p2p":
+        link = cluster.intra_link if place.nodes_spanned <= 1 else cluster.inter_link
+        return nbytes / link.bus_bandwidth + link.latency_s
+    raise CostModelError(f"unknown collective '{kind}' (known: {', '.join(COLLECTIVES)})")
+
+
+def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
+    """One point-to-point send of `nbytes` between two GPUs."""
+    if nbytes <= 0:
+        return 0.0
+    link = cluster.intra_link if same_node else cluster.inter_link
+    return nbytes / link.bus_bandwidth + link.latency_s
+
+
+def pp_neighbours_same_node(tp: int, dp: int, cluster: ClusterSpec) -> bool:
+    """Adjacent pipeline ranks are tp*dp ranks apart: same node only if that fits."""
+    return tp * dp < cluster.gpus_per_node and cluster.gpus_per_node % (tp * dp) == 0
+
+
+# How much of each collective hides behind compute (see docs/cost_model.md).
+# TP all-reduces sit on the critical path between dependent GEMMs: none hidden.
+TP_OVERLAP = 0.0
+# DDP / ZeRO-1/2 gradient buckets reduce while backward continues on earlier
+# layers; the last bucket cannot hide and NCCL kernels slow the GEMMs they
+# share SMs with, so 80% of the backward window is usable.
+GRAD_REDUCE_OVERLAP = 0.8
+# FSDP prefetches the next layer's all-gather during this layer's compute;
+# the first layer's gather is exposed (added separately).
+FSDP_PREFETCH_OVERLAP = 0.9

@@ -1,0 +1,119 @@
+"""Compute time of one op: a roofline with a size-dependent GEMM efficiency.
+
+time = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x sustained
+fraction)), floored by one kernel launch per kernel. Efficiency is not a
+fitted constant; it is the product of three physical losses below the
+device's best measured GEMM rate (`gemm_max_efficiency`, the MAMF figure):
+
+- tile quantisation: the GEMM is cut into output tiles (cuBLAS/CUTLASS pick
+  from a few sizes, e.g. 256x128, 128x128, 128x64, 64x64); the last row and
+  column of tiles are partly empty but cost a full tile;
+- wave quantisation: tiles run in waves of one tile per SM; a last, partial
+  wave leaves SMs idle (108 SMs on A100, 132 on H100);
+- short reductions: each tile pays a prologue (first loads) and an epilogue
+  (write-back) worth about K0 = 64 elements of its main loop, so
+  efficiency scales as K / (K + K0).
+
+Smaller tiles waste less in quantisation but re-read operands more often
+(lower arithmetic intensity per byte of shared memory), which caps them
+below the big tile's rate; the best candidate tile wins, as cuBLAS's
+heuristic does. FlashAttention's efficiency comes from the profile (its
+published rates), on the FLOPs it actually executes.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from cost_models.hardware import DeviceProfile
+from cost_models.workload import OpSpec, fast
+
+# (tile_m, tile_n, relative throughput of that tile shape when it is full).
+# A 256x128 tile reaches the device's MAMF rate; halving a tile side halves
+# its operand reuse, which costs a few percent per halving on Ampere/Hopper
+# (CUTLASS profiler tables).
+TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.93), (128, 64, 0.82), (64, 64, 0.65))
+K_OVERHEAD = 64  # prologue + epilogue per tile, in reduction elements
+
+# FlashAttention backward recomputes the score matrix QK^T: 5 GEMM-sized
+# products instead of the 4 that the workload's bwd_flops count.
+FLASH_BWD_RECOMPUTE = 5.0 / 4.0
+# Causal masking: a FlashAttention kernel skips the blocks above the diagonal,
+# so it executes about half of the unmasked FLOPs the workload counts.
+CAUSAL_FRACTION = 0.5
+
+
+@lru_cache(maxsize=200_000)
+def gemm_efficiency(m: int, n: int, k: int, num_sms: int, max_efficiency: float) -> float:
+    """Fraction of dense peak one (m x k) @ (k x n) GEMM sustains."""
+    m, n, k = max(1, int(m)), max(1, int(n)), max(1, int(k))
+    best = 0.0
+    for tm, tn, tile_rate in TILES:
+        tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+        tiles = tiles_m * tiles_n
+        tile_eff = (m * n) / (tiles_m * tm * tiles_n * tn)
+        waves = math.ceil(tiles / num_sms)
+        wave_eff = tiles / (waves * num_sms)
+        best = max(best, tile_rate * tile_eff * wave_eff)
+    return max_efficiency * best * (k / (k + K_OVERHEAD))
+
+
+def _peak(device: DeviceProfile, dtype: str) -> float:
+    return device.peak(dtype)
+
+
+def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, dtype: str = "bf16",
+             work_divisor: float = 1.0, byte_scale: float = 1.0, gemm_split: int = 1) -> tuple[float, float]:
+    """(forward_s, backward_s) of `op` for one micro-batch on one device.
+
+    work_divisor: how many devices share the op's work (tp, when tensor or
+    sequence parallelism divides it). byte_scale: bytes at the training dtype
+    relative to the captured dtype. gemm_split: tp degree applied to the
+    GEMM's shape (for tile/wave quantisation of the local shard).
+    """
+    s = seq if seq is not None else 1
+    fwd_flops = fast(op.fwd_flops)(batch, s) / work_divisor
+    bwd_flops = fast(op.bwd_flops)(batch, s) / work_divisor
+    fwd_bytes = fast(op.fwd_bytes)(batch, s) * byte_scale / work_divisor
+    bwd_bytes = fast(op.bwd_bytes)(batch, s) * byte_scale / work_divisor
+    peak = _peak(device, dtype)
+    mem_bw = device.memory_bandwidth * device.memory_efficiency
+    launch = device.kernel_launch_s * max(1, op.count)
+
+    if op.kind == "gemm" and op.gemm is not None:
+        dims = [fast(x)(batch, s) for x in op.gemm]
+        m, n, k = dims[:3]
+        nb = dims[3] if len(dims) > 3 else 1.0  # optional 4th entry: batch of a batched matmul
+        if gemm_split > 1:
+            if len(dims) > 3:  # heads are split: fewer matrices per rank
+                nb = nb / gemm_split
+            elif n > k:  # column-parallel shards n
+                n = n / gemm_split
+            else:  # row-parallel shards k
+                k = k / gemm_split
+        eff = lambda a, b, c: gemm_efficiency(round(a), round(b), round(c), device.num_sms, device.gemm_max_efficiency)
+        # C = A @ B (m x k @ k x n). backward = dA = dC @ B^T (m x k, reduce over n)
+        # + dB = A^T @ dC (k x n, reduce over m); independent matrices of a batch tile side by side.
+        fwd_t = fwd_flops / (peak * eff(nb * m, n, k))
+        bwd_t = 0.5 * bwd_flops / (peak * eff(nb * m, k, n)) + 0.5 * bwd_flops / (peak * eff(nb * k, n, m))
+        return max(fwd_t, fwd_bytes / mem_bw, launch), max(bwd_t, bwd_bytes / mem_bw, 2 * launch)
+    if op.kind == "attention":
+        causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
+        fwd_t = fwd_flops * causal / (peak * device.attention_fwd_efficiency)
+        bwd_t = bwd_flops * causal * FLASH_BWD_RECOMPUTE / (peak * device.attention_bwd_efficiency)
+        return max(fwd_t, fwd_bytes / mem_bw, launch), max(bwd_t, bwd_bytes / mem_bw, launch)
+    # Memory-bound ops: bytes decide; FLOPs run on the vector units (fp32 peak).
+    vector_peak = device.peak_flops.get("fp32", peak / 16)
+    fwd_t = max(fwd_bytes / mem_bw, fwd_flops / vector_peak)
+    bwd_t = max(bwd_bytes / mem_bw, bwd_flops / vector_peak)
+    return max(fwd_t, launch), max(bwd_t, launch)
+
+
+def executed_flops(op: OpSpec, batch: int, seq: int | None) -> tuple[float, float]:
+    """FLOPs the hardware runs (causal attention halved, flash bwd recompute added)."""
+    s = seq if seq is not None else 1
+    f, b = fast(op.fwd_flops)(batch, s), fast(op.bwd_flops)(batch, s)
+    if op.kind == "attention":
+        causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
+        return f * causal, b * causal * FLASH_BWD_RECOMPUTE
+    return f, b

@@ -1,0 +1,492 @@
+"""The estimate API: price one layout of one model on one cluster.
+
+`layer_cost` prices a single layer under a layout (per micro-batch times,
+per-GPU memory, per-step data-parallel traffic); `estimate` is nothing but
+`layer_cost` for every layer + the pipeline simulation + the end-of-step
+data-parallel exposure and optimizer step. A planner that builds per-layer
+tables from `layer_cost` therefore agrees with the final `estimate` by
+construction.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import sympy
+
+from cost_models import comm as C
+from cost_models.compute import op_times
+from cost_models.errors import CostModelError
+from cost_models.hardware import ClusterSpec
+from cost_models.layout import Layout
+from cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION, activation_bytes, model_state_bytes,
+                                recompute_working_bytes, state_bytes_per_param)
+from cost_models.pipeline import simulate_cached
+from cost_models.workload import S, LayerSpec, ModelSpec, OpSpec, fast
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass
+class LayerCost:
+    """One layer under one layout. Times are per micro-batch unless marked per step."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float  # extra forward work in backward (full: incl. its TP all-reduces)
+    tp_comm_s: float  # forward + backward TP collectives, not overlapped
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # kept per micro-batch in flight
+    dp_comm_s: float  # per step, all DP/FSDP collectives before overlap
+    dp_comm_exposed_s: float  # per step, what compute does not hide
+    # -- finer parts estimate() composes (same units as above) -------------
+    tp_comm_fwd_s: float = 0.0
+    dp_fwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by forward
+    dp_bwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by backward
+    dp_step_exposed_s: float = 0.0  # per step, gradient reduction etc. at the end of the step
+    optimizer_s: float = 0.0  # per step
+    working_bytes: float = 0.0  # transient: recomputed activations of this one layer in backward
+    host_bytes: float = 0.0  # offloaded to CPU memory
+    params_local: float = 0.0  # parameters this GPU holds before ZeRO sharding
+    model_flops: float = 0.0  # per micro-batch per GPU, fwd + bwd, no recomputation
+    recompute_flops: float = 0.0  # per micro-batch per GPU
+    dp_collectives: tuple = ()  # ((collective, bytes per step, time per step), ...)
+    tier: dict = field(default_factory=dict)  # axis -> 'intra_node' | 'inter_node'
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -------------------------------------------------------------------------------
+def _is_attention_core(op: OpSpec) -> bool:
+    """Ops whose size grows with s^2 (scores, softmax over them, their dropout):
+    the part selective checkpointing recomputes."""
+    if op.kind in ("attention", "softmax") and op.name != "cross_entropy":
+        return True
+    for expr in (op.fwd_bytes, op.fwd_flops):
+        if isinstance(expr, sympy.Basic) and S in expr.free_symbols:
+            try:
+                if sympy.Poly(sympy.expand(expr), S).degree() >= 2:
+                    return True
+            except sympy.PolynomialError:
+                continue
+    return False
+
+
+_CORE_CACHE: dict = {}
+
+
+def _core_flags(layer: LayerSpec) -> list:
+    key = (layer.signature or id(layer), len(layer.ops))
+    if key not in _CORE_CACHE:
+        _CORE_CACHE[key] = [_is_attention_core(op) for op in layer.ops]
+    return _CORE_CACHE[key]
+
+
+def _tp_for(layer: LayerSpec, tp: int) -> int:
+    """A layer that cannot be split tp ways runs replicated on every tp rank."""
+    return tp if tp in tuple(layer.tp_degrees or (1,)) else 1
+
+
+def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: int, sp: bool, byte_scale: float):
+    fwd = bwd = core_fwd = 0.0
+    if not layer.ops:  # a layer without an op breakdown: one GEMM-like block at the large-GEMM rate
+        f = fast(layer.fwd_flops)(batch, seq or 1) / tp
+        b = fast(layer.bwd_flops)(batch, seq or 1) / tp
+        rate = device.peak(dtype) * device.gemm_max_efficiency
+        return f / rate, b / rate, 0.0
+    for op, core in zip(layer.ops, _core_flags(layer)):
+        divisor = tp if (op.tp_sharded or sp) else 1
+        f, b = op_times(op, batch, seq, device, dtype=dtype, work_divisor=divisor, byte_scale=byte_scale,
+                        gemm_split=tp if op.tp_sharded else 1)
+        fwd += f
+        bwd += b
+        if core:
+            core_fwd += f
+    return fwd, bwd, core_fwd
+
+
+_LAYER_CACHE: dict = {}
+
+
+def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: ClusterSpec, *, zero: int | None = None,
+               checkpoint: str | None = None, offload: str | None = None) -> LayerCost:
+    """Cost of `layer` under `layout` on `cluster` (see LayerCost for units)."""
+    zero = layout.zero if zero is None else zero
+    checkpoint = layout.checkpoint if checkpoint is None else checkpoint
+    offload = layout.offload if offload is None else offload
+    key = (layer.signature or f"id{id(layer)}", layer.params, model.seq_len, model.dtype_bytes, layout.tp, layout.dp,
+           layout.pp, layout.micro_batch_size, layout.num_micro_batches, layout.sequence_parallel, layout.precision,
+           layout.optimizer, zero, checkpoint, offload, cluster.cache_key())
+    hit = _LAYER_CACHE.get(key)
+    if hit is not None:
+        return hit
+    cost = _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload)
+    if len(_LAYER_CACHE) > 200_000:
+        _LAYER_CACHE.clear()
+    _LAYER_CACHE[key] = cost
+    return cost
+
+
+def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> LayerCost:
+    if zero not in (0, 1, 2, 3):
+        raise CostModelError(f"zero must be 0-3, got {zero!r} for layer '{layer.name}'")
+    device = cluster.device_profile
+    dtype = layout.precision
+    byte_scale = DTYPE_BYTES[dtype] / (model.dtype_bytes or 2)
+    b, seq = layout.micro_batch_size, model.seq_len
+    s1 = seq or 1
+    tp = _tp_for(layer, layout.tp)
+    sp = layout.sequence_parallel and tp > 1
+    m = layout.num_micro_batches
+
+    fwd_s, bwd_s, core_fwd_s = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
+
+    # Tensor parallel: tp_allreduces all-reduces of the layer output forward and
+    # as many backward (with sequence parallelism: all-gather + reduce-scatter
+    # pairs, which a ring prices the same).
+    tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
+    tp_fwd = 0.0
+    if tp > 1 and layer.tp_allreduces:
+        out_bytes = fast(layer.output_bytes)(b, s1) * byte_scale
+        tp_fwd = layer.tp_allreduces * C.collective_time("all_reduce", out_bytes, tp_place, cluster)
+    tp_comm = 2 * tp_fwd
+
+    # Recomputation in backward.
+    if checkpoint == "full":
+        recompute_s = fwd_s + tp_fwd
+        recompute_flops = fast(layer.fwd_flops)(b, s1) / tp
+    elif checkpoint == "selective":
+        recompute_s = core_fwd_s if fast(layer.activation_bytes_selective)(b, s1) > 0 else 0.0
+        recompute_flops = fast(layer.selective_recompute_flops)(b, s1) / tp
+    else:
+        recompute_s, recompute_flops = 0.0, 0.0
+
+    # Model states. Parameters of a layer tensor parallelism splits are divided by tp
+    # (norm weights, replicated, are a rounding error of a block).
+    params_local = layer.params / tp
+    states = model_state_bytes(params_local, precision=layout.precision, optimizer=layout.optimizer, zero=zero,
+                               dp=layout.dp, offload=offload)
+    act = activation_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint, byte_scale=byte_scale)
+    working = recompute_working_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint,
+                                      byte_scale=byte_scale)
+
+    # Data parallel traffic (nccl-tests sizes: the full, unsharded buffer).
+    p_bytes, g_bytes, k_bytes = state_bytes_per_param(layout.precision, layout.optimizer)
+    dp_place = C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster)
+    full_params = params_local * p_bytes
+    full_grads = params_local * g_bytes
+    bwd_window = bwd_s + recompute_s
+    colls = []
+    fwd_exp = bwd_exp = step_exp = 0.0
+    if layout.dp > 1 and params_local > 0:
+        if zero == 0:
+            ar = C.collective_time("all_reduce", full_grads, dp_place, cluster)
+            colls.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
+            step_exp = max(0.0, ar - C.GRAD_REDUCE_OVERLAP * bwd_window)
+        elif zero in (1, 2):
+            rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
+            ag = C.collective_time("all_gather", full_params, dp_place, cluster)
+            frac = (layout.dp - 1) / layout.dp
+            colls += [("reduce_scatter", full_grads * frac, rs), ("all_gather", full_params * frac, ag)]
+            # grads reduce under the last backward; updated params gather under the next forward
+            step_exp = max(0.0, rs - C.GRAD_REDUCE_OVERLAP * bwd_window) + max(0.0, ag - C.GRAD_REDUCE_OVERLAP * fwd_s)
+        else:
+            ag = C.collective_time("all_gather", full_params, dp_place, cluster)
+            rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
+            frac = (layout.dp - 1) / layout.dp
+            colls += [("all_gather", 2 * m * full_params * frac, 2 * m * ag), ("reduce_scatter", full_grads * frac, rs)]
+            fwd_exp = max(0.0, ag - C.FSDP_PREFETCH_OVERLAP * fwd_s)
+            bwd_exp = max(0.0, ag - C.FSDP_PREFETCH_OVERLAP * bwd_window)
+            # the reduce-scatter shares the last backward's window with the all-gather
+            step_exp = max(0.0, ag + rs - C.FSDP_PREFETCH_OVERLAP * bwd_window) - bwd_exp
+
+    # Offload: state moves over the host link, the optimizer runs on the CPU.
+    host_link = cluster.host_link_profile
+    opt_params = params_local / (layout.dp if zero >= 1 else 1)
+    touched = 2 * p_bytes + g_bytes + 2 * k_bytes  # read+write param, read grad, read+write states
+    if offload == "none":
+        optimizer_s = opt_params * touched / (device.memory_bandwidth * device.memory_efficiency)
+    else:
+        host_bw = cluster.host_memory_bandwidth / cluster.gpus_per_node
+        transfer = opt_params * (g_bytes + p_bytes) / host_link.bus_bandwidth  # grads down, params up
+        optimizer_s = opt_params * (touched + 2 * p_bytes) / host_bw + transfer
+        if offload == "params":
+            # sharded params come up for every forward and backward
+            h2d = (params_local / (layout.dp if zero >= 3 else 1)) * p_bytes / host_link.bus_bandwidth
+            fwd_exp += max(0.0, h2d - C.FSDP_PREFETCH_OVERLAP * fwd_s)
+            bwd_exp += max(0.0, h2d - C.FSDP_PREFETCH_OVERLAP * bwd_window)
+
+    dp_total = sum(t for _, _, t in colls)
+    model_flops = (fast(layer.fwd_flops)(b, s1) + fast(layer.bwd_flops)(b, s1)) / tp
+    return LayerCost(
+        fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tp_comm,
+        param_bytes=states.params, grad_bytes=states.grads, optimizer_bytes=states.optimizer,
+        activation_bytes=act, dp_comm_s=dp_total, dp_comm_exposed_s=m * (fwd_exp + bwd_exp) + step_exp,
+        tp_comm_fwd_s=tp_fwd, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
+        optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
+        model_flops=model_flops, recompute_flops=recompute_flops, dp_collectives=tuple(colls),
+        tier={"tp": tp_place.tier, "dp": dp_place.tier},
+    )
+
+
+# -------------------------------------------------------------------------------
+def balance_stages(weights: list, num_stages: int) -> list:
+    """Contiguous split of `weights` into `num_stages` non-empty runs minimising the
+    heaviest run (binary search on the bottleneck, greedy fill). Returns counts."""
+    n = len(weights)
+    if num_stages > n:
+        raise CostModelError(f"{num_stages} pipeline stages but only {n} layers")
+    if num_stages == 1:
+        return [n]
+
+    def split(limit: float):
+        counts, load, count = [], 0.0, 0
+        for i, w in enumerate(weights):
+            left_layers = n - i
+            left_stages = num_stages - len(counts)
+            must_cut = count > 0 and left_layers < left_stages  # keep a layer for every later stage
+            if count > 0 and (load + w > limit or must_cut) and len(counts) < num_stages - 1:
+                counts.append(count)
+                load, count = 0.0, 0
+            load += w
+            count += 1
+        counts.append(count)
+        return counts
+
+    lo, hi = max(weights), sum(weights)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        counts = split(mid)
+        fits = len(counts) <= num_stages and all(
+            sum(weights[sum(counts[:j]):sum(counts[:j + 1])]) <= mid * (1 + 1e-12) for j in range(len(counts)))
+        if fits:
+            hi = mid
+        else:
+            lo = mid
+    counts = split(hi)
+    while len(counts) < num_stages:  # too few runs: split the heaviest multi-layer run
+        j = max((k for k in range(len(counts)) if counts[k] > 1), key=lambda k: counts[k])
+        counts[j:j + 1] = [counts[j] // 2, counts[j] - counts[j] // 2]
+    return counts
+
+
+@dataclass
+class Estimate:
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (no recomputation)
+    mfu: float
+    peak_memory_bytes: list  # per pp rank
+    memory_breakdown: list  # per pp rank: params, grads, optimizer, activations, buffers, capacity, host
+    time_breakdown: dict
+    comm: list
+    fits: bool
+    per_stage: list
+    hardware_tflops_per_gpu: float = 0.0  # incl. recomputation
+    model_flops_per_step: float = 0.0
+    global_batch_size: int = 0
+    peak_in_flight: list = field(default_factory=list)  # micro-batches per pp rank (simulated)
+    why_not_fit: str = ""
+    assumptions: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _resolve_per_layer(values, default, n):
+    if values is None:
+        return [default] * n
+    return [default if v is None else v for v in values]
+
+
+def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate:
+    """Step time, throughput and per-rank memory of `layout` for `model` on `cluster`."""
+    layers = model.layers
+    n = len(layers)
+    layout.validate(n)
+    if layout.world_size > cluster.world_size:
+        raise CostModelError(f"layout needs tp x pp x dp = {layout.world_size} GPUs, "
+                             f"the cluster has {cluster.world_size}")
+    device = cluster.device_profile
+    peak = device.peak(layout.precision)
+    zeros = _resolve_per_layer(layout.layer_zero, layout.zero, n)
+    ckpts = _resolve_per_layer(layout.layer_checkpoint, layout.checkpoint, n)
+    offs = _resolve_per_layer(layout.layer_offload, layout.offload, n)
+    costs = [layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o)
+             for layer, z, c, o in zip(layers, zeros, ckpts, offs)]
+
+    pp, m = layout.pp, layout.num_micro_batches
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    n_stages = pp * v
+    counts = list(layout.stage_layers) if layout.stage_layers is not None else balance_stages(
+        [c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s for c in costs], n_stages)
+    bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
+    stage_of = [0] * n
+    for i in range(n_stages):
+        for j in range(bounds[i], bounds[i + 1]):
+            stage_of[j] = i
+
+    byte_scale = DTYPE_BYTES[layout.precision] / (model.dtype_bytes or 2)
+    same_node = C.pp_neighbours_same_node(layout.tp, layout.dp, cluster)
+    pp_place = C.group_placement("pp", layout.tp, layout.dp, layout.pp, cluster)
+    b, s1 = layout.micro_batch_size, model.seq_len or 1
+    fwd, bwd, p2p, act = [], [], [], []
+    for i in range(n_stages):
+        cs = costs[bounds[i]:bounds[i + 1]]
+        fwd.append(sum(c.fwd_s + c.tp_comm_fwd_s + c.dp_fwd_exposed_s for c in cs))
+        bwd.append(sum(c.bwd_s + c.recompute_s + (c.tp_comm_s - c.tp_comm_fwd_s) + c.dp_bwd_exposed_s for c in cs))
+        act.append(sum(c.activation_bytes for c in cs))
+        if i < n_stages - 1 and bounds[i + 1] > bounds[i]:
+            out = fast(layers[bounds[i + 1] - 1].output_bytes)(b, s1) * byte_scale
+            if layout.sequence_parallel and layout.tp > 1:
+                out /= layout.tp  # Megatron scatter/gather: send one tp shard, all-gather on arrival
+            p2p.append(C.p2p_time(out, same_node or pp == 1, cluster))
+        else:
+            p2p.append(0.0)
+
+    sim = simulate_cached(layout.schedule if pp > 1 else "1f1b", pp, m, fwd, bwd, p2p, virtual_stages=v,
+                          activation_bytes=act)
+
+    # Per pp rank: the end-of-step data-parallel exposure and the optimizer step.
+    ranks = [[j for j in range(n) if stage_of[j] % pp == r] for r in range(pp)]
+    rank_total, memory, peaks = [], [], []
+    capacity = device.usable_memory_bytes
+    host_per_gpu = 0.0
+    tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
+    for r in range(pp):
+        idx = ranks[r]
+        step_exp = sum(costs[j].dp_step_exposed_s for j in idx)
+        opt = sum(costs[j].optimizer_s for j in idx)
+        rank_total.append(sim.finish_s[r] + step_exp + opt)
+        params = sum(costs[j].param_bytes for j in idx)
+        grads = sum(costs[j].grad_bytes for j in idx)
+        optim = sum(costs[j].optimizer_bytes for j in idx)
+        # A tied output layer on another rank than its embedding keeps its own copy (Megatron).
+        for j in idx:
+            tied = layers[j].attrs.get("tied_param_count", 0) if layers[j].shared_params else 0
+            if tied and not any(layers[k].kind == "embedding" for k in idx):
+                extra = model_state_bytes(tied / _tp_for(layers[j], layout.tp), precision=layout.precision,
+                                          optimizer=layout.optimizer, zero=zeros[j], dp=layout.dp, offload=offs[j])
+                params, grads, optim = params + extra.params, grads + extra.grads, optim + extra.optimizer
+        activations = sim.peak_activation_bytes[r] + max((costs[j].working_bytes for j in idx), default=0.0)
+        # Buffers: FSDP holds the unsharded params of the layer it runs and the one it
+        # prefetches plus one layer's unsharded grads; DDP its buckets; TP its output.
+        z3 = [j for j in idx if zeros[j] >= 3]
+        p_b, g_b, _ = state_bytes_per_param(layout.precision, layout.optimizer)
+        biggest = max((costs[j].params_local for j in z3), default=0.0)
+        fsdp_buf = biggest * (2 * p_b + g_b) if z3 and layout.dp > 1 else 0.0
+        ddp_buf = DDP_BUCKET_BYTES if layout.dp > 1 and len(z3) < len(idx) else 0.0
+        tp_buf = (max((fast(layers[j].output_bytes)(b, s1) for j in idx), default=0.0) * byte_scale
+                  if layout.tp > 1 else 0.0)
+        frag = FRAGMENTATION * (activations + grads)
+        buffers = fsdp_buf + ddp_buf + tp_buf + frag
+        total = params + grads + optim + activations + buffers
+        host = sum(costs[j].host_bytes for j in idx)
+        host_per_gpu = max(host_per_gpu, host)
+        peaks.append(total)
+        memory.append({"params": params, "grads": grads, "optimizer": optim, "activations": activations,
+                       "buffers": buffers, "capacity": capacity, "reserve": device.reserve_bytes, "host": host})
+    crit = max(range(pp), key=lambda r: rank_total[r])
+    step = rank_total[crit]
+
+    gbs = layout.global_batch_size
+    tokens = gbs * (model.tokens_per_sample or s1)
+    # FLOPs of one micro-batch through every layer, times the micro-batches of a step
+    mb_flops = sum(fast(layer.fwd_flops)(b, s1) + fast(layer.bwd_flops)(b, s1) for layer in layers)
+    mb_recompute = sum(fast(layer.fwd_flops)(b, s1) if c == "full" else
+                       fast(layer.selective_recompute_flops)(b, s1) if c == "selective" else 0.0
+                       for layer, c in zip(layers, ckpts))
+    model_flops = mb_flops * m * layout.dp
+    hw_flops = (mb_flops + mb_recompute) * m * layout.dp
+    world = layout.world_size
+
+    why = ""
+    over = [r for r in range(pp) if peaks[r] > capacity]
+    if over:
+        r = over[0]
+        why = (f"pp rank {r} needs {peaks[r] / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB usable "
+               f"(activations {memory[r]['activations'] / 2**30:.1f}, model states "
+               f"{(memory[r]['params'] + memory[r]['grads'] + memory[r]['optimizer']) / 2**30:.1f})")
+    host_need = host_per_gpu * cluster.gpus_per_node
+    if host_need > cluster.host_memory_bytes:
+        why = why or (f"offload needs {host_need / 2**30:.0f} GiB of host memory per node, "
+                      f"the node has {cluster.host_memory_bytes / 2**30:.0f} GiB")
+
+    idx = ranks[crit]
+    dp_place = C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster)
+    p2p_rank = sum(p2p[i] for i in range(n_stages) if i % pp == crit) + sum(
+        p2p[i - 1] for i in range(1, n_stages) if i % pp == crit)
+    time_breakdown = {
+        "compute_s": m * sum(costs[j].fwd_s + costs[j].bwd_s for j in idx),
+        "recompute_s": m * sum(costs[j].recompute_s for j in idx),
+        "tp_comm_s": m * sum(costs[j].tp_comm_s for j in idx),
+        "pp_comm_s": m * p2p_rank,
+        "dp_comm_s": sum(costs[j].dp_comm_s for j in idx),
+        "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx),
+        "bubble_s": sim.bubble_s[crit],
+        "optimizer_s": sum(costs[j].optimizer_s for j in idx),
+        "step_time_s": step,
+        "critical_pp_rank": crit,
+    }
+    comm = []
+    if layout.tp > 1:
+        t = m * sum(costs[j].tp_comm_s for j in idx)
+        nbytes = m * sum(2 * layers[j].tp_allreduces * fast(layers[j].output_bytes)(b, s1) * byte_scale
+                         * 2 * (layout.tp - 1) / layout.tp for j in idx if _tp_for(layers[j], layout.tp) > 1)
+        comm.append({"axis": "tp", "collective": "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce",
+                     "bytes": nbytes, "time_s": t, "exposed_s": t, "tier": tp_place.tier})
+    if layout.dp > 1:
+        by_kind: dict = {}
+        for j in idx:
+            for kind, nbytes, t in costs[j].dp_collectives:
+                e = by_kind.setdefault(kind, [0.0, 0.0])
+                e[0] += nbytes
+                e[1] += t
+        total_t = sum(t for _, t in by_kind.values()) or 1.0
+        exposed = time_breakdown["dp_comm_exposed_s"]
+        for kind, (nbytes, t) in sorted(by_kind.items()):
+            comm.append({"axis": "dp", "collective": kind, "bytes": nbytes, "time_s": t,
+                         "exposed_s": exposed * t / total_t, "tier": dp_place.tier})
+    if pp > 1:
+        nbytes = 2 * m * sum(fast(layers[bounds[i + 1] - 1].output_bytes)(b, s1) * byte_scale
+                             for i in range(n_stages - 1) if i % pp == crit)
+        comm.append({"axis": "pp", "collective": "p2p", "bytes": nbytes, "time_s": m * p2p_rank,
+                     "exposed_s": m * p2p_rank, "tier": "intra_node" if same_node else pp_place.tier})
+
+    per_stage = []
+    for i in range(n_stages):
+        cs = costs[bounds[i]:bounds[i + 1]]
+        per_stage.append({
+            "index": i, "pp_rank": i % pp, "layers": [layers[j].name for j in range(bounds[i], bounds[i + 1])],
+            "fwd_s": sum(c.fwd_s for c in cs), "bwd_s": sum(c.bwd_s for c in cs),
+            "recompute_s": sum(c.recompute_s for c in cs), "tp_comm_s": sum(c.tp_comm_s for c in cs),
+            "p2p_s": p2p[i], "sim_fwd_s": fwd[i], "sim_bwd_s": bwd[i],
+            "memory_bytes": peaks[i % pp], "activation_bytes_per_micro_batch": act[i],
+        })
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        tflops_per_gpu=model_flops / step / world / 1e12,
+        mfu=model_flops / (step * world * peak),
+        peak_memory_bytes=peaks,
+        memory_breakdown=memory,
+        time_breakdown=time_breakdown,
+        comm=comm,
+        fits=not why,
+        per_stage=per_stage,
+        hardware_tflops_per_gpu=hw_flops / step / world / 1e12,
+        model_flops_per_step=model_flops,
+        global_batch_size=gbs,
+        peak_in_flight=list(sim.peak_in_flight),
+        why_not_fit=why,
+        assumptions={"device": cluster.device, "peak_flops": peak, "precision": layout.precision,
+                     "grad_reduce_overlap": C.GRAD_REDUCE_OVERLAP, "fsdp_prefetch_overlap": C.FSDP_PREFETCH_OVERLAP,
+                     "tp_overlap": C.TP_OVERLAP, "fragmentation": FRAGMENTATION},
+    )

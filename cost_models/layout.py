@@ -1,0 +1,99 @@
+"""Layout: one fully specified way to run a model on a cluster.
+
+Mesh axes are tp (innermost: consecutive ranks, inside a node first), dp,
+then pp (outermost), ranks numbered node-major; `comm.py` derives which tier
+each group's collectives pay from that order. A Layout is what the planner
+searches over and what `estimate()` prices; it holds no model or hardware.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from cost_models.errors import CostModelError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHECKPOINTS = ("none", "selective", "full")
+OFFLOADS = ("none", "optimizer", "params")  # "params" offloads optimizer state too
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    checkpoint: str = "none"
+    offload: str = "none"
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    stage_layers: list | None = None  # layer counts per stage, len pp * virtual_stages
+    layer_zero: list | None = None  # per-layer overrides aligned with model.layers
+    layer_checkpoint: list | None = None
+    layer_offload: list | None = None
+    extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+
+    def validate(self, num_layers: int | None = None) -> None:
+        """Raise CostModelError naming the first field that cannot be priced."""
+        for key in ("tp", "pp", "dp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CostModelError(f"layout.{key} must be a positive integer, got {value!r}")
+        checks = (("schedule", SCHEDULES), ("checkpoint", CHECKPOINTS), ("offload", OFFLOADS),
+                  ("precision", PRECISIONS), ("optimizer", OPTIMIZERS))
+        for key, allowed in checks:
+            if getattr(self, key) not in allowed:
+                raise CostModelError(f"layout.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise CostModelError(f"layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise CostModelError("layout.virtual_stages > 1 needs schedule 'interleaved'")
+        if self.schedule == "interleaved" and self.pp > 1 and self.num_micro_batches % self.pp:
+            # Megatron's interleaved order runs micro-batches in groups of pp.
+            raise CostModelError(
+                f"interleaved schedule needs num_micro_batches ({self.num_micro_batches}) "
+                f"to be a multiple of pp ({self.pp})")
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.num_stages:
+                raise CostModelError(
+                    f"layout.stage_layers has {len(self.stage_layers)} entries, needs pp x virtual_stages = {self.num_stages}")
+            if any((not isinstance(n, int)) or n < 0 for n in self.stage_layers):
+                raise CostModelError("layout.stage_layers entries must be non-negative integers")
+            if num_layers is not None and sum(self.stage_layers) != num_layers:
+                raise CostModelError(
+                    f"layout.stage_layers sums to {sum(self.stage_layers)}, the model has {num_layers} layers")
+        elif num_layers is not None and num_layers < self.num_stages:
+            raise CostModelError(f"{self.num_stages} pipeline stages but only {num_layers} layers")
+        for key in ("layer_zero", "layer_checkpoint", "layer_offload"):
+            values = getattr(self, key)
+            if values is not None and num_layers is not None and len(values) != num_layers:
+                raise CostModelError(f"layout.{key} has {len(values)} entries, the model has {num_layers} layers")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise CostModelError(f"unknown layout field(s): {', '.join(sorted(unknown))}")
+        return cls(**d)

@@ -1,0 +1,120 @@
+"""Memory per GPU: model states (ZeRO, offload), activations, buffers.
+
+Model states, per parameter (ZeRO paper, Rajbhandari et al. 2020):
+mixed precision (bf16/fp16) keeps a 2-byte parameter, a 2-byte gradient and
+K bytes of optimizer state: Adam K = 12 (fp32 master copy, momentum,
+variance), SGD with momentum K = 8 (master copy, momentum). Pure fp32 keeps
+4 + 4 + (8 Adam | 4 SGD). ZeRO-1 shards the optimizer state over dp,
+ZeRO-2 the gradients too, ZeRO-3 the parameters too.
+
+Activations per layer (Korthikanti et al. 2022): the workload's
+`activation_bytes` is what one micro-batch saves for backward with no
+parallelism. Tensor parallelism divides the `activation_bytes_tp_sharded`
+part by tp; sequence parallelism divides the rest by tp as well; selective
+checkpointing drops `activation_bytes_selective` (the attention core) and
+full checkpointing keeps only `input_bytes`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.errors import CostModelError
+from cost_models.workload import LayerSpec, fast
+
+# (param, grad, optimizer) bytes per parameter
+STATE_BYTES = {
+    ("bf16", "adam"): (2, 2, 12),
+    ("fp16", "adam"): (2, 2, 12),
+    ("fp32", "adam"): (4, 4, 8),
+    ("bf16", "sgd"): (2, 2, 8),
+    ("fp16", "sgd"): (2, 2, 8),
+    ("fp32", "sgd"): (4, 4, 4),
+}
+
+# Allocator fragmentation: PyTorch's caching allocator rounds blocks and
+# cannot always reuse freed segments across differently sized activations;
+# 5-10% of the peak is lost in practice (torch.cuda.memory_stats
+# reserved/allocated on large training runs). We charge 8% of activations
+# and gradients, the parts that churn every micro-batch.
+FRAGMENTATION = 0.08
+# DDP gradient buckets (25 MB default, two in flight) and NCCL staging.
+DDP_BUCKET_BYTES = 2 * 25 * 2**20
+
+
+def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    try:
+        return STATE_BYTES[(precision, optimizer)]
+    except KeyError:
+        raise CostModelError(f"no model-state sizes for precision={precision!r}, optimizer={optimizer!r}") from None
+
+
+@dataclass
+class ModelStates:
+    params: float
+    grads: float
+    optimizer: float
+    host: float = 0.0  # bytes held in CPU memory by offload, per GPU
+
+
+def model_state_bytes(params: float, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
+                      dp: int = 1, offload: str = "none") -> ModelStates:
+    """Bytes per GPU of `params` parameters (already divided by tp/pp)."""
+    p, g, k = state_bytes_per_param(precision, optimizer)
+    param_b = p * params / (dp if zero >= 3 else 1)
+    grad_b = g * params / (dp if zero >= 2 else 1)
+    opt_b = k * params / (dp if zero >= 1 else 1)
+    host = 0.0
+    if offload in ("optimizer", "params"):
+        host += opt_b
+        opt_b = 0.0
+    if offload == "params":
+        # ZeRO-Infinity / FSDP CPU offload: sharded params and grads live on the host.
+        host += param_b + grad_b
+        param_b, grad_b = 0.0, 0.0
+    return ModelStates(param_b, grad_b, opt_b, host)
+
+
+def activation_bytes(layer: LayerSpec, batch: int, seq: int | None, *, tp: int = 1, sequence_parallel: bool = False,
+                     checkpoint: str = "none", byte_scale: float = 1.0) -> float:
+    """Bytes one micro-batch of this layer keeps alive until its backward."""
+    s = seq if seq is not None else 1
+    if checkpoint == "full":
+        kept = fast(layer.input_bytes)(batch, s)
+        return byte_scale * kept / (tp if sequence_parallel else 1)
+    total = fast(layer.activation_bytes)(batch, s)
+    sharded = fast(layer.activation_bytes_tp_sharded)(batch, s)
+    replicated = total - sharded
+    if checkpoint == "selective":
+        sharded -= fast(layer.activation_bytes_selective)(batch, s)
+    elif checkpoint != "none":
+        raise CostModelError(f"unknown checkpoint mode '{checkpoint}' (none, selective, full)")
+    return byte_scale * (sharded / tp + replicated / (tp if sequence_parallel else 1))
+
+
+def recompute_working_bytes(layer: LayerSpec, batch: int, seq: int | None, *, tp: int = 1,
+                            sequence_parallel: bool = False, checkpoint: str = "none", byte_scale: float = 1.0) -> float:
+    """Extra bytes alive while a checkpointed layer is recomputed in backward:
+    the activations it drops come back for that one layer."""
+    if checkpoint == "none":
+        return 0.0
+    full = activation_bytes(layer, batch, seq, tp=tp, sequence_parallel=sequence_parallel, byte_scale=byte_scale)
+    kept = activation_bytes(layer, batch, seq, tp=tp, sequence_parallel=sequence_parallel,
+                            checkpoint=checkpoint, byte_scale=byte_scale)
+    return max(0.0, full - kept)
+
+
+def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int, pp_rank: int = 0,
+                            virtual_stages: int = 1) -> float:
+    """Closed forms (the pipeline simulation must agree with these):
+    GPipe keeps all m; 1F1B keeps min(m, pp - rank); interleaved 1F1B keeps
+    (pp - rank - 1) * 2 + (V - 1) * pp + 1 chunks of 1/V of the stage, i.e.
+    pp (1 + (pp-1)/(pp V)) micro-batches on the first rank (Korthikanti)."""
+    m = num_micro_batches
+    if pp == 1:  # plain gradient accumulation: one micro-batch at a time
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, pp - pp_rank))
+    chunks = min(m * virtual_stages, (pp - pp_rank - 1) * 2 + (virtual_stages - 1) * pp + 1)
+    return chunks / virtual_stages

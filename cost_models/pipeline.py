@@ -1,0 +1,180 @@
+"""Pipeline schedules, simulated event by event.
+
+Each pp rank runs a fixed order of (phase, micro-batch, chunk) operations
+(GPipe: all forwards then all backwards; 1F1B: pp - rank - 1 warm-up
+forwards, then one-forward-one-backward, then the cool-down backwards;
+interleaved 1F1B: Megatron's order over V chunks per rank, stage i on rank
+i % pp). An operation starts when its rank is free and its input has
+arrived: a forward needs the previous stage's forward of the same
+micro-batch plus the point-to-point transfer; a backward needs the next
+stage's backward (the last stage: its own forward). Simulating instead of
+using (p-1)/m catches unequal stages, p2p latency and the warm-up shape
+of interleaving, and it yields the peak number of micro-batches whose
+activations each rank holds at once.
+
+`timeline(...)` exposes the events for the report (docs/INTERFACES.md s.8).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from cost_models.errors import CostModelError
+
+
+@dataclass
+class PipelineResult:
+    step_time_s: float  # last backward finished (no DP reduction / optimizer)
+    finish_s: list  # per pp rank: when its last backward ended
+    busy_s: list  # per pp rank: sum of its compute
+    bubble_s: list  # per pp rank: finish - busy
+    peak_in_flight: list  # per pp rank: peak micro-batches held (chunks / V)
+    peak_activation_bytes: list  # per pp rank, when stage activation bytes are given
+    events: list = field(default_factory=list)  # dicts: pp_rank, stage, micro_batch, phase, start_s, end_s
+
+
+def rank_order(schedule: str, rank: int, pp: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
+    """(phase, micro_batch, chunk) in the order pp rank `rank` runs them."""
+    if schedule == "gpipe":
+        return [("fwd", i, 0) for i in range(m)] + [("bwd", i, 0) for i in range(m)]
+    if schedule == "1f1b":
+        v = 1
+    total = m * v
+
+    def fwd(k):  # Megatron: pp micro-batches through one chunk, then the next chunk
+        return ("fwd", (k // (pp * v)) * pp + k % pp, (k // pp) % v)
+
+    def bwd(k):
+        return ("bwd", (k // (pp * v)) * pp + k % pp, v - 1 - (k // pp) % v)
+
+    if v == 1:
+        fwd = lambda k: ("fwd", k, 0)  # noqa: E731
+        bwd = lambda k: ("bwd", k, 0)  # noqa: E731
+        warmup = pp - rank - 1
+    else:
+        warmup = (pp - rank - 1) * 2 + (v - 1) * pp
+    warmup = min(warmup, total)
+    order = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [fwd(warmup + k), bwd(k)]
+    order += [bwd(k) for k in range(total - warmup, total)]
+    return order
+
+
+def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s: list, p2p_s: list | None = None,
+             *, virtual_stages: int = 1, activation_bytes: list | None = None, keep_events: bool = False) -> PipelineResult:
+    """Run the schedule. fwd_s / bwd_s / p2p_s / activation_bytes are per stage
+    (len pp * V, stage i on rank i % pp); p2p_s[i] is the send of stage i's
+    output to stage i + 1 (and of its input gradient back)."""
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise CostModelError(f"unknown pipeline schedule '{schedule}' (gpipe, 1f1b, interleaved)")
+    v = virtual_stages if schedule == "interleaved" else 1
+    n_stages = pp * v
+    if len(fwd_s) != n_stages or len(bwd_s) != n_stages:
+        raise CostModelError(f"need {n_stages} per-stage times (pp x virtual_stages), got {len(fwd_s)}/{len(bwd_s)}")
+    if schedule == "interleaved" and pp > 1 and num_micro_batches % pp:
+        raise CostModelError(f"interleaved schedule needs num_micro_batches ({num_micro_batches}) divisible by pp ({pp})")
+    p2p = list(p2p_s) if p2p_s is not None else [0.0] * n_stages
+    act = list(activation_bytes) if activation_bytes is not None else [1.0] * n_stages
+    m = num_micro_batches
+    orders = [rank_order(schedule, r, pp, m, v) for r in range(pp)]
+    pos = [0] * pp
+    clock = [0.0] * pp
+    busy = [0.0] * pp
+    live_chunks = [0] * pp
+    live_bytes = [0.0] * pp
+    peak_chunks = [0] * pp
+    peak_bytes = [0.0] * pp
+    fwd_done: dict = {}
+    bwd_done: dict = {}
+    events = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            order = orders[r]
+            while pos[r] < len(order):
+                phase, mb, chunk = order[pos[r]]
+                stage = chunk * pp + r
+                if phase == "fwd":
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        dep = fwd_done.get((stage - 1, mb))
+                        if dep is None:
+                            break
+                        ready = dep + p2p[stage - 1]
+                    dur = fwd_s[stage]
+                else:
+                    if stage == n_stages - 1:
+                        ready = fwd_done.get((stage, mb))
+                        if ready is None:
+                            break
+                    else:
+                        dep = bwd_done.get((stage + 1, mb))
+                        if dep is None:
+                            break
+                        ready = dep + p2p[stage]
+                    dur = bwd_s[stage]
+                start = max(clock[r], ready)
+                end = start + dur
+                clock[r] = end
+                busy[r] += dur
+                if phase == "fwd":
+                    fwd_done[(stage, mb)] = end
+                    live_chunks[r] += 1
+                    live_bytes[r] += act[stage]
+                    peak_chunks[r] = max(peak_chunks[r], live_chunks[r])
+                    peak_bytes[r] = max(peak_bytes[r], live_bytes[r])
+                else:
+                    bwd_done[(stage, mb)] = end
+                    live_chunks[r] -= 1
+                    live_bytes[r] -= act[stage]
+                if keep_events:
+                    events.append({"pp_rank": r, "stage": stage, "micro_batch": mb, "phase": phase,
+                                   "start_s": start, "end_s": end})
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # a schedule bug, never user input: fail loudly
+            raise CostModelError(f"pipeline schedule '{schedule}' deadlocked (pp={pp}, m={m}, V={v})")
+    finish = list(clock)
+    return PipelineResult(
+        step_time_s=max(finish),
+        finish_s=finish,
+        busy_s=busy,
+        bubble_s=[f - b for f, b in zip(finish, busy)],
+        peak_in_flight=[c / v for c in peak_chunks],
+        peak_activation_bytes=peak_bytes if activation_bytes is not None else [0.0] * pp,
+        events=sorted(events, key=lambda e: (e["pp_rank"], e["start_s"])),
+    )
+
+
+def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1, *, fwd_s: list, bwd_s: list,
+             p2p_s: list | None = None) -> list[dict]:
+    """The simulated schedule's events, for drawing: dicts with pp_rank, stage,
+    micro_batch, phase ('fwd'|'bwd'), start_s, end_s (sorted by rank, start)."""
+    return simulate(schedule, pp, num_micro_batches, fwd_s, bwd_s, p2p_s,
+                    virtual_stages=virtual_stages, keep_events=True).events
+
+
+schedule_events = timeline
+
+
+def closed_form_bubble_fraction(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
+    """Textbook bubble / ideal time: (p-1)/m, or (p-1)/(V m) interleaved."""
+    v = virtual_stages if schedule == "interleaved" else 1
+    return (pp - 1) / (v * num_micro_batches)
+
+
+@lru_cache(maxsize=4096)
+def _cached(schedule, pp, m, v, fwd, bwd, p2p, act):
+    return simulate(schedule, pp, m, list(fwd), list(bwd), list(p2p), virtual_stages=v, activation_bytes=list(act))
+
+
+def simulate_cached(schedule: str, pp: int, m: int, fwd_s, bwd_s, p2p_s, *, virtual_stages: int = 1,
+                    activation_bytes=None) -> PipelineResult:
+    """`simulate` memoised on its (rounded) inputs, for planners that re-price layouts."""
+    r = lambda xs: tuple(round(float(x), 12) for x in xs)  # noqa: E731
+    act = activation_bytes if activation_bytes is not None else [0.0] * len(fwd_s)
+    return _cached(schedule, pp, m, virtual_stages, r(fwd_s), r(bwd_s), r(p2p_s), r(act))

@@ -1,0 +1,95 @@
+"""Spawn harness for multi-rank tests: real gloo worlds on 127.0.0.1.
+
+`run_world(fn, world_size, *args, timeout=...)` starts `world_size` fresh
+processes (spawn context, so no forked torch state), initialises a gloo
+process group in each with the torchrun environment variables set (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), calls `fn(rank,
+world_size, *args)` and returns the list of per-rank return values.
+
+Why a hard timeout: a rank that dies or diverges leaves the others blocked in
+a collective forever. The parent waits on a queue with a deadline, and on
+timeout or on any rank's exception it kills every rank it started and raises
+with that rank's traceback, so a broken lowering fails a test, never hangs it.
+
+Spawning costs seconds (4-10 s for 4-8 ranks), so a test should run many
+checks inside one world: `fn` may return a dict of results per check.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # One thread per rank: 8 ranks share 2 cores; more threads only thrash.
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything: the parent must not wait for a dead rank
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+    # Flush the result to the parent, then skip interpreter teardown: gloo
+    # occasionally aborts there (see shared notes).
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"world of {world_size} ranks timed out after {timeout:.0f} s; "
+                                   f"ranks done: {sorted(out)}")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out]
+                if dead and results.empty():
+                    time.sleep(0.5)  # a result may still be in flight
+                    if results.empty():
+                        raise RuntimeError(f"rank(s) {dead} exited without a result (exit codes "
+                                           f"{[procs[i].exitcode for i in dead]})")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [out[r] for r in range(world_size)]

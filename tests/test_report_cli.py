@@ -1,0 +1,63 @@
+"""`autopar report`: renders saved plans, plans from model files, fails clearly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.plan import Plan
+from autopar.report import render_html
+from test_report_fixtures import make_small_plan
+
+
+@pytest.fixture
+def saved_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    make_small_plan().save(str(path))
+    return path
+
+
+def test_report_renders_a_saved_plan(tmp_path, saved_plan, capsys):
+    out = tmp_path / "plan.html"
+    assert main(["report", "--plan", str(saved_plan), "-o", str(out)]) == 0
+    assert out.read_text(encoding="utf-8") == render_html(Plan.load(str(saved_plan)))
+    said = capsys.readouterr().out
+    assert str(out) in said and "pp 2 x dp 2 x tp 2" in said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "--plan", "/no/such/plan.json"], "plan file not found"),
+    (["report"], "nothing to report"),
+    (["report", "model.py", "--plan", "PLAN"], "not both"),
+    (["report", "--plan", "PLAN", "-o", "plan.json"], "must end in .html"),
+    (["report", "--plan", "PLAN", "-o", "/no/such/dir/plan.html"], "cannot write report"),
+])
+def test_bad_input_exits_2_with_a_message(argv, message, saved_plan, capsys):
+    argv = [str(saved_plan) if a == "PLAN" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{", "not valid JSON"),
+    (json.dumps({"schema_version": 99}), "schema version 99"),
+    (json.dumps({"schema_version": 1, "stages": [{"layers": []}]}), "not a valid autopar plan"),
+])
+def test_broken_plan_files_are_reported_not_raised(tmp_path, content, message, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert main(["report", "--plan", str(bad), "-o", str(tmp_path / "x.html")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_report_takes_the_same_options_as_plan():
+    from autopar.cli import build_parser
+
+    plan_opts = {a.dest for a in build_parser(["plan"])._subparsers._group_actions[0].choices["plan"]._actions}
+    report_opts = {a.dest for a in build_parser(["report"])._subparsers._group_actions[0].choices["report"]._actions}
+    shared = plan_opts - {"json", "top", "html"}  # plan's own output flags
+    assert shared <= report_opts
