@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from autopar.errors import AutoparError
+from cost_models.errors import CostModelError
 
 COMMANDS = {
     "inspect": "print the captured layer table of a model file",
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             print(f"  hint: {exc.hint}", file=sys.stderr)
         return exc.exit_code
+    except CostModelError as exc:  # bad profile / cluster file / layout: the message names field and file
+        print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130

@@ -3,7 +3,24 @@
 This package never imports autopar: autopar imports it. Every public
 function takes plain data (the workload types in `workload.py`, a `Layout`,
 a `ClusterSpec`) so it can be tested and challenged on its own.
+
+    from cost_models import ClusterSpec, Layout
+    from cost_models.analytic import llama
+    from cost_models.estimate import estimate
+    model = llama("8b", hidden=4096, heads=32, kv_heads=8, layers=32, seq_len=8192,
+                  vocab_size=128256, ffn_hidden=14336)
+    est = estimate(model, Layout(dp=64, zero=3, checkpoint="selective"), ClusterSpec.resolve("dgx-h100:8"))
+
+How every number is computed, with its constants: docs/cost_model.md.
 """
+from cost_models.errors import CostModelError, ProfileError
+# `estimate` the function is not re-exported here: it would shadow the module
+# `cost_models.estimate` that docs/INTERFACES.md names.
+from cost_models.estimate import Estimate, LayerCost, layer_cost
+from cost_models.hardware import ClusterSpec, DeviceProfile, LinkProfile, get_device, get_link
+from cost_models.layout import Layout
 from cost_models.workload import B, S, LayerSpec, ModelSpec, OpSpec, evaluate
 
-__all__ = ["B", "S", "LayerSpec", "ModelSpec", "OpSpec", "evaluate"]
+__all__ = ["B", "S", "LayerSpec", "ModelSpec", "OpSpec", "evaluate", "ClusterSpec", "DeviceProfile", "LinkProfile",
+           "get_device", "get_link", "Layout", "layer_cost", "Estimate", "LayerCost", "CostModelError",
+           "ProfileError"]

@@ -45,8 +45,15 @@ def _elementwise(name: str, kind: str, reads, writes, *, tp_sharded: bool, count
 
 def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int | None = None, gated_mlp: bool = False,
           norm: str = "layernorm", dropout: bool = False, attention: str = "flash", bias: bool = True,
-          fused_qkv: bool = True, rope: bool = False, name: str | None = None) -> LayerSpec:
-    """One transformer block as a LayerSpec (expressions in B and S)."""
+          fused_qkv: bool = True, rope: bool = False, eager: bool = False, sac: str = "autopar",
+          name: str | None = None) -> LayerSpec:
+    """One transformer block as a LayerSpec (expressions in B and S).
+
+    eager=True prices the reference PyTorch code as written (examples/llama.py,
+    torchtitan without torch.compile): RMSNorm in fp32 over ~7 kernels,
+    rotate-half RoPE, repeat_kv copies, separate SiLU and multiply. Each eager
+    kernel reads and writes whole tensors, which is what makes eager slower.
+    """
     h, a, f = hidden, heads, ffn_hidden
     g = kv_heads or heads
     d = h // a
@@ -56,17 +63,27 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
 
     ops: list[OpSpec] = []
     norm_params = 2 * h if norm == "layernorm" else h
-    ops.append(_elementwise("attn_norm", "norm", act * h, act * h, tp_sharded=False))
+    # bytes per element a norm reads + writes: fused kernel 2 + 2; eager fp32 RMSNorm
+    # (float(), pow, mean, mul by rsqrt, type_as, mul by weight) 36 over 7 kernels
+    norm_rw, norm_count = ((18 * T * h, 18 * T * h), 7) if eager else ((act * h, act * h), 1)
+    ops.append(_elementwise("attn_norm", "norm", *norm_rw, tp_sharded=False, count=norm_count))
     if fused_qkv:
         ops.append(_gemm("qkv", T, h + 2 * kv, h))
     else:
         ops += [_gemm("wq", T, h, h), _gemm("wk", T, kv, h), _gemm("wv", T, kv, h)]
     if rope:
-        ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), tp_sharded=True, count=2))
+        if eager:  # q*cos, neg, cat, *sin, add: ~20 bytes per element over 5 kernels, for q and k
+            ops.append(_elementwise("rope", "elementwise", 12 * T * (h + kv), 8 * T * (h + kv), tp_sharded=True,
+                                    count=10))
+        else:
+            ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), tp_sharded=True, count=2))
+    if eager and g != a:  # repeat_kv materialises k and v at the full head count
+        ops.append(_elementwise("repeat_kv", "elementwise", 2 * act * kv, 2 * act * h, tp_sharded=True, count=2))
     core_flops = 4 * B * S * S * h  # QK^T + PV, unmasked
     score_elems = B * a * S * S
     if attention == "flash":
-        ops.append(OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=2 * core_flops,
+        # backward 2.5x forward: FlopCounterMode's count (QK^T recomputed), as capture measures it
+        ops.append(OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=5 * core_flops / 2,
                           fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), tp_sharded=True,
                           causal=True))
     else:  # Megatron 2022: two batched GEMMs around a fused scale-mask-softmax kernel
@@ -80,13 +97,18 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         ops.append(OpSpec(name="context", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
                           fwd_bytes=BYTES * score_elems + act * 2 * h, bwd_bytes=2 * (BYTES * score_elems + act * 2 * h),
                           gemm=(S, d, S, B * a), tp_sharded=True))
+    if eager:  # transpose(1, 2).reshape of the attention output copies it
+        ops.append(_elementwise("attn_transpose", "elementwise", act * h, act * h, tp_sharded=True))
     ops.append(_gemm("attn_out", T, h, h))
     ops.append(_elementwise("attn_residual", "elementwise", 2 * act * h, act * h + (T * h if dropout else 0),
                             tp_sharded=False))
-    ops.append(_elementwise("mlp_norm", "norm", act * h, act * h, tp_sharded=False))
+    ops.append(_elementwise("mlp_norm", "norm", *norm_rw, tp_sharded=False, count=norm_count))
     if gated_mlp:
         ops += [_gemm("w1", T, f, h), _gemm("w3", T, f, h)]
-        ops.append(_elementwise("swiglu", "elementwise", 2 * act * f, act * f, tp_sharded=True))
+        if eager:  # silu (read, write) then multiply (read two, write)
+            ops.append(_elementwise("swiglu", "elementwise", 3 * act * f, 2 * act * f, tp_sharded=True, count=2))
+        else:
+            ops.append(_elementwise("swiglu", "elementwise", 2 * act * f, act * f, tp_sharded=True))
     else:
         ops.append(_gemm("fc1", T, f, h))
         ops.append(_elementwise("gelu", "elementwise", act * f, act * f, tp_sharded=True))
@@ -102,8 +124,11 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         (act * h, False, False),  # fc1 / w1,w3 input (norm output)
         (act * h, True, False),  # attention output, input of attn_out GEMM
     ]
+    if eager and norm == "rmsnorm":  # eager fp32 RMSNorm keeps x.float() and the bf16 normalised x
+        saved += [(2 * 4 * T * h, False, False)]
     if attention == "flash":
-        saved += [(act * (h + 2 * kv), True, False),  # q, k, v
+        kv_saved = h if (eager and g != a) else kv  # after repeat_kv, SDPA saves full-head k and v
+        saved += [(act * (h + 2 * kv_saved), True, False),  # q, k, v
                   (4 * B * a * S, True, False)]  # fp32 log-sum-exp per row
     else:
         saved += [(act * (h + kv), True, False),  # q, k for QK^T
@@ -122,10 +147,24 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
     total = sum(x for x, _, _ in saved)
     sharded = sum(x for x, tp, _ in saved if tp)
     selective = sum(x for x, _, sel in saved if sel)
+    selective_flops = core_flops
+    if attention == "flash":
+        # FlashAttention stores no s^2 scores, so Korthikanti's selective checkpointing has
+        # nothing to drop. Selective then means an op-level policy (autopar's lowering,
+        # autopar/lower/checkpointing.py: keep matmul and attention outputs, recompute the
+        # cheap ops): it drops the two norm outputs and the activation-function outputs
+        # (SiLU and the product for SwiGLU, GELU's output), and redoes only cheap ops.
+        selective = 2 * act * h + (2 if gated_mlp else 1) * act * f
+        selective_flops = 0
+        if sac == "torchtitan":
+            # torchtitan's policy also recomputes every other matmul (wk, wo, w3 in a
+            # Llama block) and so drops their outputs too.
+            selective += act * f
+            selective_flops = 2 * T * h * (kv + h + f)
     params = (h * (h + 2 * kv) + h * h + (2 if gated_mlp else 1) * h * f + f * h + 2 * norm_params
               + ((h + 2 * kv) + h + f + h if bias else 0))
     sig = (f"transformer_block:h{h}:a{a}:g{g}:f{f}:gated{int(gated_mlp)}:{norm}:drop{int(dropout)}:"
-           f"{attention}:bias{int(bias)}:rope{int(rope)}")
+           f"{attention}:bias{int(bias)}:rope{int(rope)}:eager{int(eager)}:sac-{sac}")
     return LayerSpec(
         name=name or f"blocks.{index}",
         kind="transformer_block",
@@ -138,7 +177,7 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         input_bytes=act * h,
         activation_bytes_tp_sharded=sharded,
         activation_bytes_selective=selective,
-        selective_recompute_flops=core_flops if attention != "flash" else 0,
+        selective_recompute_flops=selective_flops,
         tp_allreduces=2,
         tp_degrees=_divisors_for_tp(a, g, f),
         ops=ops,
@@ -202,11 +241,12 @@ def transformer(name: str, *, hidden: int, heads: int, layers: int, seq_len: int
                 kv_heads: int | None = None, ffn_hidden: int | None = None, gated_mlp: bool = False,
                 tied: bool = True, learned_positions: bool = True, norm: str = "layernorm", dropout: bool = False,
                 attention: str = "flash", bias: bool = True, fused_qkv: bool = True, rope: bool = False,
-                embedding_norm: bool = False) -> ModelSpec:
+                embedding_norm: bool = False, eager: bool = False, sac: str = "autopar") -> ModelSpec:
     """A decoder-only transformer workload from its shape."""
     ffn = ffn_hidden or 4 * hidden
     blocks = [block(i, hidden=hidden, heads=heads, ffn_hidden=ffn, kv_heads=kv_heads, gated_mlp=gated_mlp, norm=norm,
-                    dropout=dropout, attention=attention, bias=bias, fused_qkv=fused_qkv, rope=rope)
+                    dropout=dropout, attention=attention, bias=bias, fused_qkv=fused_qkv, rope=rope, eager=eager,
+                    sac=sac)
               for i in range(layers)]
     layers_ = ([embedding(hidden=hidden, vocab_size=vocab_size, seq_len=seq_len, learned_positions=learned_positions,
                           dropout=dropout, norm=embedding_norm)]
@@ -231,6 +271,6 @@ def llama(name: str, *, hidden: int, heads: int, layers: int, seq_len: int, voca
 
 
 def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
-    """Model FLOPs (forward + backward, no recomputation) for one optimizer step."""
-    return sum(layer.eval("fwd_flops", 1, model.seq_len) + layer.eval("bwd_flops", 1, model.seq_len)
-               for layer in model.layers) * global_batch_size
+    """Model FLOPs for one optimizer step: 3 x forward (PaLM / Megatron / torchtitan
+    convention: backward = 2 x forward, attention unmasked, no recomputation)."""
+    return 3 * sum(layer.eval("fwd_flops", 1, model.seq_len) for layer in model.layers) * global_batch_size

@@ -26,7 +26,25 @@ import math
 from functools import lru_cache
 
 from cost_models.hardware import DeviceProfile
-from cost_models.workload import OpSpec, fast
+from cost_models.workload import OpSpec
+from cost_models.workload import fast as _lambdified
+
+_FN_CACHE: dict = {}
+
+
+def fast(expr):
+    """workload.fast, memoised on the expression object itself: printing a sympy
+    expression to find its cached lambda costs more than the lambda."""
+    try:
+        return _FN_CACHE[expr]
+    except KeyError:
+        fn = _lambdified(expr)
+        if len(_FN_CACHE) > 100_000:
+            _FN_CACHE.clear()
+        _FN_CACHE[expr] = fn
+        return fn
+    except TypeError:  # unhashable: no memo
+        return _lambdified(expr)
 
 # (tile_m, tile_n, relative throughput of that tile shape when it is full).
 # A 256x128 tile reaches the device's MAMF rate; halving a tile side halves
@@ -35,9 +53,11 @@ from cost_models.workload import OpSpec, fast
 TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.93), (128, 64, 0.82), (64, 64, 0.65))
 K_OVERHEAD = 64  # prologue + epilogue per tile, in reduction elements
 
-# FlashAttention backward recomputes the score matrix QK^T: 5 GEMM-sized
-# products instead of the 4 that the workload's bwd_flops count.
-FLASH_BWD_RECOMPUTE = 5.0 / 4.0
+# FlashAttention's backward recomputes the score matrix QK^T: 5 GEMM-sized
+# products, 2.5x the forward's 2. (FlopCounterMode's SDPA backward formula
+# counts the same 5; Megatron's model-FLOPs convention counts 4.) Priced from
+# the forward FLOPs so either convention in the workload gives the same time.
+FLASH_BWD_FACTOR = 2.5
 # Causal masking: a FlashAttention kernel skips the blocks above the diagonal,
 # so it executes about half of the unmasked FLOPs the workload counts.
 CAUSAL_FRACTION = 0.5
@@ -59,7 +79,8 @@ def gemm_efficiency(m: int, n: int, k: int, num_sms: int, max_efficiency: float)
 
 
 def _peak(device: DeviceProfile, dtype: str) -> float:
-    return device.peak(dtype)
+    # Tensor-core rate at the clock the GPU sustains under a long dense load.
+    return device.peak(dtype) * device.sustained_clock_fraction
 
 
 def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, dtype: str = "bf16",
@@ -100,7 +121,7 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     if op.kind == "attention":
         causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
         fwd_t = fwd_flops * causal / (peak * device.attention_fwd_efficiency)
-        bwd_t = bwd_flops * causal * FLASH_BWD_RECOMPUTE / (peak * device.attention_bwd_efficiency)
+        bwd_t = fwd_flops * FLASH_BWD_FACTOR * causal / (peak * device.attention_bwd_efficiency)
         return max(fwd_t, fwd_bytes / mem_bw, launch), max(bwd_t, bwd_bytes / mem_bw, launch)
     # Memory-bound ops: bytes decide; FLOPs run on the vector units (fp32 peak).
     vector_peak = device.peak_flops.get("fp32", peak / 16)
@@ -115,5 +136,5 @@ def executed_flops(op: OpSpec, batch: int, seq: int | None) -> tuple[float, floa
     f, b = fast(op.fwd_flops)(batch, s), fast(op.bwd_flops)(batch, s)
     if op.kind == "attention":
         causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
-        return f * causal, b * causal * FLASH_BWD_RECOMPUTE
+        return f * causal, f * FLASH_BWD_FACTOR * causal
     return f, b

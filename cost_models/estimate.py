@@ -10,19 +10,18 @@ construction.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 
 import sympy
 
 from cost_models import comm as C
-from cost_models.compute import op_times
+from cost_models.compute import fast, op_times
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 from cost_models.layout import Layout
 from cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION, activation_bytes, model_state_bytes,
                                 recompute_working_bytes, state_bytes_per_param)
 from cost_models.pipeline import simulate_cached
-from cost_models.workload import S, LayerSpec, ModelSpec, OpSpec, fast
+from cost_models.workload import S, LayerSpec, ModelSpec, OpSpec
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -65,11 +64,10 @@ class LayerCost:
 
 # -------------------------------------------------------------------------------
 def _is_attention_core(op: OpSpec) -> bool:
-    """Ops whose size grows with s^2 (scores, softmax over them, their dropout):
-    the part selective checkpointing recomputes."""
-    if op.kind in ("attention", "softmax") and op.name != "cross_entropy":
-        return True
-    for expr in (op.fwd_bytes, op.fwd_flops):
+    """Ops that materialise s^2 tensors (unfused scores, their softmax and dropout):
+    what Korthikanti's selective checkpointing recomputes. A FlashAttention
+    kernel never writes an s^2 tensor (its bytes grow with s), so it is not one."""
+    for expr in (op.fwd_bytes,):
         if isinstance(expr, sympy.Basic) and S in expr.free_symbols:
             try:
                 if sympy.Poly(sympy.expand(expr), S).degree() >= 2:
@@ -95,21 +93,29 @@ def _tp_for(layer: LayerSpec, tp: int) -> int:
 
 
 def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: int, sp: bool, byte_scale: float):
-    fwd = bwd = core_fwd = 0.0
+    parts = {"fwd": 0.0, "bwd": 0.0, "core_fwd": 0.0, "core_flops": 0.0, "cheap_fwd": 0.0, "gemm_fwd": 0.0,
+             "gemm_flops": 0.0}
     if not layer.ops:  # a layer without an op breakdown: one GEMM-like block at the large-GEMM rate
         f = fast(layer.fwd_flops)(batch, seq or 1) / tp
         b = fast(layer.bwd_flops)(batch, seq or 1) / tp
-        rate = device.peak(dtype) * device.gemm_max_efficiency
-        return f / rate, b / rate, 0.0
+        rate = device.peak(dtype) * device.gemm_max_efficiency * device.sustained_clock_fraction
+        parts.update(fwd=f / rate, bwd=b / rate, gemm_fwd=f / rate, gemm_flops=f)
+        return parts
     for op, core in zip(layer.ops, _core_flags(layer)):
         divisor = tp if (op.tp_sharded or sp) else 1
         f, b = op_times(op, batch, seq, device, dtype=dtype, work_divisor=divisor, byte_scale=byte_scale,
                         gemm_split=tp if op.tp_sharded else 1)
-        fwd += f
-        bwd += b
+        parts["fwd"] += f
+        parts["bwd"] += b
         if core:
-            core_fwd += f
-    return fwd, bwd, core_fwd
+            parts["core_fwd"] += f
+            parts["core_flops"] += fast(op.fwd_flops)(batch, seq or 1) / divisor
+        elif op.kind == "gemm":
+            parts["gemm_fwd"] += f
+            parts["gemm_flops"] += fast(op.fwd_flops)(batch, seq or 1) / divisor
+        elif op.kind != "attention":
+            parts["cheap_fwd"] += f
+    return parts
 
 
 _LAYER_CACHE: dict = {}
@@ -146,7 +152,15 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     sp = layout.sequence_parallel and tp > 1
     m = layout.num_micro_batches
 
-    fwd_s, bwd_s, core_fwd_s = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
+    parts = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
+    fwd_s, bwd_s = parts["fwd"], parts["bwd"]
+    if m > 1 and layer.params:
+        # Gradient accumulation: from the second micro-batch on, autograd adds each new
+        # gradient into .grad (read both, write one): a memory-bound pass per micro-batch.
+        g_acc = state_bytes_per_param(layout.precision, layout.optimizer)[1]
+        bwd_s += (m - 1) / m * 3 * g_acc * layer.params / tp / (device.memory_bandwidth * device.memory_efficiency)
+    core_fwd_s, core_flops = parts["core_fwd"], parts["core_flops"]
+    cheap_fwd_s, gemm_fwd_s, gemm_fwd_flops = parts["cheap_fwd"], parts["gemm_fwd"], parts["gemm_flops"]
 
     # Tensor parallel: tp_allreduces all-reduces of the layer output forward and
     # as many backward (with sequence parallelism: all-gather + reduce-scatter
@@ -163,8 +177,15 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         recompute_s = fwd_s + tp_fwd
         recompute_flops = fast(layer.fwd_flops)(b, s1) / tp
     elif checkpoint == "selective":
-        recompute_s = core_fwd_s if fast(layer.activation_bytes_selective)(b, s1) > 0 else 0.0
         recompute_flops = fast(layer.selective_recompute_flops)(b, s1) / tp
+        if core_flops > 0:
+            # Korthikanti: the attention core (the ops that grow with s^2) is redone
+            recompute_s = core_fwd_s * min(1.0, recompute_flops / core_flops)
+        elif fast(layer.activation_bytes_selective)(b, s1) > 0:
+            # op-level policy: the cheap ops are redone, plus any matmuls it chose to drop
+            recompute_s = cheap_fwd_s + gemm_fwd_s * min(1.0, recompute_flops / max(gemm_fwd_flops, 1.0))
+        else:
+            recompute_s = 0.0
     else:
         recompute_s, recompute_flops = 0.0, 0.0
 
@@ -224,7 +245,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             bwd_exp += max(0.0, h2d - C.FSDP_PREFETCH_OVERLAP * bwd_window)
 
     dp_total = sum(t for _, _, t in colls)
-    model_flops = (fast(layer.fwd_flops)(b, s1) + fast(layer.bwd_flops)(b, s1)) / tp
+    model_flops = 3 * fast(layer.fwd_flops)(b, s1) / tp
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tp_comm,
         param_bytes=states.params, grad_bytes=states.grads, optimizer_bytes=states.optimizer,
@@ -339,10 +360,6 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     b, s1 = layout.micro_batch_size, model.seq_len or 1
     fwd, bwd, p2p, act = [], [], [], []
     for i in range(n_stages):
-        cs = costs[bounds[i]:bounds[i + 1]]
-        fwd.append(sum(c.fwd_s + c.tp_comm_fwd_s + c.dp_fwd_exposed_s for c in cs))
-        bwd.append(sum(c.bwd_s + c.recompute_s + (c.tp_comm_s - c.tp_comm_fwd_s) + c.dp_bwd_exposed_s for c in cs))
-        act.append(sum(c.activation_bytes for c in cs))
         if i < n_stages - 1 and bounds[i + 1] > bounds[i]:
             out = fast(layers[bounds[i + 1] - 1].output_bytes)(b, s1) * byte_scale
             if layout.sequence_parallel and layout.tp > 1:
@@ -350,9 +367,14 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
             p2p.append(C.p2p_time(out, same_node or pp == 1, cluster))
         else:
             p2p.append(0.0)
+    for i in range(n_stages):
+        cs = costs[bounds[i]:bounds[i + 1]]
+        fwd.append(sum(c.fwd_s + c.tp_comm_fwd_s + c.dp_fwd_exposed_s for c in cs))
+        bwd.append(sum(c.bwd_s + c.recompute_s + (c.tp_comm_s - c.tp_comm_fwd_s) + c.dp_bwd_exposed_s for c in cs))
+        act.append(sum(c.activation_bytes for c in cs))
 
     sim = simulate_cached(layout.schedule if pp > 1 else "1f1b", pp, m, fwd, bwd, p2p, virtual_stages=v,
-                          activation_bytes=act)
+                          activation_bytes=act, blocking_p2p=layout.p2p_blocking)
 
     # Per pp rank: the end-of-step data-parallel exposure and the optimizer step.
     ranks = [[j for j in range(n) if stage_of[j] % pp == r] for r in range(pp)]
@@ -399,7 +421,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     gbs = layout.global_batch_size
     tokens = gbs * (model.tokens_per_sample or s1)
     # FLOPs of one micro-batch through every layer, times the micro-batches of a step
-    mb_flops = sum(fast(layer.fwd_flops)(b, s1) + fast(layer.bwd_flops)(b, s1) for layer in layers)
+    # Model FLOPs, the MFU convention (PaLM, Megatron, torchtitan): 3 x forward, attention
+    # unmasked, no recomputation, whatever the workload counts for its backward.
+    mb_flops = 3 * sum(fast(layer.fwd_flops)(b, s1) for layer in layers)
     mb_recompute = sum(fast(layer.fwd_flops)(b, s1) if c == "full" else
                        fast(layer.selective_recompute_flops)(b, s1) if c == "selective" else 0.0
                        for layer, c in zip(layers, ckpts))

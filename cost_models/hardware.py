@@ -89,6 +89,7 @@ class DeviceProfile:
     attention_fwd_efficiency: float
     attention_bwd_efficiency: float
     kernel_launch_s: float
+    sustained_clock_fraction: float = 1.0  # clock held at the power limit / clock the peak assumes
     vendor: str = "nvidia"
     source: str = ""
 
@@ -130,6 +131,7 @@ class DeviceProfile:
             attention_fwd_efficiency=_fraction(d, "attention_fwd_efficiency", where, file, default=0.5),
             attention_bwd_efficiency=_fraction(d, "attention_bwd_efficiency", where, file, default=0.4),
             kernel_launch_s=_num(d, "kernel_launch_us", where, file, allow_zero=True, default=4) * 1e-6,
+            sustained_clock_fraction=_fraction(d, "sustained_clock_fraction", where, file, default=1.0),
             vendor=str(d.get("vendor", "nvidia")),
             source=str(d.get("source", "")),
         )
@@ -146,6 +148,7 @@ class DeviceProfile:
             "attention_fwd_efficiency": self.attention_fwd_efficiency,
             "attention_bwd_efficiency": self.attention_bwd_efficiency,
             "kernel_launch_us": self.kernel_launch_s * 1e6,
+            "sustained_clock_fraction": self.sustained_clock_fraction,
             "vendor": self.vendor,
             "source": self.source,
         }
@@ -311,9 +314,11 @@ class ClusterSpec:
 
     def cache_key(self) -> tuple:
         """Hashable identity for memoising costs on this cluster."""
+        # user-defined profiles are keyed by their values (frozen dataclasses print deterministically)
+        custom = repr(sorted(self.devices.items())) + repr(sorted(self.links.items())) if (
+            self.devices or self.links) else ""
         return (self.nodes, self.gpus_per_node, self.device, self.intra_node_link, self.inter_node_link,
-                self.host_memory_bytes, self.host_link, self.host_memory_bandwidth,
-                tuple(sorted(self.devices)), tuple(sorted(self.links)), id(self.devices), id(self.links))
+                self.host_memory_bytes, self.host_link, self.host_memory_bandwidth, custom)
 
     def with_nodes(self, nodes: int) -> "ClusterSpec":
         d = self.to_dict()

@@ -37,6 +37,9 @@ class Layout:
     layer_zero: list | None = None  # per-layer overrides aligned with model.layers
     layer_checkpoint: list | None = None
     layer_offload: list | None = None
+    # Pipeline sends: False = asynchronous isend/irecv (torch.distributed.pipelining,
+    # what autopar lowers to); True = blocking rendezvous (Megatron, DeepSpeed).
+    p2p_blocking: bool = False
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.compute import fast
 from cost_models.errors import CostModelError
-from cost_models.workload import LayerSpec, fast
+from cost_models.workload import LayerSpec
 
 # (param, grad, optimizer) bytes per parameter
 STATE_BYTES = {
@@ -118,3 +119,21 @@ def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int, pp_r
         return float(min(m, pp - pp_rank))
     chunks = min(m * virtual_stages, (pp - pp_rank - 1) * 2 + (virtual_stages - 1) * pp + 1)
     return chunks / virtual_stages
+
+
+def activation_expr(layer: LayerSpec, *, tp: int = 1, sequence_parallel: bool = False, checkpoint: str = "none"):
+    """The same rule as `activation_bytes`, kept symbolic in B (micro-batch) and S
+    (sequence) so a report can print the formula it priced, e.g. 34*b*s*h/t."""
+    import sympy
+
+    total = sympy.sympify(layer.activation_bytes)
+    sharded = sympy.sympify(layer.activation_bytes_tp_sharded)
+    if checkpoint == "full":
+        return sympy.simplify(sympy.sympify(layer.input_bytes) / (tp if sequence_parallel else 1))
+    if checkpoint == "selective":
+        sharded = sharded - sympy.sympify(layer.activation_bytes_selective)
+        total = total - sympy.sympify(layer.activation_bytes_selective)
+    elif checkpoint != "none":
+        raise CostModelError(f"unknown checkpoint mode '{checkpoint}' (none, selective, full)")
+    replicated = total - sharded
+    return sympy.factor(sharded / tp + replicated / (tp if sequence_parallel else 1))

@@ -62,14 +62,30 @@ def rank_order(schedule: str, rank: int, pp: int, m: int, v: int = 1) -> list[tu
 
 
 def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s: list, p2p_s: list | None = None,
-             *, virtual_stages: int = 1, activation_bytes: list | None = None, keep_events: bool = False) -> PipelineResult:
+             *, virtual_stages: int = 1, activation_bytes: list | None = None, keep_events: bool = False,
+             blocking_p2p: bool = False) -> PipelineResult:
     """Run the schedule. fwd_s / bwd_s / p2p_s / activation_bytes are per stage
     (len pp * V, stage i on rank i % pp); p2p_s[i] is the send of stage i's
-    output to stage i + 1 (and of its input gradient back)."""
+    output to stage i + 1 (and of its input gradient back).
+
+    blocking_p2p=False (torch.distributed.pipelining: isend/irecv on their own
+    stream): a transfer only delays its receiver. blocking_p2p=True (Megatron's
+    batched send/recv, DeepSpeed's pipeline engine): a large NCCL send is a
+    rendezvous, so the transfer starts when both sides reach it and the sender
+    cannot start its next op until it has finished; neighbouring stages then
+    run in lock-step, which is what makes their bubbles and slots longer.
+    """
     if schedule not in ("gpipe", "1f1b", "interleaved"):
         raise CostModelError(f"unknown pipeline schedule '{schedule}' (gpipe, 1f1b, interleaved)")
     v = virtual_stages if schedule == "interleaved" else 1
     n_stages = pp * v
+    rendezvous = blocking_p2p and v == 1
+    if blocking_p2p and v > 1:
+        # Megatron batches the interleaved exchanges so that none waits on a rendezvous;
+        # the sender still blocks for its own transfer, which lengthens its op.
+        p2p_busy = list(p2p_s) if p2p_s is not None else [0.0] * n_stages
+        fwd_s = [f + p2p_busy[i] for i, f in enumerate(fwd_s)]
+        bwd_s = [b + (p2p_busy[i - 1] if i > 0 else 0.0) for i, b in enumerate(bwd_s)]
     if len(fwd_s) != n_stages or len(bwd_s) != n_stages:
         raise CostModelError(f"need {n_stages} per-stage times (pp x virtual_stages), got {len(fwd_s)}/{len(bwd_s)}")
     if schedule == "interleaved" and pp > 1 and num_micro_batches % pp:
@@ -87,6 +103,9 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s:
     peak_bytes = [0.0] * pp
     fwd_done: dict = {}
     bwd_done: dict = {}
+    index = [{op: i for i, op in enumerate(o)} for o in orders]
+    op_end = [[0.0] * len(o) for o in orders]
+    pending_send: list = [None] * pp  # blocking mode: (receiver rank, its op index, send end, transfer s)
     events = []
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -94,30 +113,46 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s:
         for r in range(pp):
             order = orders[r]
             while pos[r] < len(order):
+                if pending_send[r] is not None:  # wait until the receiver reaches the matching recv
+                    rr, ri, sent, xfer = pending_send[r]
+                    if pos[rr] < ri:
+                        break
+                    clock[r] = max(clock[r], max(sent, op_end[rr][ri - 1] if ri > 0 else 0.0) + xfer)
+                    pending_send[r] = None
                 phase, mb, chunk = order[pos[r]]
                 stage = chunk * pp + r
                 if phase == "fwd":
                     if stage == 0:
-                        ready = 0.0
+                        dep, xfer = 0.0, 0.0
                     else:
                         dep = fwd_done.get((stage - 1, mb))
                         if dep is None:
                             break
-                        ready = dep + p2p[stage - 1]
+                        xfer = p2p[stage - 1]
                     dur = fwd_s[stage]
                 else:
                     if stage == n_stages - 1:
-                        ready = fwd_done.get((stage, mb))
-                        if ready is None:
+                        dep, xfer = fwd_done.get((stage, mb)), 0.0
+                        if dep is None:
                             break
                     else:
                         dep = bwd_done.get((stage + 1, mb))
                         if dep is None:
                             break
-                        ready = dep + p2p[stage]
+                        xfer = p2p[stage]
                     dur = bwd_s[stage]
-                start = max(clock[r], ready)
+                if rendezvous and xfer:
+                    start = max(clock[r], dep) + xfer  # rendezvous: both sides wait for the transfer
+                else:
+                    start = max(clock[r], dep + xfer)
                 end = start + dur
+                op_end[r][pos[r]] = end
+                if rendezvous and pp > 1:
+                    to = stage + 1 if phase == "fwd" else stage - 1
+                    if 0 <= to < n_stages:
+                        rr = to % pp
+                        key = (phase, mb, to // pp)
+                        pending_send[r] = (rr, index[rr][key], end, p2p[stage] if phase == "fwd" else p2p[to])
                 clock[r] = end
                 busy[r] += dur
                 if phase == "fwd":
@@ -151,11 +186,11 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s:
 
 
 def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1, *, fwd_s: list, bwd_s: list,
-             p2p_s: list | None = None) -> list[dict]:
+             p2p_s: list | None = None, blocking_p2p: bool = False) -> list[dict]:
     """The simulated schedule's events, for drawing: dicts with pp_rank, stage,
     micro_batch, phase ('fwd'|'bwd'), start_s, end_s (sorted by rank, start)."""
     return simulate(schedule, pp, num_micro_batches, fwd_s, bwd_s, p2p_s,
-                    virtual_stages=virtual_stages, keep_events=True).events
+                    virtual_stages=virtual_stages, keep_events=True, blocking_p2p=blocking_p2p).events
 
 
 schedule_events = timeline
@@ -168,13 +203,14 @@ def closed_form_bubble_fraction(schedule: str, pp: int, num_micro_batches: int, 
 
 
 @lru_cache(maxsize=4096)
-def _cached(schedule, pp, m, v, fwd, bwd, p2p, act):
-    return simulate(schedule, pp, m, list(fwd), list(bwd), list(p2p), virtual_stages=v, activation_bytes=list(act))
+def _cached(schedule, pp, m, v, fwd, bwd, p2p, act, blocking):
+    return simulate(schedule, pp, m, list(fwd), list(bwd), list(p2p), virtual_stages=v, activation_bytes=list(act),
+                    blocking_p2p=blocking)
 
 
 def simulate_cached(schedule: str, pp: int, m: int, fwd_s, bwd_s, p2p_s, *, virtual_stages: int = 1,
-                    activation_bytes=None) -> PipelineResult:
+                    activation_bytes=None, blocking_p2p: bool = False) -> PipelineResult:
     """`simulate` memoised on its (rounded) inputs, for planners that re-price layouts."""
     r = lambda xs: tuple(round(float(x), 12) for x in xs)  # noqa: E731
     act = activation_bytes if activation_bytes is not None else [0.0] * len(fwd_s)
-    return _cached(schedule, pp, m, virtual_stages, r(fwd_s), r(bwd_s), r(p2p_s), r(act))
+    return _cached(schedule, pp, m, virtual_stages, r(fwd_s), r(bwd_s), r(p2p_s), r(act), blocking_p2p)

@@ -28,6 +28,9 @@ class GPTConfig:
     ffn_mult: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # "sdpa": F.scaled_dot_product_attention (flash on GPUs); "math": softmax(QK^T/sqrt(d))V
+    # written out, as in the Megatron paper's activation analysis (saves the s x s scores).
+    attention_impl: str = "sdpa"
 
 
 PRESETS = {
@@ -50,6 +53,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = cfg.dropout
+        self.attention_impl = cfg.attention_impl
+        if cfg.attention_impl == "math":
+            self.attn_drop = nn.Dropout(cfg.dropout)
+            # True above the diagonal: the future positions a token may not see.
+            self.register_buffer("future", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1),
+                                 persistent=False)
+        elif cfg.attention_impl != "sdpa":
+            raise ValueError(f"attention_impl must be 'sdpa' or 'math', got {cfg.attention_impl!r}")
 
     def forward(self, x):
         b, s, h = x.shape
@@ -57,9 +68,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         k = k.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         v = v.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.attention_impl == "math":
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(h // self.heads))
+            scores = scores.masked_fill(self.future[:s, :s], float("-inf"))
+            y = self.attn_drop(F.softmax(scores, dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
         y = y.transpose(1, 2).contiguous().view(b, s, h)
         return self.proj(y)
 

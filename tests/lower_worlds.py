@@ -5,7 +5,7 @@ seconds) and returns plain numbers; the tests assert on them.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 import torch
 
@@ -27,7 +27,7 @@ def build(model_name: str, seed: int = 0, device=None):
 
 def _llama_tied():
     import llama
-    cfg = copy.replace(llama.PRESETS["llama_tiny"], tie_embeddings=True)
+    cfg = dataclasses.replace(llama.PRESETS["llama_tiny"], tie_embeddings=True)
     return llama.Llama(cfg), lambda b: llama.example_inputs(b, cfg)
 
 
@@ -67,16 +67,26 @@ def compare(params, ref_params) -> float:
 
 
 def equivalence_world(rank, world, model_name, layouts, optim):
-    """For each layout (kwargs of plan_for_model): losses per step and the
-    worst relative parameter difference against one process after STEPS steps."""
-    ref_losses, ref_params = reference(model_name, optim)
+    """For each layout (kwargs of plan_for_model, plus an optional "model"
+    overriding model_name): losses per step and the worst relative parameter
+    difference against one process after STEPS steps."""
+    refs = {}
     out = {}
     for name, kw in layouts:
-        model, example, loss_fn = build(model_name)
-        dp = kw.get("dp", 1)
-        n_mb = kw.setdefault("num_micro_batches", 1)
-        kw.setdefault("micro_batch_size", GLOBAL_BATCH // (dp * n_mb))
-        plan = plan_for_model(model, **kw)
+        kw = dict(kw)
+        this_model = kw.pop("model", model_name)
+        if this_model not in refs:
+            refs[this_model] = reference(this_model, optim)
+        ref_losses, ref_params = refs[this_model]
+        model, example, loss_fn = build(this_model)
+        if "plan_json" in kw:  # a plan made elsewhere (the solver, `autopar compile`)
+            from autopar.plan import Plan
+            plan = Plan.load(kw["plan_json"])
+        else:
+            dp = kw.get("dp", 1)
+            n_mb = kw.setdefault("num_micro_batches", 1)
+            kw.setdefault("micro_batch_size", GLOBAL_BATCH // (dp * n_mb))
+            plan = plan_for_model(model, **kw)
         cls, okw = make_optimizer(optim)
         pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=cls, optimizer_kwargs=okw,
                      plan=plan)
@@ -85,4 +95,101 @@ def equivalence_world(rank, world, model_name, layouts, optim):
         out[name] = {"losses": losses, "ref_losses": ref_losses,
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                      "param_rel": compare(state, ref_params)}
+    return out
+
+
+def world_size_mismatch_world(rank, world):
+    """A plan for 2x the ranks must fail on every rank with a message, not hang."""
+    from autopar.errors import PlanMismatchError
+    model, example, loss_fn = build("gpt")
+    plan = plan_for_model(model, dp=world * 2)
+    try:
+        compile(model, example_inputs=example, loss_fn=loss_fn, plan=plan)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def _meta_gpt():
+    import gpt
+    cfg = gpt.GPTConfig(vocab_size=1024, seq_len=32, hidden=128, layers=4, heads=4)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+
+    def init_fn(module):
+        # the model's own init (GPT._init_weights) plus its position buffer
+        model._init_weights(module)
+        if isinstance(module, gpt.GPT):
+            module.pos.copy_(torch.arange(cfg.seq_len))
+    return model, cfg, init_fn
+
+
+def meta_memory_world(rank, world):
+    """Meta model -> shards: bytes of parameters each rank holds vs the whole
+    model, init statistics, tied ends equal, and that it trains."""
+    import torch.distributed as dist
+    import gpt
+    out = {}
+    layouts = [("zero3_dp4", dict(dp=4, zero=3), 4), ("tp4", dict(tp=4), 4),
+               ("pp2_dp2_zero3", dict(pp=2, dp=2, zero=3, schedule="gpipe", num_micro_batches=2), 4)]
+    for name, kw, factor in layouts:
+        model, cfg, init_fn = _meta_gpt()
+        full_bytes = sum(p.numel() * 4 for p in model.parameters())
+        kw.setdefault("micro_batch_size", 8 // (kw.get("dp", 1) * kw.get("num_micro_batches", 1)))
+        plan = plan_for_model(model, **kw)
+        example = lambda b: (torch.zeros(b, cfg.seq_len, dtype=torch.long),)
+        pm = compile(model, example_inputs=example, loss_fn=gpt.loss_fn, plan=plan,
+                     optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, init_fn=init_fn)
+        local = pm.local_parameter_bytes()
+        # the tied ends: every rank reports the full value of the copies it holds
+        tied = {}
+        for mod, attr in pm._holders["wte.weight"]:
+            if id(mod) in {id(m) for s in pm.stages for m in s.modules()}:
+                p = getattr(mod, attr)
+                tied[attr] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, tied)
+        copies = [t for d in everyone for t in d.values()]
+        state = pm.full_state_dict()
+        g = torch.Generator().manual_seed(7)
+        x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
+        losses = [pm.train_step((x,), torch.roll(x, -1, 1)) for _ in range(2)]
+        out[name] = {"local_bytes": local, "full_bytes": full_bytes, "factor": factor,
+                     "w_std": state["blocks.0.attn.qkv.weight"].std().item(),
+                     "tied_max_diff": max((c - copies[0]).abs().max().item() for c in copies),
+                     "losses": losses}
+    return out
+
+
+def emitted_reference_world(rank, world, build_dir, steps):
+    """What the emitted train.py computes, done by compiling in this process."""
+    import importlib.util
+    import os
+    from autopar.model_file import load_model
+    from autopar.plan import Plan
+    spec = importlib.util.spec_from_file_location("emitted_train", os.path.join(build_dir, "train.py"))
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)  # defines synthetic_batch; main() does not run
+    plan = Plan.load(os.path.join(build_dir, "plan.json"))
+    torch.manual_seed(0)
+    loaded = load_model(os.path.join(build_dir, "model.py") + ":gpt_tiny", device="cpu")
+    pm = compile(loaded.model, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                 optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 3e-4}, plan=plan)
+    return [pm.train_step(*train.synthetic_batch(loaded.example_inputs, plan.global_batch_size, s, 0))
+            for s in range(steps)]
+
+
+def precision_world(rank, world):
+    """bf16 plans: FSDP2 MixedPrecisionPolicy (dp) and autocast (tp, no FSDP)."""
+    ref_losses, _ = reference("llama", "sgd")
+    out = {}
+    for name, kw in [("dp_zero2_bf16", dict(dp=2, zero=2, micro_batch_size=4)),
+                     ("tp_bf16", dict(tp=2, micro_batch_size=8))]:
+        model, example, loss_fn = build("llama")
+        plan = plan_for_model(model, precision="bf16", **kw)
+        cls, okw = make_optimizer("sgd")
+        pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=cls, optimizer_kwargs=okw, plan=plan)
+        losses = [pm.train_step((x,), y) for x, y in batches()]
+        out[name] = {"losses": losses, "ref_losses": ref_losses,
+                     "param_dtype": str(next(iter(pm.full_state_dict().values())).dtype)}
     return out

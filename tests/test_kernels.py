@@ -127,6 +127,17 @@ def test_other_leading_shapes(name):
             _assert_close(g, w, 1e-5, f"{name} {shape}")
 
 
+def test_bias_grad_reduced_across_many_row_tiles():
+    # 4200 rows of width 300 -> 263 row tiles of 16: more than the 256 partial
+    # rows the backward allows, so each program sums several tiles.
+    triton_fn, reference_fn, make_inputs = REGISTRY["bias_gelu"]
+    inputs = make_inputs(seed=9, shape=(4200, 300))
+    got, got_g = _run(triton_fn, [_leaf(a) for a in inputs])
+    want, want_g = _run(reference_fn, [_leaf(a) for a in inputs])
+    for g, w in zip(got + got_g, want + want_g):
+        _assert_close(g, w, 1e-5, "bias_gelu 4200x300")
+
+
 def test_cross_entropy_vocab_wider_than_one_block():
     # 5000 > the 4096-wide block: exercises the online log-sum-exp across blocks.
     triton_fn, reference_fn, make_inputs = REGISTRY["cross_entropy"]
@@ -225,6 +236,8 @@ def test_dropout_p0_and_eval_are_exact_add():
     lambda: REGISTRY["cross_entropy"][0](torch.randn(3, 8), torch.zeros(4, dtype=torch.long)),
     lambda: REGISTRY["linear_cross_entropy"][0](torch.randn(3, 8), torch.randn(10, 7), torch.zeros(3, dtype=torch.long)),
     lambda: REGISTRY["scaled_masked_softmax"][0](torch.randn(8)),
+    lambda: REGISTRY["cross_entropy"][0](torch.randn(3, 8), torch.tensor([0, 8, 1])),
+    lambda: REGISTRY["linear_cross_entropy"][0](torch.randn(3, 4), torch.randn(8, 4), torch.tensor([0, -5, 1])),
 ])
 def test_bad_input_raises_actionable_error(call):
     with pytest.raises(AutoparError):

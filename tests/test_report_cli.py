@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,6 +11,8 @@ from autopar.cli import main
 from autopar.plan import Plan
 from autopar.report import render_html
 from test_report_fixtures import make_small_plan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -61,3 +65,20 @@ def test_report_takes_the_same_options_as_plan():
     report_opts = {a.dest for a in build_parser(["report"])._subparsers._group_actions[0].choices["report"]._actions}
     shared = plan_opts - {"json", "top", "html"}  # plan's own output flags
     assert shared <= report_opts
+
+
+def test_plan_html_and_json_come_from_one_plan(tmp_path, capsys, monkeypatch):
+    """`autopar plan --json --html`: the page is exactly the rendering of the printed plan."""
+    from autopar.commands.common import load_graph
+
+    out = tmp_path / "plan.html"
+    # Everything pinned: the solver only prices one layout, so this stays quick.
+    argv = ["plan", "examples/gpt.py:gpt_tiny", "--gpus", "8", "--pp", "2", "--tp", "2", "--dp", "2",
+            "--micro-batch", "2", "--batch-size", "16", "--zero", "1", "--checkpoint", "none", "--offload", "none",
+            "--schedule", "1f1b", "--sequence-parallel", "--json", "--html", str(out)]
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    graph, _ = load_graph(SimpleNamespace(model="examples/gpt.py:gpt_tiny"))
+    assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp) == (2, 2, 2)
+    assert out.read_text(encoding="utf-8") == render_html(plan, graph)

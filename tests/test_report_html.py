@@ -211,3 +211,13 @@ def test_plan_with_empty_predictions_still_renders():
     plan = Plan(model={"name": "empty"}, cluster={"nodes": 1, "gpus_per_node": 8, "device": "h100-sxm"})
     tree = parse(render_html(plan))
     assert "no time breakdown" in all_text(tree)
+
+
+def test_tp_groups_are_bracketed_per_node_and_marked_when_they_span_nodes():
+    def labels(*args):
+        doc = ET.fromstring(str(mesh.detail_svg(*args)))
+        return [t.text for t in doc.iter(f"{SVG}text") if "tp group" in (t.text or "")]
+
+    assert labels(2, 2, 2, 8, [0]) == ["tp group (2 GPUs)"] * 4
+    assert labels(1, 1, 16, 8, [0, 1]) == ["part of a 16-GPU tp group"] * 2
+    assert labels(1, 8, 1, 8, [0]) == []  # no tensor parallelism: nothing to bracket

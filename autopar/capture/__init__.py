@@ -8,7 +8,7 @@ See docs/capture.md.
 """
 from cost_models.workload import LayerSpec as Layer
 
-from autopar.capture.capture import capture
+from autopar.capture.api import capture
 from autopar.capture.graph import ModelGraph
 
 __all__ = ["capture", "ModelGraph", "Layer"]

@@ -2,9 +2,11 @@
 
 Every per-layer quantity of a training step is a polynomial in the
 micro-batch size b (degree 1) and sequence length s (degree <= 2: attention
-scores are s x s). Capture measures each quantity at b in {1, 2} and three
+scores are s x s). Capture measures each quantity at b in {2, 3} and three
 sequence lengths, solves for the exact rational coefficients, and checks the
-polynomial at one more point (b=3, a fourth s). A quantity that does not fit
+polynomial at one more point (b=4, a fourth s). b=1 is not measured: PyTorch
+takes different paths for a batch of one (views instead of copies in
+matmul), which would make b=1 the odd point out. A quantity that does not fit
 (a model whose cost is not polynomial, e.g. routing that rounds) fails loudly
 rather than extrapolating wrong numbers.
 """
@@ -34,16 +36,15 @@ class PointGrid:
     """The (batch, seq) points capture measures at, and the check point."""
 
     def __init__(self, seq: int | None):
-        self.batches = (1, 2)
-        self.check_batch = 3
+        self.batches = (2, 3)
         if seq is None:
             self.seqs = None
-            self.points = [(1, None), (2, None)]
-            self.check = (3, None)
+            self.points = [(2, None), (3, None)]
+            self.check = (4, None)
         else:
             self.seqs = sequence_points(seq)
             self.points = [(b, s) for b in self.batches for s in self.seqs]
-            self.check = (3, check_seq(seq, self.seqs))
+            self.check = (4, check_seq(seq, self.seqs))
 
     @property
     def all_points(self):
@@ -69,18 +70,17 @@ def check_seq(seq: int, seqs: tuple) -> int:
 
 def fit(values: dict, grid: PointGrid, what: str):
     """sympy polynomial through values[(b, s)], verified at grid.check."""
+    b1, b2 = grid.batches
     if grid.seqs is None:
-        y1, y2 = Fraction(values[(1, None)]), Fraction(values[(2, None)])
-        slope = y2 - y1
-        coeffs = {(0, 0): y1 - slope, (1, 0): slope}
+        g1, g2 = [Fraction(values[(b1, None)])], [Fraction(values[(b2, None)])]
     else:
-        g1 = _quadratic(grid.seqs, [values[(1, s)] for s in grid.seqs])
-        g2 = _quadratic(grid.seqs, [values[(2, s)] for s in grid.seqs])
-        coeffs = {}
-        for j in range(3):
-            slope = g2[j] - g1[j]
-            coeffs[(0, j)] = g1[j] - slope
-            coeffs[(1, j)] = slope
+        g1 = _quadratic(grid.seqs, [values[(b1, s)] for s in grid.seqs])
+        g2 = _quadratic(grid.seqs, [values[(b2, s)] for s in grid.seqs])
+    coeffs = {}
+    for j in range(len(g1)):  # value = g1 + (b - b1) * (g2 - g1) / (b2 - b1)
+        slope = (g2[j] - g1[j]) / (b2 - b1)
+        coeffs[(0, j)] = g1[j] - slope * b1
+        coeffs[(1, j)] = slope
     b, s = grid.check
     predicted = sum(c * b ** i * (s ** j if j else 1) for (i, j), c in coeffs.items())
     measured = Fraction(values[grid.check])

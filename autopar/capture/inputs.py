@@ -20,22 +20,26 @@ from autopar.errors import CaptureError
 @dataclass
 class InputTemplate:
     spec: object  # pytree spec of (args, kwargs)
-    leaves: list  # per leaf: ("tensor", shape, dtype, batch_dim, seq_dim) or ("value", v)
+    leaves: list  # per leaf: ("tensor", shape, dtype, batch_dim, seq_dims) or ("value", v)
     seq: int | None
 
-    def make(self, batch: int, seq: int | None):
+    def make(self, batch: int, seq: int | None, dtype: torch.dtype | None = None):
+        """Meta inputs at (batch, seq); floating inputs in the capture dtype (as
+        a bf16 training loop casts its inputs)."""
         flat = []
         for leaf in self.leaves:
             if leaf[0] == "value":
                 flat.append(leaf[1])
                 continue
-            _, shape, dtype, batch_dim, seq_dim = leaf
+            _, shape, leaf_dtype, batch_dim, seq_dims = leaf
             shape = list(shape)
             if batch_dim is not None:
                 shape[batch_dim] = batch
-            if seq_dim is not None and seq is not None:
-                shape[seq_dim] = seq
-            flat.append(torch.empty(shape, dtype=dtype, device="meta"))
+            for d in seq_dims if seq is not None else ():
+                shape[d] = seq
+            if dtype is not None and leaf_dtype.is_floating_point:
+                leaf_dtype = dtype
+            flat.append(torch.empty(shape, dtype=leaf_dtype, device="meta"))
         args, kwargs = tree_unflatten(flat, self.spec)
         return args, kwargs
 
@@ -81,26 +85,32 @@ def template_from(example_inputs, seq_dim="auto") -> InputTemplate:
         given = tensors[0].shape[0] if tensors else None
         batch_dims = [0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == given else None
                       for x in flat]
-    leaves, seqs = [], set()
-    for x, bd in zip(flat, batch_dims):
+    # Sequence axis: dim 1 of batched token-like / embedded-sequence inputs.
+    seq_dims, seqs = {}, set()
+    for i, (x, bd) in enumerate(zip(flat, batch_dims)):
         if not isinstance(x, torch.Tensor):
-            leaves.append(("value", x))
             continue
-        sd = None
         if seq_dim == "auto":
             token_like = x.dim() == 2 and not x.is_floating_point()
             embedded = x.dim() == 3 and x.is_floating_point()
             if bd == 0 and (token_like or embedded):
-                sd = 1
+                seq_dims[i] = (1,)
         elif isinstance(seq_dim, int) and bd is not None and x.dim() > seq_dim:
-            sd = seq_dim
-        if sd is not None:
-            seqs.add(x.shape[sd])
-        leaves.append(("tensor", tuple(x.shape), x.dtype, bd, sd))
+            seq_dims[i] = (seq_dim,)
+        seqs.update(x.shape[d] for d in seq_dims.get(i, ()))
+    if len(seqs) > 1:  # inputs of different lengths (encoder/decoder): keep the length fixed
+        seq_dims, seqs = {}, set()
+    seq = seqs.pop() if seqs else None
+    leaves = []
+    for i, (x, bd) in enumerate(zip(flat, batch_dims)):
+        if not isinstance(x, torch.Tensor):
+            leaves.append(("value", x))
+            continue
+        dims = seq_dims.get(i, ())
+        if seq is not None and bd is None and not dims:
+            # An unbatched mask or bias over positions, e.g. an (s, s) attention mask.
+            dims = tuple(d for d in range(x.dim()) if x.shape[d] == seq)
+        leaves.append(("tensor", tuple(x.shape), x.dtype, bd, dims))
     if not any(leaf[0] == "tensor" for leaf in leaves):
         raise CaptureError("example inputs contain no tensor", hint="return at least one input tensor")
-    if len(seqs) > 1:
-        # Inputs of different lengths (e.g. encoder/decoder): treat seq as fixed.
-        leaves = [leaf if leaf[0] == "value" else leaf[:4] + (None,) for leaf in leaves]
-        seqs = set()
-    return InputTemplate(spec, leaves, seqs.pop() if seqs else None)
+    return InputTemplate(spec, leaves, seq)

@@ -25,8 +25,9 @@ class LayerMetrics:
     bwd_flops: int = 0
     activation_bytes: int = 0
     activation_bytes_tp_sharded: int = 0
-    saved_entries: list = field(default_factory=list)  # (nbytes, shape) per deduped storage, in save order
-    fwd_op_flops: list = field(default_factory=list)  # forward FLOPs per op, in op order
+    # Keyed by (module, op, occurrence) so the same tensor/op lines up across points.
+    saved_entries: dict = field(default_factory=dict)  # key -> (nbytes, shape) per deduped storage
+    fwd_op_flops: dict = field(default_factory=dict)  # key -> forward FLOPs
     input_bytes: int = 0
     output_bytes: int = 0
     ops: dict = field(default_factory=dict)  # key -> dict of op numbers
@@ -88,7 +89,15 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     row_ids = {r.idx for r in rows}
     m.fwd_flops = sum(r.flops for r in fwd)
     m.bwd_flops = sum(r.flops for r in bwd)
-    m.fwd_op_flops = [r.flops for r in fwd]
+    occurrences = {}
+
+    def key_of(r):
+        base = (_relative(r.module, prefix), r.op)
+        occurrences[base] = occurrences.get(base, -1) + 1
+        return base + (occurrences[base],)
+
+    op_key = {r.idx: key_of(r) for r in fwd}
+    m.fwd_op_flops = {op_key[r.idx]: r.flops for r in fwd}
     m.input_bytes = trace.input_bytes.get(layer, 0)
     m.output_bytes = trace.output_bytes.get(layer, 0)
 
@@ -98,7 +107,8 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
             continue
         seen.add(s.storage)
         m.activation_bytes += s.nbytes
-        m.saved_entries.append((s.nbytes, s.shape))
+        key = op_key.get(s.producer, ("<input>", "", len(m.saved_entries)))
+        m.saved_entries[key] = (s.nbytes, s.shape)
         if s.producer is not None and sharded.get(s.producer, False):
             m.activation_bytes_tp_sharded += s.nbytes
 
@@ -110,14 +120,14 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         if op is None:
             op = m.ops[key] = dict(kind=r.kind, fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0,
                                    gemm=r.gemm if r.uses_param or r.kind == "gemm" else None,
-                                   tp_sharded=False, count=0)
+                                   tp_sharded=False, count=0, causal=r.causal)
         op["fwd_flops"] += r.flops
         op["fwd_bytes"] += r.nbytes
         op["count"] += 1
         op["tp_sharded"] |= sharded.get(r.idx, False) or r.idx in row_ids or (r.kind == "embedding" and r.uses_param)
         by_idx[r.idx] = key
     unattributed = dict(kind="other", fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0, gemm=None,
-                        tp_sharded=False, count=0)
+                        tp_sharded=False, count=0, causal=None)
     for r in bwd:
         op = m.ops.get(by_idx.get(r.fwd_ref), unattributed)
         op["bwd_flops"] += r.flops
@@ -135,6 +145,11 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.has_weight_gemm = bool(cols) or bool(rows)
     m.has_norm = any(r.kind == "norm" for r in fwd)
     m.attrs = _attrs(trace, layer, fwd, cols, valid, state)
+    if is_head and cols:  # the head's column GEMM is the vocabulary projection
+        widest = max((c for c in cols.values() if c.gemm), key=lambda c: c.gemm[1], default=None)
+        m.attrs.pop("ffn_hidden", None)
+        if widest is not None:
+            m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
     return m
 
@@ -152,6 +167,7 @@ def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, sta
     for r in fwd:
         if r.kind == "attention" and r.in_shapes and len(r.in_shapes[0]) == 4:
             q, k = r.in_shapes[0], r.in_shapes[1]
+            attrs.setdefault("causal", r.causal)
             attrs.setdefault("heads", q[1])
             attrs.setdefault("head_dim", q[3])
             if k[1] != q[1]:
@@ -184,11 +200,6 @@ def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, sta
         experts, k, _ = trace.topk[layer]
         attrs["experts"], attrs["top_k"] = experts, k
     return attrs
-
-
-def head_vocab(cols: dict) -> int | None:
-    widths = [c.gemm[1] for c in cols.values() if c.gemm]
-    return max(widths) if widths else None
 
 
 def divisors_up_to(n: int, limit: int = 1024) -> tuple:

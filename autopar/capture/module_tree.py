@@ -25,20 +25,30 @@ def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _composite(module: nn.Module) -> bool:
+    return _has_params(module) and next(module.children(), None) is not None
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of the repeated blocks in module-tree order."""
-    containers = []
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        kids = [child for child in module.children() if _has_params(child)]
-        if len(kids) >= 2 and Counter(type(c) for c in kids).most_common(1)[0][1] >= 2:
-            containers.append(path)
+    """(path, module) of the repeated blocks in module-tree order.
+
+    A container qualifies when its parameterised children are composite
+    modules (blocks, not bare Linears) of a class that occurs at least twice
+    across all outermost containers, so ResNet stages holding a single
+    Bottleneck still count, while an `nn.Sequential(Linear, ReLU, Linear)`
+    head does not.
+    """
+    containers = [path for path, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(_composite(c) for c in m.children())]
     outer = [c for c in containers
              if not any(o != c and (o == "" or c.startswith(o + ".")) for o in containers)]
+    counts = Counter(type(child) for path in outer for child in model.get_submodule(path).children()
+                     if _composite(child))
     blocks = []
     for path in outer:
         container = model.get_submodule(path)
+        if not any(_composite(c) and counts[type(c)] >= 2 for c in container.children()):
+            continue
         for name, child in container.named_children():
             if _has_params(child):
                 blocks.append((f"{path}.{name}" if path else name, child))

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.capture import ops as opinfo
-from autopar.capture.sdpa import FlashSDPAMode
+from autopar.capture.gpu_kernels import gpu_kernels
 from autopar.errors import CaptureError
 
 aten = torch.ops.aten
@@ -62,6 +62,7 @@ class OpRecord:
     inputs: tuple  # indices of producing records (forward dataflow)
     out_is_int: bool
     fwd_ref: int | None = None  # backward op: index of the forward op it differentiates
+    causal: bool | None = None  # attention kernels: is_causal
 
 
 @dataclass
@@ -116,6 +117,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracer = self.tracer
+        if tracer.fabricating:
+            return func(*args, **kwargs)
         packet = func._overloadpacket
         if packet in _DATA_DEPENDENT:
             raise _CaptureAbort(tracer.data_dependent_error(func))
@@ -135,8 +138,9 @@ class _Recorder(TorchDispatchMode):
 class Tracer:
     """Instruments one meta model; `run(batch, seq, args, kwargs)` -> PointTrace."""
 
-    def __init__(self, model: nn.Module, blocks: list, block_signatures: list):
+    def __init__(self, model: nn.Module, blocks: list, block_signatures: list, loss_fn=None):
         self.model = model
+        self.loss_fn = loss_fn
         self.blocks = blocks
         self.n_layers = len(blocks) + 2  # pre, blocks..., post
         self.block_layer = {id(m): i + 1 for i, (_, m) in enumerate(blocks)}
@@ -246,12 +250,14 @@ class Tracer:
     def _fabricate(self, rep: int):
         spec, leaves = self.out_specs[rep]
         flat = []
+        self.fabricating = True
         for leaf in leaves:
             if leaf[0] == "value":
                 flat.append(leaf[1])
             else:
                 shape, dtype, requires_grad = leaf
                 flat.append(torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad))
+        self.fabricating = False
         return tree_unflatten(flat, spec)
 
     def _pack(self, t: torch.Tensor):
@@ -294,6 +300,9 @@ class Tracer:
             seq_nr=seq_nr, uses_param=bool(params), param_names=tuple(params), inputs=inputs,
             out_is_int=bool(out_flat) and not (out_flat[0].is_floating_point() or out_flat[0].is_complex()),
         )
+        if rec.kind == "attention" and self.phase == "fwd":
+            # flash kernels take (q, k, v, dropout_p, is_causal, ...)
+            rec.causal = bool(args[4]) if len(args) > 4 else bool(kwargs.get("is_causal", False))
         if self.phase == "fwd":
             self.seq_to_fwd.setdefault((self.pointer, seq_nr), idx)
             for x in out_flat:
@@ -337,7 +346,13 @@ class Tracer:
 
     def op_error(self, func, exc: Exception) -> CaptureError:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if isinstance(exc, NotImplementedError) or "Meta" in str(exc) or "meta" in first:
+        if "nonzero" in str(exc) or "data-dependent" in str(exc) or "DynamicOutputShape" in type(exc).__name__:
+            return CaptureError(
+                f"module {self._where()}: op {func} has a data-dependent output size (boolean-mask indexing, "
+                f"nonzero, unique...) at {_user_frame()}",
+                hint="capture runs on the meta device (no values); use fixed shapes instead: multiply by the "
+                     "mask, torch.where(cond, a, b), or a fixed capacity")
+        if isinstance(exc, NotImplementedError) or "Meta" in str(exc) or "meta" in first or "fake impl" in str(exc):
             return CaptureError(
                 f"module {self._where()}: op {func} cannot run on the meta device ({first}) at {_user_frame()}",
                 hint="register a meta/fake implementation for it (torch.library.register_fake) or "
@@ -347,17 +362,41 @@ class Tracer:
                             hint="check that example_inputs(batch_size) returns inputs of the right "
                                  "shapes and dtypes for this model")
 
+    def _loss(self, output):
+        """loss_fn(output, targets) as part of the head layer; targets are class
+        indices shaped like the output without its last (class) dim."""
+        self.pointer = self.n_layers - 1
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+        self.fabricating = True  # not an op of the model
+        targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
+        self.fabricating = False
+        self.producer[id(targets)] = -1
+        self.keep.append(targets)
+        self.module_stack.append("loss")
+        try:
+            return self.loss_fn(output, targets)
+        finally:
+            self.module_stack.pop()
+
     # -- one run -------------------------------------------------------------
     def run(self, batch: int, seq: int | None, args: tuple, kwargs: dict) -> PointTrace:
         self.trace = PointTrace(batch, seq)
-        self.module_stack, self.pointer, self.phase = [], 0, "fwd"
+        self.module_stack, self.pointer, self.phase, self.fabricating = [], 0, "fwd", False
         self.reps, self.shortcut, self.out_specs = {}, {}, {}
         self.cuts, self.producer, self.keep, self.seg_outputs, self.seq_to_fwd = {}, {}, [], {}, {}
+        for p in self.model.parameters():  # no accumulation into last run's .grad
+            p.grad = None
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                self.producer[id(x)] = -1  # "model input" in the dataflow
+                self.keep.append(x)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
-                    FlashSDPAMode(), _Recorder(self), torch.enable_grad():
+                    gpu_kernels(), _Recorder(self), torch.enable_grad():
                 output = self.model(*args, **kwargs)
                 post = self.n_layers - 1
+                if self.loss_fn is not None:
+                    output = self._loss(output)
                 outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
                 self.trace.output_bytes[post] = sum(opinfo.tensor_bytes(t) for t in outs)
                 self.seg_outputs.setdefault(post, []).extend(t for t in outs if t.requires_grad)

@@ -70,11 +70,10 @@ def cluster_from_args(args):
         if gpus % gpn:
             raise ClusterSpecError(f"--gpus {gpus} is not a whole number of {gpn}-GPU nodes",
                                    hint="pass a multiple of --gpus-per-node, or set --gpus-per-node")
-        d["gpus_per_node"] = gpn
-        d["nodes"] = gpus // gpn
-        return ClusterSpec.from_dict(d, file=base.source)
     except CostModelError as exc:
         raise ClusterSpecError(str(exc)) from exc
+    from autopar.solve.planner import scaled_cluster
+    return scaled_cluster(base, gpus // gpn, gpn)
 
 
 def load_graph(args):

@@ -43,6 +43,11 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(not isinstance(t, torch.Tensor) or t.is_cuda for t in tensors)
 
 
+# Row kernels (norms, softmax) hold one row in registers; past this many
+# columns they would spill badly, so wider rows take the torch reference.
+MAX_ROW_BLOCK = 65536
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.kernels._runtime import (
-    HAVE_TRITON, new_empty, next_pow2, num_warps_for, reduce_programs, rows_of, use_triton,
+    HAVE_TRITON, MAX_ROW_BLOCK, new_empty, next_pow2, num_warps_for, reduce_programs, rows_of, use_triton,
 )
 
 if HAVE_TRITON:
@@ -160,7 +160,7 @@ def add_layernorm_reference(x, residual, weight, bias, eps: float = 1e-5):
 def add_layernorm(x, residual, weight, bias, eps: float = 1e-5):
     """(layer_norm(x + residual), x + residual). `residual`, `weight`, `bias` may be None."""
     _check(x, residual, weight, "add_layernorm")
-    if not use_triton(x, residual, weight, bias):
+    if not use_triton(x, residual, weight, bias) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return add_layernorm_reference(x, residual, weight, bias, eps)
     if residual is None:
         return _AddNorm.apply(x, None, weight, bias, float(eps), False), x
@@ -177,7 +177,7 @@ def add_rmsnorm_reference(x, residual, weight, eps: float = 1e-6):
 def add_rmsnorm(x, residual, weight, eps: float = 1e-6):
     """(rms_norm(x + residual) * weight, x + residual), normalised in fp32 as Llama does."""
     _check(x, residual, weight, "add_rmsnorm")
-    if not use_triton(x, residual, weight):
+    if not use_triton(x, residual, weight) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return add_rmsnorm_reference(x, residual, weight, eps)
     if residual is None:
         return _AddNorm.apply(x, None, weight, None, float(eps), True), x

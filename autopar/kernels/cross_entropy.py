@@ -93,6 +93,21 @@ def _check_targets(logits_shape, targets, name):
         raise AutoparError(f"{name}: targets must be integer class indices, got {targets.dtype}")
 
 
+def _check_range(targets, vocab, ignore_index, name):
+    # The kernel would read out of bounds for a bad class index. On CPU the
+    # check is cheap; on a GPU it would cost a host sync per step, so there an
+    # asynchronous device assert fires instead.
+    ok = ((targets >= 0) & (targets < vocab)) | (targets == ignore_index)
+    if targets.device.type == "cpu":
+        if not bool(ok.all()):
+            from autopar.errors import AutoparError
+
+            bad = targets[~ok][:5].tolist()
+            raise AutoparError(f"{name}: targets must be in [0, {vocab}) or ignore_index={ignore_index}; got {bad}")
+    else:
+        torch._assert_async(ok.all(), f"{name}: a target is outside [0, {vocab}) and not ignore_index")
+
+
 def _reduce(loss_rows, targets, ignore_index, reduction, dtype):
     if reduction == "none":
         return loss_rows.view(targets.shape).to(dtype)
@@ -142,6 +157,7 @@ def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "m
         raise AutoparError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not use_triton(logits, targets):
         return cross_entropy_reference(logits, targets, ignore_index, reduction)
+    _check_range(targets, logits.shape[-1], ignore_index, "cross_entropy")
     return _CrossEntropy.apply(logits, targets, int(ignore_index), reduction)
 
 
@@ -207,6 +223,7 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, redu
         raise AutoparError(f"linear_cross_entropy: chunk_rows must be >= 1, got {chunk_rows}")
     if not use_triton(hidden, weight, targets):
         return linear_cross_entropy_reference(hidden, weight, targets, ignore_index, reduction)
+    _check_range(targets, weight.shape[0], ignore_index, "linear_cross_entropy")
     return _LinearCrossEntropy.apply(hidden, weight, targets, int(ignore_index), reduction, int(chunk_rows))
 
 

@@ -85,7 +85,14 @@ def fused_class(kind: str, cls: type) -> type:
         return cls
     key = (kind, cls)
     if key not in _CLASSES:
-        _CLASSES[key] = type(f"Fused{cls.__name__}", (_MIXINS[kind], cls), {"__module__": __name__})
+        # Registered under a unique module-level name so a fused model pickles
+        # (torch.save(model)) and unpickles in a process that imported autopar.
+        name = f"Fused{cls.__name__}"
+        while name in globals():
+            name += "_"
+        new = type(name, (_MIXINS[kind], cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = new
+        _CLASSES[key] = new
     return _CLASSES[key]
 
 
@@ -96,9 +103,29 @@ def swap_class(m: nn.Module, kind: str, **attrs) -> nn.Module:
     return m
 
 
+def _fx_leaf(fn):
+    """Keep `fn` one opaque call when fx traces code that calls it (unpickling
+    a GraphModule re-traces its code; the bodies branch on tensor shapes,
+    which a trace cannot). fx.wrap cannot do it: it patches only the
+    wrapping module's globals, and generated code has its own."""
+    import functools
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", call, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@_fx_leaf
 def fused_masked_softmax(scores, mask, scale, dim=-1):
     """softmax((scores * scale).masked_fill(mask, -inf)) through the fused kernel when
-    `mask` is the causal (upper-triangular) mask; any other mask runs eagerly."""
+    `mask` is the causal (upper-triangular) mask; any other mask runs eagerly.
+    Used when the pass could not prove the mask causal from the graph; the
+    check compares the mask with triu(1) on every call (a host sync on GPU)."""
     from autopar.kernels.softmax import scaled_masked_softmax
 
     sq, sk = scores.shape[-2], scores.shape[-1]
@@ -115,6 +142,15 @@ def fused_masked_softmax(scores, mask, scale, dim=-1):
     return torch.softmax(s, dim=dim)
 
 
+@_fx_leaf
+def fused_causal_softmax(scores, scale):
+    """The fusion pass proved the mask causal from the graph (a sliced triu buffer)."""
+    from autopar.kernels.softmax import scaled_masked_softmax
+
+    return scaled_masked_softmax(scores, scale, causal=True)
+
+
+@_fx_leaf
 def fused_scaled_softmax(scores, scale, dim=-1):
     from autopar.kernels.softmax import scaled_masked_softmax
 
@@ -123,7 +159,9 @@ def fused_scaled_softmax(scores, scale, dim=-1):
     return scaled_masked_softmax(scores, scale, causal=False)
 
 
+@_fx_leaf
 def swiglu_fn(gate, up):
     from autopar.kernels.bias_act import swiglu
 
     return swiglu(gate, up)
+

@@ -17,8 +17,11 @@ several kernels:
   linear_cross_entropy  the model's output Linear (recorded for the loss path)
 
 Each match is a plain dict (JSON-ready, stored in `Plan.fusions`):
-  {"layer", "pattern", "kernel", "anchor", "modules", "ops", "scope",
-   "width", "params"}
+  {"layer", "module", "pattern", "kernel", "anchor", "modules", "ops",
+   "scope", "width", "params"}
+`layer` is the ModelGraph layer the chain belongs to (its name; without a
+graph, the module path, which is how capture names a one-module layer);
+`module` is the path of the module that is traced and rewritten.
 `anchor` identifies the match inside the layer; `width` is the row width the
 kernel runs on (None where it is only known at run time, e.g. softmax keys).
 
@@ -112,6 +115,9 @@ class _Tracer(fx.Tracer):
     def __init__(self, open_paths: set[str] | None = None):
         super().__init__()
         self.open_paths = open_paths
+        # buffers as graph values (get_attr), so `self.mask[:s, :s]` with a
+        # traced `s` works instead of slicing a real tensor by a proxy
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if _is_norm(m):
@@ -261,15 +267,16 @@ def _match(graph: fx.Graph, modules: dict) -> list[dict]:
     return found
 
 
-def _record(layer: str, match: dict) -> dict:
+def _record(layer: str, module: str, match: dict) -> dict:
     scopes = sorted({_scope(x) for x in match["nodes"]})
     kernel = {"scaled_softmax": "scaled_masked_softmax"}.get(match["pattern"], match["pattern"])
     return {
         "layer": layer,
+        "module": module,
         "pattern": match["pattern"],
         "kernel": kernel,
         "anchor": match["anchor"],
-        "modules": [f"{layer}.{p}" if layer else p for p in match["modules"]],
+        "modules": [f"{module}.{p}" if module else p for p in match["modules"]],
         "ops": list(match["ops"]),
         "scope": scopes,
         "width": match["width"],
@@ -279,27 +286,29 @@ def _record(layer: str, match: dict) -> dict:
 
 # -- which modules are layers ---------------------------------------------------
 
-def layer_modules(model: nn.Module, graph=None) -> list[tuple[str, nn.Module]]:
-    """The modules the pass traces, one per layer: the paths a ModelGraph's
-    layers name (when given), else every element of the model's
-    ModuleLists/Sequentials that is not inside another one, else the model."""
+def layer_modules(model: nn.Module, graph=None) -> list[tuple[str, str, nn.Module]]:
+    """(layer name, module path, module) for each module the pass traces: the
+    paths a ModelGraph's layers name (when given), else every element of the
+    model's ModuleLists/Sequentials that is not inside another one, else the
+    model itself."""
     named = dict(model.named_modules())
     if graph is not None and getattr(graph, "layers", None):
         out = []
         for layer in graph.layers:
             for p in getattr(layer, "module_paths", None) or [layer.name]:
                 if p in named and p:
-                    out.append((p, named[p]))
+                    out.append((layer.name, p, named[p]))
         return out
     out, taken = [], []
     for path, m in model.named_modules():
         if any(path.startswith(t + ".") for t in taken):
             continue
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
             for name, child in m.named_children():
-                out.append((f"{path}.{name}" if path else name, child))
+                p = f"{path}.{name}" if path else name
+                out.append((p, p, child))
             taken.append(path)
-    return out or [("", model)]
+    return out or [("", "", model)]
 
 
 def _output_head(model: nn.Module) -> dict | None:
@@ -319,7 +328,7 @@ def _output_head(model: nn.Module) -> dict | None:
     lin = dict(model.named_modules()).get(path) if path else None
     if not isinstance(lin, nn.Linear) or lin.bias is not None:
         return None
-    return {"layer": path, "pattern": "linear_cross_entropy", "kernel": "linear_cross_entropy",
+    return {"layer": path, "module": path, "pattern": "linear_cross_entropy", "kernel": "linear_cross_entropy",
             "anchor": path, "modules": [path], "ops": [path, "cross_entropy"], "scope": [""],
             "width": lin.out_features, "params": {"hidden": lin.in_features, "applied_by": "loss"}}
 
@@ -330,9 +339,7 @@ def find_fusions(model, graph=None, *, patterns: Iterable[str] = PATTERNS) -> li
     """Fusable chains of `model` (an nn.Module; a ModelGraph may be passed as
     `graph` to take the layer list from it). Deterministic order: layers in
     model order, chains in pattern order within a layer."""
-    from autopar.capture import ModelGraph
-
-    if isinstance(model, ModelGraph):
+    if not isinstance(model, nn.Module) and hasattr(model, "layers"):  # a ModelGraph
         module = getattr(model, "module", None) or getattr(model, "model", None)
         if not isinstance(module, nn.Module):
             raise AutoparError(
@@ -347,16 +354,19 @@ def find_fusions(model, graph=None, *, patterns: Iterable[str] = PATTERNS) -> li
     if unknown:
         raise AutoparError(f"unknown fusion pattern(s): {', '.join(sorted(unknown))}", hint=f"known: {', '.join(PATTERNS)}")
     out = []
-    for path, block in layer_modules(model, graph):
+    layers = layer_modules(model, graph)
+    for layer, path, block in layers:
         g = _trace(block, None)
         if g is None:
             continue
         for match in _match(g, dict(block.named_modules())):
             if match["pattern"] in patterns:
-                out.append(_record(path, match))
+                out.append(_record(layer, path, match))
     if "linear_cross_entropy" in patterns:
         head = _output_head(model)
         if head is not None:
+            owner = [lay for lay, p, _ in layers if head["module"] == p or head["module"].startswith(p + ".")]
+            head["layer"] = owner[0] if owner else head["module"]
             out.append(head)
     return out
 
@@ -371,7 +381,50 @@ def _open_paths(records: list[dict]) -> set[str]:
     return paths
 
 
-def _rewrite(graph: fx.Graph, modules: dict, match: dict) -> None:
+def _static_causal(mask: Any, block: nn.Module) -> bool:
+    """True if `mask` is provably the causal mask from the graph alone: a
+    buffer (optionally compared `== 0` / `logical_not`-ed), sliced to its
+    top-left corner, whose square tail dims are upper-triangular above the
+    diagonal. Then the fused softmax needs no per-call check of the mask."""
+    if not isinstance(mask, fx.Node):
+        return False
+    negate = False
+    node = mask
+    if _is_fn(node, {operator.eq, torch.eq}, "eq") and len(node.args) == 2 and node.args[1] == 0:
+        negate, node = True, node.args[0]
+    elif _is_fn(node, {torch.logical_not, operator.invert}, "logical_not"):
+        negate, node = True, node.args[0]
+    if _is_fn(node, {operator.getitem}) and isinstance(node.args[1], tuple):
+        idx = node.args[1]
+        if not all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in idx):
+            return False
+        node = node.args[0]
+    if node.op != "get_attr":
+        return False
+    try:
+        buf = block.get_buffer(node.target)
+    except AttributeError:
+        return False
+    if buf.is_meta or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2] or any(d != 1 for d in buf.shape[:-2]):
+        return False
+    m = buf.reshape(buf.shape[-2:])
+    m = (m == 0) if negate else m
+    if m.dtype != torch.bool:
+        return False
+    n = m.shape[-1]
+    return bool(torch.equal(m.cpu(), torch.ones(n, n, dtype=torch.bool).triu(1)))
+
+
+def _erase_if_unused(node: Any, graph: fx.Graph) -> None:
+    # Only the chain that built the mask, and only nodes nobody else reads:
+    # a general dead-code pass could drop in-place ops of the user's code.
+    while isinstance(node, fx.Node) and not node.users and node.op in ("call_function", "call_method", "get_attr"):
+        parent = node.args[0] if node.args else None
+        graph.erase_node(node)
+        node = parent
+
+
+def _rewrite(graph: fx.Graph, modules: dict, match: dict, block: nn.Module | None = None) -> None:
     pattern, nodes = match["pattern"], match["nodes"]
     if pattern in ("add_layernorm", "add_rmsnorm"):
         add, norm = nodes
@@ -402,13 +455,16 @@ def _rewrite(graph: fx.Graph, modules: dict, match: dict) -> None:
         scale_node, last = nodes[0], nodes[-1]
         x = scale_node.args[0]
         with graph.inserting_before(last):
-            if match["params"]["masked"]:
+            if match["params"]["masked"] and block is not None and _static_causal(match["mask"], block):
+                fused = graph.call_function(fm.fused_causal_softmax, (x, match["params"]["scale"]))
+            elif match["params"]["masked"]:
                 fused = graph.call_function(fm.fused_masked_softmax, (x, match["mask"], match["params"]["scale"]))
             else:
                 fused = graph.call_function(fm.fused_scaled_softmax, (x, match["params"]["scale"]))
         last.replace_all_uses_with(fused)
         for old in reversed(nodes):
             graph.erase_node(old)
+        _erase_if_unused(match.get("mask"), graph)  # the mask computation, when proven and now unused
     elif pattern == "dropout_add":
         drop, add = nodes
         fm.swap_class(modules[drop.target], "dropout_add")
@@ -432,6 +488,42 @@ def _keep_non_persistent(old: nn.Module, new: nn.Module) -> None:
                 owner._non_persistent_buffers_set.add(name)
 
 
+def _keep_all_state(old: nn.Module, new: nn.Module) -> None:
+    # GraphModule copies only what the graph reads; a buffer the rewrite made
+    # unused (a proven-causal mask) must stay, or state_dict keys change.
+    for path, m in old.named_modules():
+        for attr in ("_parameters", "_buffers"):
+            for name, t in getattr(m, attr).items():
+                owner = new
+                for part in path.split(".") if path else []:
+                    if part not in owner._modules:
+                        owner._modules[part] = nn.Module()
+                    owner = owner._modules[part]
+                if name not in getattr(owner, attr) and name not in owner._modules:
+                    getattr(owner, attr)[name] = t
+                    if name in m._non_persistent_buffers_set:
+                        owner._non_persistent_buffers_set.add(name)
+
+
+def _keep_order(old: nn.Module, new: nn.Module) -> None:
+    # GraphModule registers submodules in call order; restore definition
+    # order so named_parameters() (optimizer groups, FSDP / DDP buckets,
+    # checkpoints saved by position) is exactly the original's.
+    for path, m in old.named_modules():
+        try:
+            target = new.get_submodule(path) if path else new
+        except AttributeError:
+            continue
+        if target is m:
+            continue  # a shared leaf: already the original object
+        for attr in ("_modules", "_parameters", "_buffers"):
+            have = getattr(target, attr)
+            order = [k for k in getattr(m, attr) if k in have] + [k for k in have if k not in getattr(m, attr)]
+            reordered = {k: have[k] for k in order}
+            have.clear()
+            have.update(reordered)
+
+
 def apply_fusions(model: nn.Module, fusions: list[dict]) -> nn.Module:
     """Rewrite `model` in place so the listed chains run fused; returns it.
 
@@ -443,12 +535,12 @@ def apply_fusions(model: nn.Module, fusions: list[dict]) -> nn.Module:
         raise AutoparError(f"apply_fusions expects an nn.Module, got {type(model).__name__}")
     by_layer: dict[str, list[dict]] = {}
     for f in fusions:
-        if not isinstance(f, dict) or "layer" not in f or "pattern" not in f:
+        if not isinstance(f, dict) or "module" not in f or "pattern" not in f:
             raise AutoparError(f"apply_fusions: malformed fusion record {f!r}",
                                hint="pass the dicts find_fusions returned (Plan.fusions)")
         if f.get("params", {}).get("applied_by") == "loss":
             continue
-        by_layer.setdefault(f["layer"], []).append(f)
+        by_layer.setdefault(f["module"], []).append(f)
     for path, records in by_layer.items():
         try:
             block = model.get_submodule(path) if path else model
@@ -463,10 +555,12 @@ def apply_fusions(model: nn.Module, fusions: list[dict]) -> nn.Module:
         if not matches:
             continue
         for m in matches:
-            _rewrite(graph, modules, m)
+            _rewrite(graph, modules, m, block)
         graph.lint()
         gm = fx.GraphModule(block, graph, class_name=f"Fused{type(block).__name__}")
+        _keep_all_state(block, gm)
         _keep_non_persistent(block, gm)
+        _keep_order(block, gm)
         gm.train(block.training)
         if not path:
             return gm

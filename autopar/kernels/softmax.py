@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.kernels._runtime import HAVE_TRITON, new_empty, next_pow2, num_warps_for, rows_of, use_triton
+from autopar.kernels._runtime import HAVE_TRITON, MAX_ROW_BLOCK, new_empty, next_pow2, num_warps_for, rows_of, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -81,7 +81,7 @@ def scaled_masked_softmax(x, scale: float = 1.0, causal: bool = True):
         from autopar.errors import AutoparError
 
         raise AutoparError(f"scaled_masked_softmax: causal masking needs (..., q, k) scores, got shape {tuple(x.shape)}")
-    if not use_triton(x):
+    if not use_triton(x) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return scaled_masked_softmax_reference(x, scale, causal)
     return _ScaledMaskedSoftmax.apply(x, float(scale), bool(causal))
 

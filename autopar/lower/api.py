@@ -22,6 +22,25 @@ def load_plan(plan) -> Plan:
     raise PlanMismatchError(f"plan must be a Plan, a dict or a JSON path, not {type(plan).__name__}")
 
 
+def _plan_on_rank0(make) -> Plan:
+    """Plan once and share it: a time-limited search could pick different
+    layouts on different ranks, and ranks that disagree deadlock."""
+    import torch.distributed as dist
+
+    from autopar.lower.mesh import init_distributed
+    init_distributed()
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = make().to_dict()
+        except AutoparError as exc:  # tell the other ranks instead of leaving them waiting
+            box[0] = {"__error__": exc.message, "__hint__": exc.hint}
+    dist.broadcast_object_list(box, src=0)
+    if "__error__" in box[0]:
+        raise AutoparError(box[0]["__error__"], hint=box[0]["__hint__"])
+    return Plan.from_dict(box[0])
+
+
 def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global_batch_size: int | None = None,
             loss_fn, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
@@ -45,7 +64,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size}
         if constraints:
             kwargs["constraints"] = constraints
-        plan = make_plan(model, cluster_spec, **kwargs)
+        plan = _plan_on_rank0(lambda: make_plan(model, cluster_spec, **kwargs))
     plan = load_plan(plan)
     if global_batch_size is not None and global_batch_size != plan.global_batch_size:
         raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "

@@ -4,12 +4,14 @@ zero 3  fully_shard(reshard_after_forward=True): parameters, gradients and
         optimizer state sharded; parameters re-gathered in backward.
 zero 2  fully_shard(reshard_after_forward=False): parameters stay gathered
         between forward and backward; gradients and optimizer state sharded.
-zero 1  lowered as zero 2. FSDP2 has no "sharded optimizer, whole gradient"
-        mode; zero 2 moves the same bytes (reduce-scatter + all-gather = one
-        all-reduce) and holds strictly less memory, so it is the closest
-        FSDP2 equivalent.
-zero 0  `replicate` (DDP) when the mesh is pure data parallel; under tensor
-        or pipeline parallelism it falls back to fully_shard
+zero 1  on a pure data-parallel mesh: `replicate` (DDP all-reduce of
+        whole gradients) + `ZeroRedundancyOptimizer` (optimizer state
+        sharded, updated parameters broadcast). Under tensor or pipeline
+        parallelism lowered as zero 2: FSDP2 has no "sharded optimizer, whole
+        gradient" mode, and zero 2 moves the same bytes (reduce-scatter +
+        all-gather = one all-reduce) holding strictly less memory.
+zero 0  `replicate` (DDP) on a pure data-parallel mesh; under tensor or
+        pipeline parallelism it falls back to fully_shard
         (reshard_after_forward=False): DDP does not take DTensor parameters,
         nor the pipeline schedules' per-micro-batch backward.
 Each layer is one FSDP unit (one all-gather / reduce-scatter per layer,
@@ -45,7 +47,13 @@ def offload_policy(offload: str):
 
 def uses_replicate(plan) -> bool:
     return (plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1
-            and all(c.zero == 0 and c.offload == "none" for c in plan.layer_choices))
+            and all(c.zero <= 1 and c.offload == "none" for c in plan.layer_choices))
+
+
+def zero_redundancy_optimizer(params, optimizer_cls, kwargs, dp_mesh):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, process_group=dp_mesh.get_group(),
+                                   **kwargs)
 
 
 def apply_replicate(module: nn.Module, dp_mesh) -> nn.Module:

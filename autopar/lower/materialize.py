@@ -2,9 +2,10 @@
 
 Parallelisation (TP, FSDP) runs on meta parameters, so each rank only ever
 allocates its own shards: `to_empty` gives every local shard storage, then
-the model's own initialisation runs on the sharded DTensors (a user `init_fn`
-applied to every module like `nn.Module.apply`, else each module's
-`reset_parameters`). DTensor's random ops keep the sharded draws consistent
+the model's own initialisation runs on the sharded DTensors: every module's
+`reset_parameters` (the defaults its constructor applied), then a user
+`init_fn` applied to every module like `nn.Module.apply` (the model's custom
+init, e.g. GPT's normal(0.02); it also refills buffers such as RoPE tables). DTensor's random ops keep the sharded draws consistent
 across ranks. A model built with real weights is never re-initialised: TP
 and FSDP carve the local shards out of the weights every rank holds.
 """
@@ -42,8 +43,10 @@ def materialize(modules: list[nn.Module], device: torch.device, init_fn=None) ->
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
+                # As construction does: each module's own defaults first
+                # (LayerNorm ones/zeros...), then the model's custom init.
+                if callable(getattr(sub, "reset_parameters", None)):
+                    sub.reset_parameters()
                 if init_fn is not None:
                     init_fn(sub)
-                elif hasattr(sub, "reset_parameters") and callable(sub.reset_parameters):
-                    sub.reset_parameters()
     return True

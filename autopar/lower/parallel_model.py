@@ -16,7 +16,7 @@ each from its own file, on one DeviceMesh ("pp", "dp", "tp"):
 """
 from __future__ import annotations
 
-import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
@@ -131,9 +131,17 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the user's names (tied weights once). Collective."""
         mine = {}
-        for name, p in self._local_params().items():
-            t = p.full_tensor() if isinstance(p, DTensor) else p
-            mine[name] = t.detach().to("cpu", copy=True)
+        # 2-D (FSDP x TP) gathers warn that they take two all-gathers; expected here.
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            local = self._local_params()
+            for name, p in local.items():
+                t = p.full_tensor() if isinstance(p, DTensor) else p
+                mine[name] = t.detach().to("cpu", copy=True)
+        finally:
+            quiet.setLevel(level)
         if self.plan.mesh.pp == 1:
             return mine
         gathered = [None] * self.plan.mesh.pp
@@ -183,8 +191,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
           optimizer_kwargs=None, init_fn=None, local_batch: bool = False) -> ParallelModel:
     if loss_fn is None:
         raise AutoparError("autopar.compile needs loss_fn(output, targets)")
-    init_distributed()
     layout = resolve(model, plan)  # checks the model before any collective
+    init_distributed()
     mesh = build_mesh(plan)  # checks the world size
     device = local_device()
     pp, tp = plan.mesh.pp, plan.mesh.tp
@@ -224,7 +232,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             if l.position == "block":
                 parallelize = tensor_parallel.parallelize_block
                 parallelize(model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
-                            sequence_parallel=l.choice.tp_style == "sequence",
+                            sequence_parallel=plan.sequence_parallel or l.choice.tp_style == "sequence",
                             first=l.block_index == 0, last=l.block_index == layout.num_blocks - 1)
             else:
                 for p in l.paths:
@@ -252,11 +260,12 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # 3. activation checkpointing, 4. data parallel
     for s in stages:
         checkpointing.apply_checkpointing(s.model, layout, {s.stage_index})
-    fsdp = False
+    fsdp = replicated = False
     if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
             or plan.precision != "fp32":
         if data_parallel.uses_replicate(plan):
             data_parallel.apply_replicate(stages[0], mesh["dp"])
+            replicated = True
         else:
             for s in stages:
                 data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local)
@@ -282,7 +291,10 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
         # torch's foreach kernels reject a list mixing DTensor and plain tensors.
         kwargs.setdefault("foreach", False)
-    opt = optimizer(params, **kwargs)
+    if replicated and any(c.zero == 1 for c in plan.layer_choices):
+        opt = data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, mesh["dp"])
+    else:
+        opt = optimizer(params, **kwargs)
 
     # 8. schedule
     schedule = None

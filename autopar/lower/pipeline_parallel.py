@@ -138,6 +138,8 @@ class StageModule(nn.Module):
             if l.position == "pre" and not self.is_first:
                 for p in l.paths:
                     m = view.get_submodule(p)
+                    if not any(True for _ in m.parameters()):
+                        continue  # no weights (dropout...): runs as it is on the stand-in zeros
                     if not isinstance(m, nn.Embedding):
                         raise PlanMismatchError(
                             f"pipeline stages after the first need a stand-in for pre-block module {p!r} "
@@ -196,9 +198,9 @@ def build_schedule(plan, stage_modules: list[StageModule], pp_group, device, los
         if n_mb % plan.mesh.pp:
             raise PlanMismatchError(f"interleaved 1F1B needs micro-batches ({n_mb}) divisible by pp ({plan.mesh.pp})")
         return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
-    if plan.schedule == "1f1b":
-        if n_mb < plan.mesh.pp:
-            raise PlanMismatchError(f"1F1B needs at least as many micro-batches ({n_mb}) as stages ({plan.mesh.pp})",
-                                    hint="raise num_micro_batches or use schedule 'gpipe'")
+    if plan.schedule == "1f1b" and n_mb >= plan.mesh.pp:
         return Schedule1F1B(stages[0], n_mb, loss_fn=loss_fn)
+    # gpipe; also 1f1b with fewer micro-batches than stages, which torch's
+    # Schedule1F1B rejects: with so few micro-batches 1F1B has no steady
+    # state and runs the same order as GPipe (all forwards, then backwards).
     return ScheduleGPipe(stages[0], n_mb, loss_fn=loss_fn)

@@ -64,6 +64,8 @@ def summary(plan) -> dict:
     nodes, gpn = int(c.get("nodes", 1) or 1), int(c.get("gpus_per_node", 8) or 8)
     seq = plan.seq_len or m.get("seq_len")
     sched = plan.schedule + (f" (V={plan.virtual_stages})" if plan.schedule == "interleaved" else "")
+    if plan.mesh.pp == 1:  # worded as `autopar plan` words it
+        sched = "none (gradient accumulation)"
     peak_mem = max(p.peak_memory_bytes) if p.peak_memory_bytes else None
     cap = _capacity(plan)
     return {
@@ -85,7 +87,7 @@ def summary(plan) -> dict:
         "step_time": fmt.seconds(p.step_time_s),
         "tokens_per_s": fmt.si(p.tokens_per_s, "tok/s"),
         "tokens_per_s_per_gpu": fmt.si(p.tokens_per_s / plan.mesh.world_size, "tok/s") if p.tokens_per_s else fmt.DASH,
-        "tflops": f"{p.tflops_per_gpu:.1f} TFLOP/s" if p.tflops_per_gpu else fmt.DASH,
+        "tflops": fmt.tflops(p.tflops_per_gpu),
         "mfu": fmt.percent(p.mfu),
         "peak_memory": fmt.bytes_(peak_mem),
         "capacity": fmt.bytes_(cap),
@@ -104,27 +106,34 @@ def hand_checks(plan) -> list[dict]:
         out.append({"what": "tokens/s",
                     "formula": "global_batch_size \u00d7 seq_len / step_time",
                     "filled": f"{plan.global_batch_size} \u00d7 {seq} / {p.step_time_s:.4g} s",
-                    "value": fmt.si(tokens / p.step_time_s, "tok/s"), "plan": fmt.si(p.tokens_per_s, "tok/s")})
+                    "value": fmt.si(tokens / p.step_time_s, "tok/s"), "plan": fmt.si(p.tokens_per_s, "tok/s"), "note": ""})
     peak = _peak_flops(plan)
     if peak and p.tflops_per_gpu:
         out.append({"what": "MFU", "formula": "model TFLOP/s per GPU / peak TFLOP/s",
                     "filled": f"{p.tflops_per_gpu:.4g} / {peak / 1e12:.4g}",
-                    "value": fmt.percent(p.tflops_per_gpu * 1e12 / peak), "plan": fmt.percent(p.mfu)})
+                    "value": fmt.percent(p.tflops_per_gpu * 1e12 / peak), "plan": fmt.percent(p.mfu), "note": ""})
     tb = p.time_breakdown or {}
     parts = [k for k, _ in tables.TIME_PARTS if k in tb]
     if parts and p.step_time_s:
         total = sum(float(tb[k]) for k in parts)
+        gap = total / p.step_time_s - 1
         out.append({"what": "step time", "formula": " + ".join(parts),
                     "filled": " + ".join(f"{float(tb[k]):.4g}" for k in parts),
-                    "value": fmt.seconds(total), "plan": fmt.seconds(p.step_time_s)})
+                    "value": fmt.seconds(total), "plan": fmt.seconds(p.step_time_s),
+                    # Said plainly rather than hidden: the parts of a simulated step can overlap.
+                    "note": (f"the parts add up to {fmt.percent(gap, sign=True)} of the step: they overlap "
+                             f"(e.g. a p2p wait is also idle time)" if abs(gap) > 0.005 else "")})
     if plan.mesh.pp > 1 and tb.get("bubble_s") is not None and p.step_time_s:
         v = plan.virtual_stages if plan.schedule == "interleaved" else 1
         ideal = (plan.mesh.pp - 1) / (v * plan.num_micro_batches)
         out.append({"what": "bubble fraction", "formula": "(pp - 1) / (V \u00d7 m), textbook, equal stages",
                     "filled": f"({plan.mesh.pp} - 1) / ({v} \u00d7 {plan.num_micro_batches})",
-                    "value": fmt.percent(ideal),
+                    "value": fmt.percent(ideal), "note": "",
                     "plan": fmt.percent(tb["bubble_s"] / max(p.step_time_s - tb["bubble_s"], 1e-30)) + " of busy time"})
     return out
+
+
+SOLVER_HEADLINE = ("status", "gap", "candidates", "solved", "pruned_by_bound", "oom", "search_s")
 
 
 def _critical_rank(plan) -> int | None:
@@ -169,6 +178,7 @@ def build_context(plan, graph=None) -> dict:
         "cluster_rows": tables.flatten(plan.cluster),
         "constraints": tables.flatten(plan.constraints),
         "solver_rows": tables.flatten(plan.solver),
+        "solver_headline": [(k, fmt.number(plan.solver[k])) for k in SOLVER_HEADLINE if k in plan.solver],
         "critical_rank": _critical_rank(plan),
         "hand_checks": hand_checks(plan),
         "fusions": plan.fusions,

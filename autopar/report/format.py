@@ -54,6 +54,12 @@ def si(x, unit: str = "", digits: int = 3) -> str:
     return f"{x:.{digits}g} {unit}".rstrip()
 
 
+def tflops(x) -> str:
+    if _missing(x) or not x:
+        return DASH
+    return f"{x:.1f} TFLOP/s" if x >= 10 else f"{x:.3g} TFLOP/s"
+
+
 def count(n) -> str:
     """Parameter counts the way papers write them: 175B, 8.03B, 350M."""
     if _missing(n):
@@ -65,10 +71,15 @@ def count(n) -> str:
     return f"{n:.0f}"
 
 
-def percent(x, digits: int = 1) -> str:
+def percent(x, digits: int = 1, sign: bool = False) -> str:
+    """0.4321 -> '43.2%'; tiny non-zero values keep two significant digits ('0.0042%')."""
     if _missing(x):
         return DASH
-    return f"{100 * float(x):.{digits}f}%"
+    v = 100 * float(x)
+    plus = "+" if sign else ""
+    if v != 0 and abs(v) < 10 ** -digits:
+        return f"{v:{plus}.2g}%"
+    return f"{v:{plus}.{digits}f}%"
 
 
 def number(x, digits: int = 4) -> str:

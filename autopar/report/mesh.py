@@ -120,16 +120,21 @@ def detail_svg(pp: int, dp: int, tp: int, gpus_per_node: int, node_ids: list[int
                 svg.text(x + cell_w / 2, y + 34, f"pp{p} dp{d} tp{t}", class_="gpu-coord", text_anchor="middle"),
             ]
             parts.append(svg.group(cell, class_="gpu-cell"))
-        # bracket each tp group that starts on this node (tp is innermost: contiguous ranks)
+        # Bracket each tp group's GPUs on this node (tp is innermost, so a group is a
+        # run of consecutive ranks; with tp > gpus_per_node it continues on the next node).
         if tp > 1:
-            for g in range(0, gpus_per_node, tp):
-                span = min(tp, gpus_per_node - g)
+            g = 0
+            while g < gpus_per_node and n * gpus_per_node + g < pp * dp * tp:
+                group = (n * gpus_per_node + g) // tp
+                end = g
+                while end < gpus_per_node and (n * gpus_per_node + end) // tp == group:
+                    end += 1
                 x0 = left + g * (cell_w + gap)
-                x1 = x0 + span * (cell_w + gap) - gap
+                x1 = left + end * (cell_w + gap) - gap
                 yb = y + cell_h + 6
+                label = f"tp group ({tp} GPUs)" if end - g == tp else f"part of a {tp}-GPU tp group"
                 parts.append(svg.line(x0, yb, x1, yb, class_="tp-bracket"))
-                parts.append(svg.text((x0 + x1) / 2, yb + 13,
-                                      f"tp group ({tp} GPUs{', continues on next node' if span < tp else ''})",
-                                      class_="bracket-label", text_anchor="middle"))
+                parts.append(svg.text((x0 + x1) / 2, yb + 13, label, class_="bracket-label", text_anchor="middle"))
+                g = end
     return svg.document(width, height, parts, class_="chart mesh-detail",
                         label="GPUs of the first nodes with their mesh coordinates")

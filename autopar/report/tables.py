@@ -145,12 +145,12 @@ def _choice(v) -> str:
     if v is None or v == []:
         return DASH
     if isinstance(v, (list, tuple)):
-        return " / ".join(str(x) for x in v) + " (per layer)"
+        return "/".join(str(x) for x in v) + " by layer"
     return str(v)
 
 
 def alternative_rows(plan) -> list[dict]:
-    best = plan.predicted.tokens_per_s
+    best = plan.predicted.step_time_s
     rows = []
     for i, a in enumerate(plan.alternatives):
         p = a.get("predicted") or {}
@@ -163,15 +163,14 @@ def alternative_rows(plan) -> list[dict]:
             sched = f"interleaved (V={a['virtual_stages']})"
         rows.append({
             "rank": i + 1,  # numbered as `autopar plan` numbers them
-            "mesh": _mesh_text(a.get("mesh")),
+            "mesh": _mesh_text(a.get("mesh")) + (" +SP" if a.get("sequence_parallel") else ""),
             "schedule": sched,
             "micro_batch": f"{a.get('micro_batch_size', DASH)} \u00d7 {a.get('num_micro_batches', DASH)}",
-            "sp": "yes" if a.get("sequence_parallel") else "no",
             "zero": _choice(a.get("zero")),
             "checkpoint": _choice(a.get("checkpoint")),
             "step": seconds(p.get("step_time_s")),
             "tokens": si_rate(tps),
-            "vs_best": percent(tps / best - 1) if (tps and best) else DASH,
+            "vs_best": percent(p["step_time_s"] / best - 1, sign=True) if (p.get("step_time_s") and best) else DASH,
             "mfu": percent(p.get("mfu")),
             "peak": bytes_(peak),
             "status": a.get("status", DASH),

@@ -41,6 +41,19 @@ def resolve_cluster(cluster_spec) -> ClusterSpec:
         raise ClusterSpecError(str(exc)) from exc
 
 
+def scaled_cluster(cluster: ClusterSpec, nodes: int, gpus_per_node: int | None = None) -> ClusterSpec:
+    """The same hardware with another node count (and optionally GPUs per node)."""
+    d = cluster.to_dict()
+    d.pop("world_size", None)  # derived; from_dict checks it against nodes x gpus_per_node
+    d["nodes"] = nodes
+    if gpus_per_node is not None:
+        d["gpus_per_node"] = gpus_per_node
+    try:
+        return ClusterSpec.from_dict(d, file=cluster.source)
+    except CostModelError as exc:
+        raise ClusterSpecError(str(exc)) from exc
+
+
 def model_spec(model, example_inputs=None, *, seq_len=None, name=None):
     """A ModelSpec/ModelGraph as is, or the capture of an nn.Module; seq_len overrides the traced one."""
     if hasattr(model, "layers") and not callable(getattr(model, "forward", None)):
@@ -131,7 +144,7 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
     nodes = cluster.nodes
     for _ in range(12):
         nodes *= 2
-        bigger = cluster.with_nodes(nodes)
+        bigger = scaled_cluster(cluster, nodes)
         try:
             result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 1, 2.0)
         except InfeasibleError:

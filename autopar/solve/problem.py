@@ -197,6 +197,54 @@ def memory_floor(problem: StageProblem) -> int:
     return -(-max(-(-sum(per_layer) // p.pp), max(per_layer)) // v)
 
 
+def lagrangian_bound(problem: StageProblem) -> int:
+    """Objective bound that feels memory pressure (weak Lagrangian duality).
+
+    Relax the per-rank memory limits into their sum (every layer's footprint
+    with the fewest micro-batches in flight any rank has must fit into all
+    ranks' capacity together) and the max over ranks into the average; then
+    for any multiplier lam >= 0
+
+        bound(lam) = sum over layers of min over options (cost_k + lam * mem_k) - lam * capacity
+
+    is below the optimum. Without it, a model that must checkpoint to fit
+    gets a bound that assumes no recomputation, and nothing gets pruned.
+    The best lam is found on a log grid, then refined (any lam is valid).
+    """
+    import numpy as np
+
+    p = problem
+    v, pp = p.virtual_stages, p.pp
+    least = min(p.in_flight_num)
+    counts: dict = {}
+    for g in p.layer_group:
+        counts[g] = counts.get(g, 0) + 1
+    cost_rows, mem_rows, weights = [], [], []
+    for g, c in sorted(counts.items()):
+        opts = p.group_options[g]
+        cost_rows.append(np.array([(p.time_weight * o.time + p.step_weight * o.step) / pp for o in opts], float))
+        mem_rows.append(np.array([v * o.static_mem + least * o.act_mem for o in opts], float))
+        weights.append(c)
+    capacity = float(v * sum(p.capacity))
+    overhead = p.time_weight * (v * p.stage_time_overhead if pp > 1 else 0)
+
+    def g_of(lams):
+        total = np.full(lams.shape, -capacity) * lams
+        for cost, mem, w in zip(cost_rows, mem_rows, weights):
+            total += w * np.min(cost[:, None] + mem[:, None] * lams[None, :], axis=0)
+        return total
+
+    scale = max(max(float(c.max()) for c in cost_rows), 1.0) / max(max(float(m.max()) for m in mem_rows), 1.0)
+    lams = np.concatenate([[0.0], scale * np.logspace(-6, 6, 97)])
+    vals = g_of(lams)
+    i = int(np.argmax(vals))
+    lo, hi = lams[max(i - 1, 0)], lams[min(i + 1, len(lams) - 1)]
+    fine = np.linspace(lo, hi, 65)
+    best = max(float(vals.max()), float(g_of(fine).max()))
+    # floor, minus one unit for float rounding: the bound must never exceed the optimum
+    return max(0, int(math.floor(best + overhead)) - 1)
+
+
 def lower_bound(problem: StageProblem) -> int | None:
     """A cheap bound on the optimum, or None when no assignment can exist:
     fewer layers than stages, or memory_floor above the capacity."""
@@ -205,4 +253,4 @@ def lower_bound(problem: StageProblem) -> int | None:
         return None
     if memory_floor(p) > max(p.capacity):
         return None
-    return time_lower_bound(p)
+    return max(time_lower_bound(p), lagrangian_bound(p))

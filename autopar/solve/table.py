@@ -16,7 +16,10 @@ which the stage problem accounts for itself.
 """
 from __future__ import annotations
 
-from cost_models.estimate import layer_cost
+from cost_models import comm as C
+from cost_models.estimate import DTYPE_BYTES, layer_cost
+from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION, model_state_bytes, state_bytes_per_param
+from cost_models.workload import fast
 
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
 from autopar.solve.layout import candidate_layout
@@ -42,14 +45,19 @@ def option_space(constraints: Constraints | None = None) -> list[tuple]:
 
 def pareto(rows: list[tuple]) -> list[tuple]:
     """Keep (OptionCost-like key, payload) rows no other row beats or ties on every cost."""
+    def flat(cost):
+        return tuple(x for c in cost for x in (c if isinstance(c, tuple) else (c,)))
+
     kept = []
     for i, (cost, payload) in enumerate(rows):
         dominated = False
+        cost_f = flat(cost)
         for j, (other, _) in enumerate(rows):
             if j == i:
                 continue
-            le = all(a <= b for a, b in zip(other, cost))
-            if le and (other != cost or j < i):
+            other_f = flat(other)
+            le = all(a <= b for a, b in zip(other_f, cost_f))
+            if le and (other_f != cost_f or j < i):
                 dominated = True
                 break
         if not dominated:
@@ -82,8 +90,8 @@ class TableBuilder:
                 self.representative.append(layer)
             self.group_of.append(index[sig])
         self._rows: dict = {}
-        self._stage_time_overhead = stage_time_overhead or (lambda cand: 0.0)
-        self._reserve_bytes = reserve_bytes or (lambda cand: 0.0)
+        self._stage_time_overhead = stage_time_overhead or self.p2p_overhead
+        self._reserve_bytes = reserve_bytes or (lambda cand: DDP_BUCKET_BYTES if cand.dp > 1 else 0.0)
         self.capacity_bytes = float(cluster.device_profile.usable_memory_bytes)
         self.layer_cost_calls = 0
 
@@ -102,14 +110,50 @@ class TableBuilder:
             for zero, ckpt, off in self.options:
                 lc = layer_cost(layer, self.model, layout, self.cluster, zero=zero, checkpoint=ckpt, offload=off)
                 self.layer_cost_calls += 1
-                cost = (to_time_units(lc.fwd_s + lc.bwd_s + lc.recompute_s + lc.tp_comm_s),
-                        to_time_units(lc.dp_comm_exposed_s + getattr(lc, "optimizer_s", 0.0)),
-                        to_mem_units(lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes),
-                        to_mem_units(lc.activation_bytes))
-                row.append((cost, (zero, ckpt, off)))
+                row.append((self._option_cost(layer, lc, cand, zero), (zero, ckpt, off)))
             rows.append(pareto(row))
         self._rows[key] = rows
         return rows
+
+    def p2p_overhead(self, cand: Candidate) -> float:
+        """Per stage per micro-batch: the activation sent forward and its gradient sent back."""
+        if cand.pp == 1:
+            return 0.0
+        out = max(self._output_bytes(layer, cand) for layer in self.model.layers[:-1])
+        if cand.sequence_parallel and cand.tp > 1:
+            out /= cand.tp
+        same_node = C.pp_neighbours_same_node(cand.tp, cand.dp, self.cluster)
+        return 2 * C.p2p_time(out, same_node, self.cluster)
+
+    def _option_cost(self, layer, lc, cand: Candidate, zero: int) -> tuple:
+        """The four costs + peak terms, composed the way cost_models.estimate composes them:
+        the pipeline runs fwd + bwd + recompute + TP comm + per-micro-batch exposed FSDP
+        gathers; the rank's step ends with the gradient reduction and the optimizer;
+        fragmentation is charged on grads and activations."""
+        time = (lc.fwd_s + lc.bwd_s + lc.recompute_s + lc.tp_comm_s + lc.dp_fwd_exposed_s + lc.dp_bwd_exposed_s)
+        step = lc.dp_step_exposed_s + lc.optimizer_s
+        frag = 1.0 + FRAGMENTATION
+        static = lc.param_bytes + frag * lc.grad_bytes + lc.optimizer_bytes + self._tied_copy(layer, cand, zero)
+        p_b, g_b, _ = state_bytes_per_param(self.precision, self.optimizer)
+        fsdp = lc.params_local * (2 * p_b + g_b) if zero >= 3 and cand.dp > 1 else 0.0
+        tp_out = self._output_bytes(layer, cand) if cand.tp > 1 else 0.0
+        return (to_time_units(time), to_time_units(step), to_mem_units(static), to_mem_units(frag * lc.activation_bytes),
+                (to_mem_units(frag * lc.working_bytes), to_mem_units(fsdp), to_mem_units(tp_out)))
+
+    def _output_bytes(self, layer, cand: Candidate) -> float:
+        scale = DTYPE_BYTES.get(self.precision, 2) / (self.model.dtype_bytes or 2)
+        return fast(layer.output_bytes)(cand.micro_batch_size, self.model.seq_len or 1) * scale
+
+    def _tied_copy(self, layer, cand: Candidate, zero: int) -> float:
+        """With a pipeline, a tied output layer keeps its own copy of the embedding
+        weight (Megatron; it sits on the last rank, the embedding on the first)."""
+        tied = layer.attrs.get("tied_param_count", 0) if layer.shared_params else 0
+        if not tied or cand.pp == 1:
+            return 0.0
+        tp = cand.tp if cand.tp in tuple(layer.tp_degrees or (1,)) else 1
+        st = model_state_bytes(tied / tp, precision=self.precision, optimizer=self.optimizer, zero=zero, dp=cand.dp,
+                               offload="none")
+        return st.params + (1.0 + FRAGMENTATION) * st.grads + st.optimizer
 
     def __call__(self, cand: Candidate) -> StageProblem:
         rows = self._layer_rows(cand)
@@ -118,11 +162,11 @@ class TableBuilder:
         group_options = []
         for row in rows:
             opts = []
-            for cost, label in row:
+            for (time, step, static, act, peaks), label in row:
                 if label not in label_index:
                     label_index[label] = len(labels)
                     labels.append(label)
-                opts.append(OptionCost(label_index[label], *cost))
+                opts.append(OptionCost(label_index[label], time, step, static, act, peaks))
             group_options.append(opts)
         capacity = to_mem_units(max(0.0, self.capacity_bytes - self._reserve_bytes(cand)))
         return StageProblem(

@@ -1,5 +1,10 @@
-"""Route scaled_dot_product_attention to a flash-attention kernel during capture.
+"""Run the GPU training kernels' autograd behaviour during capture.
 
+Dropout: on CPU/meta, F.dropout decomposes into bernoulli_ + mul and saves a
+mask in the input dtype (2 bytes in bf16); on GPUs it is `native_dropout`,
+which saves a 1-byte bool mask. Capture routes dropout to native_dropout.
+
+Attention:
 On the meta device F.scaled_dot_product_attention falls back to the math
 decomposition (bmm, softmax, dropout, upcast to fp32), which saves the
 (s x s) score matrix for backward. Training on GPUs runs the flash kernel,
@@ -11,6 +16,8 @@ the CUDA kernel. Models that write attention out by hand (softmax(QK^T)V)
 are measured as written.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +45,40 @@ def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return out.squeeze(0) if squeeze else out
 
 
-class FlashSDPAMode(TorchFunctionMode):
+def native_dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0.0:
+        return input
+    out, _ = torch.native_dropout(input, p, True)
+    return input.copy_(out) if inplace else out
+
+
+_SDPA = F.scaled_dot_product_attention
+_DROPOUTS = {F.dropout, torch.dropout}
+
+
+class GPUKernelsMode(TorchFunctionMode):
+    """Catches direct calls (including `from torch.nn.functional import ...`)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is _SDPA:
             return flash_sdpa(*args, **kwargs)
+        if func in _DROPOUTS:  # F.dropout(input, p, training, inplace) / torch.dropout(input, p, train)
+            return native_dropout(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def gpu_kernels():
+    """The mode, plus the module attributes torch's own functional code calls
+    (nn.MultiheadAttention -> F.multi_head_attention_forward -> F.scaled_dot_product_attention
+    / F.dropout): a function-mode handler runs with the mode switched off, so
+    calls nested inside another torch function are caught here instead. The
+    patch is process-wide while capture runs and is always restored."""
+    saved = F.scaled_dot_product_attention, F.dropout
+    F.scaled_dot_product_attention, F.dropout = flash_sdpa, native_dropout
+    try:
+        with GPUKernelsMode():
+            yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = saved

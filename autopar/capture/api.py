@@ -26,7 +26,7 @@ from cost_models.workload import LayerSpec, OpSpec
 
 
 def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
-            seq_dim="auto") -> ModelGraph:
+            seq_dim="auto", loss_fn=None) -> ModelGraph:
     """Capture `model` into a ModelGraph.
 
     example_inputs: a tuple of tensors (any device; only shapes and dtypes are
@@ -36,6 +36,9 @@ def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bflo
         measured in it.
     seq_dim: "auto" (dim 1 of 2-D integer / 3-D float inputs), an int, or None
         (costs are fitted in batch only, at the given sequence length).
+    loss_fn: optional `loss_fn(output, targets)` (the model file's); its cost
+        (e.g. the saved log-softmax of the logits) becomes part of the head
+        layer. Targets are class indices shaped like the output minus its last dim.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture expects an nn.Module, got {type(model).__name__}")
@@ -43,14 +46,14 @@ def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bflo
     template = template_from(example_inputs, seq_dim)
     meta = meta_copy(model, dtype)
     blocks = find_blocks(meta)
-    tracer = Tracer(meta, blocks, [static_signature(m) for _, m in blocks])
+    tracer = Tracer(meta, blocks, [static_signature(m) for _, m in blocks], loss_fn)
     notes = []
 
     grid = PointGrid(template.seq)
     traces = {}
     try:
         for point in grid.all_points:
-            args, kwargs = template.make(*point)
+            args, kwargs = template.make(*point, dtype)
             traces[point] = tracer.run(point[0], point[1], args, kwargs)
     except CaptureError as exc:
         if grid.seqs is None or not traces:
@@ -60,10 +63,10 @@ def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bflo
         grid = PointGrid(None)
         traces = {}
         for point in grid.all_points:
-            args, kwargs = template.make(point[0], template.seq)
+            args, kwargs = template.make(point[0], template.seq, dtype)
             traces[point] = tracer.run(point[0], template.seq, args, kwargs)
 
-    layers, indices, base = _build_layers(meta, blocks, traces, grid, template.seq, notes)
+    layers, indices, base = _build_layers(meta, blocks, traces, grid, template.seq, loss_fn)
     seq_len = template.seq
     graph = ModelGraph(
         name=name or type(model).__name__, layers=layers, seq_len=seq_len,
@@ -92,7 +95,7 @@ def _split_records(trace):
     return fwd, bwd
 
 
-def _build_layers(meta, blocks, traces, grid, seq, notes):
+def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
     n = len(blocks) + 2
     prefix = {i + 1: path for i, (path, _) in enumerate(blocks)}
     base_point = grid.points[0]
@@ -125,11 +128,14 @@ def _build_layers(meta, blocks, traces, grid, seq, notes):
         if reps not in exprs_cache:
             exprs_cache[reps] = _fit_layer(per_point, grid, what)
         fields, ops = exprs_cache[reps]
+        fields = dict(fields)
         attrs = dict(m0.attrs)
+        if layer == n - 1 and loss_fn is not None:
+            attrs["loss"] = True
         if seq is not None:
             attrs["seq_len"] = seq
         sig_src = (static_signature(blocks[layer - 1][1]), base.input_shapes.get(layer)) if 0 < layer < n - 1 \
-            else (lname, layer)
+            else (lname, layer, [(k, sizes[k]) for k in owned], sorted(shared.get(layer, ())), str(fields))
         indices.append(layer)
         layers.append(LayerSpec(
             name=lname, kind=kind, params=params, param_bytes=sum(sizes[k][0] * sizes[k][1] for k in owned),
@@ -199,17 +205,16 @@ def _param_owners(meta, blocks, traces, n):
     return owners, shared
 
 
-def _s2_flags(lists_by_seq: list, seqs) -> list | None:
-    """Per entry: does its value have an s^2 term (across three seq points, b=1)?"""
-    if len({len(x) for x in lists_by_seq}) != 1:
-        return None
+def _s2_keys(dicts: list, seqs) -> set:
+    """Keys whose value has an s^2 term across three sequence lengths (same batch)."""
     (s1, s2, s3) = seqs
-    flags = []
-    for y1, y2, y3 in zip(*lists_by_seq):
+    keys = set()
+    for key in set(dicts[0]) & set(dicts[1]) & set(dicts[2]):
+        y1, y2, y3 = (d[key] for d in dicts)
         d1 = Fraction(y2 - y1, s2 - s1)
-        d2 = (Fraction(y3 - y2, s3 - s2) - d1) / (s3 - s1)
-        flags.append(d2 != 0)
-    return flags
+        if (Fraction(y3 - y2, s3 - s2) - d1) / (s3 - s1) != 0:
+            keys.add(key)
+    return keys
 
 
 def _fit_layer(per_point: dict, grid: PointGrid, what: str):
@@ -222,17 +227,16 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
     sel_bytes = {p: 0 for p in per_point}
     sel_flops = {p: 0 for p in per_point}
     if grid.seqs is not None:
-        b1 = [per_point[(1, s)] for s in grid.seqs]
-        saved_flags = _s2_flags([[e[0] for e in m.saved_entries] for m in b1], grid.seqs)
-        op_flags = _s2_flags([m.fwd_op_flops for m in b1], grid.seqs)
+        series = [per_point[(grid.batches[0], s)] for s in grid.seqs]
+        saved_keys = _s2_keys([{k: e[0] for k, e in m.saved_entries.items()} for m in series], grid.seqs)
+        op_keys = _s2_keys([m.fwd_op_flops for m in series], grid.seqs)
         for p, m in per_point.items():
-            entries = m.saved_entries
-            if saved_flags is not None and len(entries) == len(saved_flags):
-                sel_bytes[p] = sum(e[0] for e, f in zip(entries, saved_flags) if f)
-            else:  # fall back to shapes: two dims equal to the sequence length
-                sel_bytes[p] = sum(e[0] for e in entries if list(e[1]).count(p[1]) >= 2)
-            if sel_bytes[p] and op_flags is not None and len(m.fwd_op_flops) == len(op_flags):
-                sel_flops[p] = sum(f for f, flag in zip(m.fwd_op_flops, op_flags) if flag)
+            for key, (nbytes, shape) in m.saved_entries.items():
+                # A tensor not seen in the series: fall back to its shape (two dims of length s).
+                if key in saved_keys or (key not in series[0].saved_entries and list(shape).count(p[1]) >= 2):
+                    sel_bytes[p] += nbytes
+            if sel_bytes[p]:
+                sel_flops[p] = sum(f for k, f in m.fwd_op_flops.items() if k in op_keys)
     values["activation_bytes_selective"] = sel_bytes
     values["selective_recompute_flops"] = sel_flops
     fields = {f: fit(v, grid, f"{f} of {what}") for f, v in values.items()}
@@ -251,6 +255,7 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
                           bwd_flops=fit(get("bwd_flops"), grid, f"{key} in {what}"),
                           fwd_bytes=fit(get("fwd_bytes"), grid, f"{key} in {what}"),
                           bwd_bytes=fit(get("bwd_bytes"), grid, f"{key} in {what}"),
-                          gemm=gemm, tp_sharded=op["tp_sharded"], count=op["count"]))
+                          gemm=gemm, tp_sharded=op["tp_sharded"], count=op["count"],
+                          **({"causal": op["causal"]} if op["kind"] == "attention" else {})))
     assert set(fields) >= set(EXPR_FIELDS)
     return fields, ops

@@ -1,0 +1,81 @@
+"""Collectives: nccl-tests ring formulas, hierarchical placement, DP/FSDP traffic."""
+import pytest
+
+from cost_models import comm as C
+from cost_models.analytic import gpt
+from cost_models.estimate import layer_cost
+from cost_models.hardware import ClusterSpec
+from cost_models.layout import Layout
+
+GB = 1e9
+
+
+def test_ring_formulas_are_nccl_tests():
+    c = ClusterSpec.preset("dgx-a100")
+    place = C.group_placement("tp", 8, 1, 1, c)
+    bw, alpha = C.bus_bandwidth(place, c)
+    assert place.tier == "intra_node" and bw == c.intra_link.bus_bandwidth
+    S = 4 * GB
+    n = 8
+    assert C.collective_time("all_reduce", S, place, c) == pytest.approx(2 * (n - 1) / n * S / bw + 2 * (n - 1) * alpha)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert C.collective_time(kind, S, place, c) == pytest.approx((n - 1) / n * S / bw + (n - 1) * alpha)
+    # bus bandwidth = algorithm bandwidth x 2(n-1)/n for all-reduce (nccl-tests PERFORMANCE.md)
+    t = C.collective_time("all_reduce", S, place, c)
+    assert (S / t) * 2 * (n - 1) / n == pytest.approx(bw, rel=2e-3)  # alpha: 42 us of 30 ms
+
+
+def test_small_messages_take_the_tree():
+    c = ClusterSpec.preset("dgx-h100", nodes=64)
+    place = C.group_placement("dp", 8, 64, 1, c)
+    n, (bw, alpha) = 64, C.bus_bandwidth(place, c)
+    t = C.collective_time("all_reduce", 1024, place, c)
+    assert t < 2 * (n - 1) * alpha  # beats the ring's latency
+    assert t == pytest.approx(2 * 1024 / bw + 2 * 6 * alpha)
+
+
+def test_group_spanning_nodes_is_slower_by_the_link_ratio():
+    c = ClusterSpec.preset("dgx-a100", nodes=8)
+    inside = C.group_placement("dp", 1, 8, 1, c)  # 8 ranks in node 0
+    across = C.group_placement("dp", 8, 8, 1, c)  # one rank per node
+    assert (inside.tier, across.tier, across.ranks_per_node) == ("intra_node", "inter_node", 1)
+    S = 1 * GB
+    t_in = C.collective_time("all_reduce", S, inside, c)
+    t_out = C.collective_time("all_reduce", S, across, c)
+    ratio = c.intra_link.bus_bandwidth / c.inter_link.bus_bandwidth
+    assert t_out / t_in == pytest.approx(ratio, rel=0.01)
+
+
+def test_more_tp_inside_a_node_costs_less_than_across():
+    model = gpt("g", hidden=8192, heads=64, layers=4, seq_len=2048, vocab_size=51200)
+    layer = model.layers[1]
+    small_nodes = ClusterSpec.preset("dgx-a100", nodes=4).with_nodes(4)
+    small_nodes.gpus_per_node = 4  # 4-GPU nodes: tp=8 must cross the network
+    big_nodes = ClusterSpec.preset("dgx-a100", nodes=2)
+    layout = Layout(tp=8, micro_batch_size=1)
+    inside = layer_cost(layer, model, layout, big_nodes)
+    across = layer_cost(layer, model, layout, small_nodes)
+    assert inside.tier["tp"] == "intra_node" and across.tier["tp"] == "inter_node"
+    # 4 ranks per node drive 4 NIC rails: bus bandwidth min(NVLink, 4 x per-GPU IB)
+    ratio = big_nodes.intra_link.bus_bandwidth / (4 * big_nodes.inter_link.bus_bandwidth)
+    assert across.tp_comm_s / inside.tp_comm_s == pytest.approx(ratio, rel=0.1)
+
+
+def test_zero3_traffic_is_1_5x_zero2():
+    model = gpt("g", hidden=4096, heads=32, layers=4, seq_len=2048, vocab_size=51200)
+    layer = model.layers[1]
+    c = ClusterSpec.preset("dgx-h100", nodes=4)
+    layout = Layout(dp=32, micro_batch_size=1, num_micro_batches=1)
+    vol = {z: sum(b for _, b, _ in layer_cost(layer, model, layout, c, zero=z).dp_collectives) for z in (0, 1, 2, 3)}
+    params = layer.params * 2 * 31 / 32
+    assert vol[2] == pytest.approx(2 * params) and vol[1] == pytest.approx(vol[2]) and vol[0] == pytest.approx(vol[2])
+    assert vol[3] / vol[2] == pytest.approx(1.5)
+
+
+def test_overlap_hides_dp_but_never_tp():
+    model = gpt("g", hidden=4096, heads=32, layers=4, seq_len=4096, vocab_size=51200)
+    layer = model.layers[1]
+    c = ClusterSpec.preset("dgx-h100")
+    lc = layer_cost(layer, model, Layout(tp=2, dp=4, micro_batch_size=4, zero=3), c)
+    assert lc.dp_comm_s > 0 and lc.dp_comm_exposed_s < 0.2 * lc.dp_comm_s  # FSDP prefetch hides it
+    assert C.TP_OVERLAP == 0.0 and lc.tp_comm_s > 0

@@ -1,0 +1,101 @@
+"""`autopar compile` writes a build/ that runs under torchrun and matches
+the in-process compile."""
+import json
+import os
+import py_compile
+import subprocess
+import sys
+
+import pytest
+
+import gpt
+from autopar.cli import main as cli
+from autopar.lower import plan_for_model
+from autopar.plan import Plan
+from conftest import EXAMPLES, ROOT, free_port
+from dist_utils import run_world
+from lower_worlds import emitted_reference_world
+
+MODEL = f"{EXAMPLES / 'gpt.py'}:gpt_tiny"
+
+
+def _plan_file(tmp_path, **kw):
+    model, _ = gpt.gpt_tiny()
+    plan = plan_for_model(model, **kw)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    return path, plan
+
+
+def test_compile_writes_a_readable_build(tmp_path, capsys):
+    plan_path, plan = _plan_file(tmp_path, pp=2, dp=2, schedule="1f1b", num_micro_batches=2)
+    out = tmp_path / "build"
+    assert cli(["compile", MODEL, "--plan", str(plan_path), "-o", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["launch.sbatch", "launch.sh", "model.py", "plan.json", "train.py"]
+    assert Plan.load(str(out / "plan.json")).to_dict() == plan.to_dict()
+    py_compile.compile(str(out / "train.py"), doraise=True)
+    train = (out / "train.py").read_text()
+    assert "autopar.compile(" in train and "pp=2 x dp=2 x tp=1" in train
+    for script in ("launch.sh", "launch.sbatch"):
+        assert subprocess.run(["bash", "-n", str(out / script)]).returncode == 0
+        assert os.access(out / script, os.X_OK)
+    sh = (out / "launch.sh").read_text()
+    assert 'NPROC_PER_NODE="${NPROC_PER_NODE:-4}"' in sh and "torchrun" in sh
+    sbatch = (out / "launch.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in sbatch and "--rdzv_backend c10d" in sbatch
+
+
+def test_compile_refuses_mismatched_plans(tmp_path, capsys):
+    plan_path, _ = _plan_file(tmp_path, dp=2)
+    assert cli(["compile", MODEL, "--plan", str(plan_path), "--gpus", "8", "-o", str(tmp_path / "b")]) == 2
+    assert "plan is for 2 GPUs" in capsys.readouterr().err
+    other = f"{EXAMPLES / 'llama.py'}:llama_tiny"
+    assert cli(["compile", other, "--plan", str(plan_path), "-o", str(tmp_path / "b")]) == 2
+    assert "differs from the planned one" in capsys.readouterr().err
+    d = json.loads(plan_path.read_text())
+    d["schema_version"] = 0
+    plan_path.write_text(json.dumps(d))
+    assert cli(["compile", MODEL, "--plan", str(plan_path), "-o", str(tmp_path / "b")]) == 2
+    assert "schema version 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_emitted_build_runs_under_torchrun_and_matches_in_process_compile(tmp_path):
+    plan_path, _ = _plan_file(tmp_path, pp=2, dp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=2)
+    out = tmp_path / "build"
+    assert cli(["compile", MODEL, "--plan", str(plan_path), "-o", str(out)]) == 0
+    losses_file = tmp_path / "losses.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), str(out / "train.py"), "--steps", "3",
+         "--losses-out", str(losses_file)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    emitted = json.loads(losses_file.read_text())
+    assert "step     2  loss" in proc.stdout
+    in_process = run_world(emitted_reference_world, 4, str(out), 3, timeout=200)
+    for losses in in_process:
+        assert len(emitted) == 3
+        for a, b in zip(emitted, losses):
+            assert abs(a - b) <= 1e-6 * abs(b), (emitted, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_solver_plan_from_autopar_compile_lowers_and_matches_single_process(tmp_path):
+    """The whole path: `autopar compile` plans (solver, cpu profile, layout
+    partly pinned), and the written plan.json trains like one process."""
+    from lower_worlds import GLOBAL_BATCH, equivalence_world
+    out = tmp_path / "build"
+    llama_model = f"{EXAMPLES / 'llama.py'}:llama_tiny"
+    assert cli(["compile", llama_model, "--device", "cpu", "--gpus", "4", "--tp", "2", "--pp", "2",
+                "--precision", "fp32", "--batch-size", str(GLOBAL_BATCH), "--time-limit", "2",
+                "-o", str(out)]) == 0
+    plan = Plan.load(str(out / "plan.json"))
+    assert (plan.mesh.pp, plan.mesh.tp) == (2, 2) and plan.solver.get("status") != "manual"
+    results = run_world(equivalence_world, 4, "llama", [("solver", {"plan_json": str(out / "plan.json")})],
+                        "sgd", timeout=200)
+    r = results[0]["solver"]
+    assert r["loss_rel"] < 1e-5 and r["param_rel"] < 1e-5, r

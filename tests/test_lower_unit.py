@@ -1,0 +1,104 @@
+"""Single-process checks of the lowering pieces (no process group needed)."""
+import copy
+
+import pytest
+import torch
+
+import gpt
+import llama
+from autopar.errors import PlanMismatchError
+from autopar.lower import compile, load_plan, plan_for_model
+from autopar.lower.model_layers import resolve
+from autopar.lower.tensor_parallel import probe_blocks
+from autopar.plan import Plan
+
+
+def test_plan_for_model_derives_layers_from_the_module_tree():
+    model, _ = gpt.gpt_tiny()
+    plan = plan_for_model(model, pp=2, schedule="gpipe", num_micro_batches=2)
+    names = [c.name for c in plan.layer_choices]
+    assert names == ["embedding", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert plan.layer_choices[0].module_paths == ["wte", "wpe"]
+    assert plan.layer_choices[-1].module_paths == ["ln_f", "lm_head"]
+    assert [s.layer_names for s in plan.stages] == [["embedding", "blocks.0", "blocks.1"],
+                                                    ["blocks.2", "blocks.3", "head"]]
+    layout = resolve(model, plan)
+    assert layout.blocks_path == "blocks" and layout.num_blocks == 4
+    assert [l.position for l in layout.layers] == ["pre"] + ["block"] * 4 + ["post"]
+    assert layout.tied == [["wte.weight", "lm_head.weight"]]
+    # Round trip through JSON keeps everything lowering reads.
+    again = Plan.from_json(plan.to_json())
+    assert again.model["param_shapes"]["wte.weight"] == [128, 32]
+
+
+@pytest.mark.parametrize("factory, expected", [
+    (gpt.gpt_tiny, {"attn": (["qkv"], "proj"), "mlp": (["fc"], "proj")}),
+    (llama.llama_tiny, {"attention": (["wq", "wk", "wv"], "wo"), "feed_forward": (["w1", "w3"], "w2")}),
+])
+def test_tensor_parallel_roles_come_from_data_flow(factory, expected):
+    model, example = factory()
+    blocks = model.blocks if hasattr(model, "blocks") else model.layers
+    plans = probe_blocks(model, {0: blocks[0]}, example(2))
+    got = {s.name: (sorted(s.colwise), s.rowwise) for s in plans[0].subs}
+    assert got == {k: (sorted(v[0]), v[1]) for k, v in expected.items()}
+    # norms are the parameter-holding children without Linears
+    assert len(plans[0].norms) == 2
+    # Llama's attention takes the RoPE cos/sin tensors too: they become replicated DTensors.
+    if factory is llama.llama_tiny:
+        assert plans[0].subs[0].arg_is_tensor == [True, True, True]
+
+
+def test_probe_works_on_a_meta_model():
+    with torch.device("meta"):
+        model, example = llama.llama_tiny()
+    plans = probe_blocks(model, {1: model.layers[1]}, example(1))
+    assert plans[1].subs[1].rowwise == "w2"
+
+
+def test_model_that_differs_from_the_plan_is_refused_before_any_collective():
+    model, example = gpt.gpt_tiny()
+    plan = plan_for_model(model, dp=2)
+    other, _ = llama.llama_tiny()
+    with pytest.raises(PlanMismatchError, match="differs from the planned one"):
+        compile(other, example_inputs=example, loss_fn=gpt.loss_fn, plan=plan)
+    wider = gpt.GPT(gpt.GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=4, heads=4, ffn_mult=2))
+    with pytest.raises(PlanMismatchError, match="parameters"):
+        compile(wider, example_inputs=example, loss_fn=gpt.loss_fn, plan=plan)
+    # same parameter count, one shape different
+    shaped = copy.deepcopy(plan)
+    shaped.model["param_shapes"]["wpe.weight"] = [32, 16]
+    with pytest.raises(PlanMismatchError, match="wpe.weight"):
+        compile(model, example_inputs=example, loss_fn=gpt.loss_fn, plan=shaped)
+
+
+def test_plan_json_of_another_schema_is_refused(tmp_path):
+    model, _ = gpt.gpt_tiny()
+    d = plan_for_model(model).to_dict()
+    d["schema_version"] = 99
+    path = tmp_path / "plan.json"
+    import json
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanMismatchError, match="schema version 99"):
+        load_plan(str(path))
+    with pytest.raises(PlanMismatchError, match="not found"):
+        load_plan(str(tmp_path / "missing.json"))
+
+
+def test_missing_launcher_environment_is_a_clear_error(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    model, example = gpt.gpt_tiny()
+    with pytest.raises(PlanMismatchError, match="torchrun"):
+        compile(model, example_inputs=example, loss_fn=gpt.loss_fn, plan=plan_for_model(model, dp=2))
+
+
+def test_pipeline_cut_inside_the_head_is_refused():
+    model, _ = gpt.gpt_tiny()
+    plan = plan_for_model(model, pp=2, stage_layers=[5, 1])  # fine: head alone on the last stage
+    resolve(model, plan)
+    from autopar.lower.pipeline_parallel import check_stage_cuts
+    check_stage_cuts(resolve(model, plan), 2)
+    bad = plan_for_model(model, pp=2, stage_layers=[3, 3])
+    bad.stages[0].layers, bad.stages[1].layers = bad.stages[1].layers, bad.stages[0].layers
+    with pytest.raises(PlanMismatchError):
+        check_stage_cuts(resolve(model, bad), 2)
