@@ -124,6 +124,13 @@ def bench_one(name, m, n, dtype, device, iters, warmup, with_compile):
     if with_compile:
         impls["compile"] = torch.compile(reference_fn, dynamic=False)
     row = {"kernel": name, "rows": m, "width": n, "dtype": str(dtype).replace("torch.", "")}
+    # A fast wrong kernel is worthless: check the forward at this size first.
+    with torch.no_grad():
+        got, want = triton_fn(*args), reference_fn(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    row["max_rel_err"] = max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30))
+                             for g, w in zip(got, want))
     for impl, fn in impls.items():
         for phase, make in (("fwd", _fwd), ("fwd_bwd", _fwd_bwd)):
             try:
@@ -149,7 +156,7 @@ def _markdown(result) -> str:
     if result["smoke"]:
         lines += ["**Smoke run (Triton interpreter on CPU): these timings say nothing about GPU speed.**", ""]
     lines += ["| kernel | rows x width | triton fwd+bwd ms | eager ms | compile ms | vs eager | vs compile | "
-              "GB/s fwd | % of copy bw (fwd) |", "|---|---|---|---|---|---|---|---|---|"]
+              "GB/s fwd | % of copy bw (fwd) | max rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(v):
         return f"{v * 1e3:.3f}" if v else "-"
@@ -160,7 +167,7 @@ def _markdown(result) -> str:
         lines.append(
             f"| {r['kernel']} | {r['rows']}x{r['width']} | {ms(r.get('triton_fwd_bwd_s'))} | {ms(r.get('eager_fwd_bwd_s'))} "
             f"| {ms(r.get('compile_fwd_bwd_s'))} | {r.get('speedup_vs_eager', 0):.2f}x | {r.get('speedup_vs_compile', 0):.2f}x "
-            f"| {gbps if gbps and gbps == gbps else 0:.0f} | {frac} |")
+            f"| {gbps if gbps and gbps == gbps else 0:.0f} | {frac} | {r['max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -344,10 +344,15 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
              for layer, z, c, o in zip(layers, zeros, ckpts, offs)]
 
     pp, m = layout.pp, layout.num_micro_batches
-    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    # Without a pipeline there is one stage, whatever the schedule says.
+    v = layout.virtual_stages if layout.schedule == "interleaved" and pp > 1 else 1
     n_stages = pp * v
-    counts = list(layout.stage_layers) if layout.stage_layers is not None else balance_stages(
-        [c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s for c in costs], n_stages)
+    if pp == 1:
+        counts = [n]
+    elif layout.stage_layers is not None:
+        counts = list(layout.stage_layers)
+    else:
+        counts = balance_stages([c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s for c in costs], n_stages)
     bounds = [sum(counts[:i]) for i in range(n_stages + 1)]
     stage_of = [0] * n
     for i in range(n_stages):

@@ -193,3 +193,17 @@ def precision_world(rank, world):
         out[name] = {"losses": losses, "ref_losses": ref_losses,
                      "param_dtype": str(next(iter(pm.full_state_dict().values())).dtype)}
     return out
+
+
+def autoplan_world(rank, world):
+    """compile(plan=None): rank 0 plans (the solver), every rank lowers that plan."""
+    import hashlib
+    from autopar.solve.planner import scaled_cluster
+    from cost_models.hardware import ClusterSpec
+    model, example, loss_fn = build("gpt")
+    cluster = scaled_cluster(ClusterSpec.resolve("cpu"), 1, world)
+    pm = compile(model, cluster, example_inputs=example, global_batch_size=GLOBAL_BATCH, loss_fn=loss_fn,
+                 optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, constraints={"pp": 1})
+    losses = [pm.train_step((x,), y) for x, y in batches()]
+    return {"plan_sha": hashlib.sha256(pm.plan.to_json().encode()).hexdigest(), "losses": losses,
+            "mesh": (pm.plan.mesh.pp, pm.plan.mesh.dp, pm.plan.mesh.tp)}

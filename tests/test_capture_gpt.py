@@ -124,6 +124,14 @@ def test_identical_blocks_share_a_signature_and_attrs(sdpa_gpt):
     assert blocks[0].tp_allreduces == 2 and graph.layers[0].tp_allreduces == 1
     assert set(blocks[0].tp_degrees) == {1, 2, 4, 8}  # divisors of gcd(heads, kv_heads, ffn)
     assert graph.layers[-1].attrs["vocab_size"] == cfg.vocab_size
+    assert 8 in graph.layers[0].tp_degrees and 16 not in graph.layers[0].tp_degrees  # 1000 = 8 * 125
+
+
+def test_odd_vocabulary_keeps_embedding_and_head_replicated():
+    cfg = gpt.PRESETS["gpt2_small"]  # vocab 50257 = 29 * 1733
+    graph = _capture(cfg)[1]
+    assert graph.layers[0].tp_degrees == (1, 29)  # no power of two divides it
+    assert graph.layers[-1].tp_degrees == graph.layers[0].tp_degrees
 
 
 def test_ops_are_gemms_with_shapes_and_tp_flags(sdpa_gpt):

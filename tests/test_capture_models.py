@@ -235,3 +235,13 @@ def test_blocks_with_different_config_attributes_are_measured_separately():
     graph = autopar.capture(model, (torch.randn(2, 8),))
     sigs = [layer.signature for layer in graph.layers]
     assert sigs[0] != sigs[1] and sigs[1] == sigs[2]
+
+
+def test_multihead_attention_runs_as_non_causal_flash(captured):
+    block = captured["vit_tiny"][2].layers[1]
+    attention = [op for op in block.ops if op.kind == "attention"]
+    assert len(attention) == 1 and attention[0].causal is False
+    assert block.attrs["causal"] is False
+    assert captured["gpt_tiny"][2].layers[1].attrs["causal"] is True
+    import torch.nn.functional as F
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # restored after capture

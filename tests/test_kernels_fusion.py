@@ -345,3 +345,19 @@ def test_autopar_compile_with_fusion_trains_like_without(monkeypatch):
         assert want.abs().max() > 0, f"{k} was not trained"
         rel = float((got - want).abs().max() / want.abs().max())
         assert rel < 1e-4, f"{k}: update differs by {rel:.2e} of its scale"
+
+
+def test_savings_per_layer_for_the_cost_model():
+    from autopar.kernels.fusion import fusion_savings_by_layer
+
+    model, _ = llama_tiny()
+    fusions = find_fusions(model)
+    saved = fusion_savings_by_layer(fusions, B * S, dtype_bytes=2)
+    assert set(saved) == {f"layers.{i}" for i in range(4)} | {"output"}
+    # add_rmsnorm (width 32): fwd 5->4, bwd 8->4; swiglu (width 64): fwd 5->3, bwd 9->5
+    fwd = sympy.expand(saved["layers.0"]["fwd_saved"])
+    bwd = sympy.expand(saved["layers.0"]["bwd_saved"])
+    assert sympy.simplify(fwd - (1 * 32 + 2 * 64) * 2 * B * S) == 0
+    assert sympy.simplify(bwd - (4 * 32 + 4 * 64) * 2 * B * S) == 0
+    # the chunked head moves more in forward and nothing in backward
+    assert sympy.simplify(saved["output"]["fwd_saved"] + 128 * 2 * B * S) == 0

@@ -34,6 +34,7 @@ TWO_RANK = [
     ("tp_sp", dict(tp=2, sequence_parallel=True)),
     ("tp_sp_full_ckpt", dict(tp=2, sequence_parallel=True, checkpoint="full")),
     ("pp_gpipe", dict(pp=2, schedule="gpipe", num_micro_batches=2)),
+    ("pp_embedding_alone_on_stage0", dict(pp=2, schedule="gpipe", num_micro_batches=2, stage_layers=[1, 5])),
     ("pp_1f1b_selective_ckpt", dict(pp=2, schedule="1f1b", num_micro_batches=4, checkpoint="selective")),
 ]
 FOUR_RANK = [

@@ -44,3 +44,14 @@ def test_bf16_plans_train_in_bf16_close_to_fp32():
         # genuinely low precision (not bit-equal to fp32), yet close: bf16 has 8 mantissa bits
         assert 0 < max(rel) < 2e-2, (name, r["losses"], r["ref_losses"])
         assert r["param_dtype"] == "torch.float32"  # master weights stay fp32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compile_without_a_plan_plans_once_and_trains():
+    from lower_worlds import autoplan_world
+    results = run_world(autoplan_world, 2, timeout=280)
+    assert len({r["plan_sha"] for r in results}) == 1  # one plan, shared by rank 0
+    assert results[0]["mesh"][0] == 1 and results[0]["mesh"][1] * results[0]["mesh"][2] == 2
+    assert results[0]["losses"] == results[1]["losses"]
+    assert all(l == l for l in results[0]["losses"]) and results[0]["losses"][-1] < results[0]["losses"][0]

@@ -214,9 +214,9 @@ def tp_degrees(attrs: dict, kind: str) -> tuple:
                 g = math.gcd(g, attrs[key])
         return divisors_up_to(g)
     if kind in ("embedding", "head"):
-        # Vocabularies are padded to a multiple of the TP degree (Megatron), so
-        # any power of two works.
-        return (1, 2, 4, 8, 16, 32, 64, 128)
+        # Vocab-parallel: the vocabulary (or class count) must divide evenly;
+        # an odd vocabulary (GPT-2's 50257) stays replicated.
+        return divisors_up_to(attrs["vocab_size"]) if attrs.get("vocab_size") else (1,)
     if attrs.get("ffn_hidden"):
         return divisors_up_to(math.gcd(attrs["ffn_hidden"], attrs.get("hidden", attrs["ffn_hidden"])))
     return (1,)

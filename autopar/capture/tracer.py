@@ -238,7 +238,7 @@ class Tracer:
         if leaf is None:
             if producer_layer is None:
                 rec = self.producer.get(id(x))
-                producer_layer = self.trace.records[rec].layer if rec is not None else self.pointer
+                producer_layer = self.trace.records[rec].layer if rec is not None and rec >= 0 else self.pointer
                 self.seg_outputs.setdefault(producer_layer, []).append(x)
             leaf = x.detach().requires_grad_()
             self.cuts[id(x)] = leaf

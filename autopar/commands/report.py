@@ -63,13 +63,26 @@ def _plan_from_model(args):
     if common is None:
         raise AutoparError("planning from a model file is not available in this build (autopar.commands.common is missing)",
                            hint="render a saved plan instead: autopar report --plan plan.json -o plan.html")
-    result = common.plan_from_args(args)
+    result = _with_progress(common, args)
     # plan_from_args may return the plan alone or (plan, graph); the graph adds parameter counts.
     if isinstance(result, tuple):
         plan, graph = result[0], (result[1] if len(result) > 1 else None)
     else:
         plan, graph = result, None
     return plan, graph
+
+
+def _with_progress(common, args):
+    """plan_from_args, with a spinner on stderr when it is a terminal (a 1,024-GPU search takes minutes)."""
+    if not getattr(common, "stderr_is_tty", lambda: False)():
+        return common.plan_from_args(args)
+    from rich.console import Console
+
+    with Console(stderr=True).status("capturing the model...") as status:
+        def progress(phase, done, total, best_s):
+            best = f", best {best_s:.3f} s/step" if best_s else ""
+            status.update(f"{phase} layouts: {done}/{total}{best}")
+        return common.plan_from_args(args, progress=progress)
 
 
 def run(args) -> int:

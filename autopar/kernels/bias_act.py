@@ -33,7 +33,8 @@ if HAVE_TRITON:
     @triton.jit
     def _act_fwd(y, ACT: tl.constexpr):
         if ACT == 0:  # gelu, tanh approximation
-            z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            # |z| > 40 saturates the sigmoid in fp32 anyway; clamping keeps exp finite
+            z = tl.minimum(tl.maximum(0.7978845608028654 * (y + 0.044715 * y * y * y), -40.0), 40.0)
             return y * tl.sigmoid(2.0 * z)
         elif ACT == 1:  # gelu, exact (erf)
             return 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
@@ -43,7 +44,7 @@ if HAVE_TRITON:
     @triton.jit
     def _act_grad(y, ACT: tl.constexpr):
         if ACT == 0:
-            z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            z = tl.minimum(tl.maximum(0.7978845608028654 * (y + 0.044715 * y * y * y), -40.0), 40.0)
             s = tl.sigmoid(2.0 * z)
             dz = 0.7978845608028654 * (1.0 + 0.134145 * y * y)
             return s + 2.0 * y * s * (1.0 - s) * dz

@@ -619,3 +619,27 @@ def fusion_bytes(fusion: dict, rows, width=None, dtype_bytes: int = 2) -> dict:
         out["bwd_unfused"] += mask
     out["saved"] = out["fwd_unfused"] + out["bwd_unfused"] - out["fwd_fused"] - out["bwd_fused"]
     return out
+
+
+def fusion_savings_by_layer(fusions: list[dict], tokens, *, dtype_bytes: int = 2, seq=None, heads=None) -> dict:
+    """Bytes the fused chains save per ModelGraph layer and micro-batch:
+    {layer: {"fwd_saved", "bwd_saved"}} (each may be a sympy expression).
+
+    tokens: rows of the token-wise chains (b*s per micro-batch, e.g.
+      workload.B * workload.S). scaled_softmax needs `seq` and `heads`
+      (its rows are tokens * heads, its width seq); without them it is left out.
+    """
+    out: dict[str, dict] = {}
+    for f in fusions:
+        if f["pattern"] == "scaled_softmax":
+            if seq is None or heads is None:
+                continue
+            b = fusion_bytes(f, rows=tokens * heads, width=seq, dtype_bytes=dtype_bytes)
+        elif f.get("width") is None:
+            continue
+        else:
+            b = fusion_bytes(f, rows=tokens, dtype_bytes=dtype_bytes)
+        entry = out.setdefault(f["layer"], {"fwd_saved": 0, "bwd_saved": 0})
+        entry["fwd_saved"] += b["fwd_unfused"] - b["fwd_fused"]
+        entry["bwd_saved"] += b["bwd_unfused"] - b["bwd_fused"]
+    return out

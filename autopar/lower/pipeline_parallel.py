@@ -63,13 +63,6 @@ class _ZeroEmbedding(nn.Module):
         return torch.zeros(*idx.shape, self.dim, dtype=self.dtype, device=idx.device)
 
 
-class _Absent(nn.Module):
-    """Stands in for a post layer of another stage; reaching it is a bug."""
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("autopar: a pipeline stage reached a layer placed on another stage")
-
-
 def _shallow_view(module: nn.Module) -> nn.Module:
     """A new module object with the same class, attributes and children, own dicts."""
     view = copy.copy(module)
@@ -132,6 +125,12 @@ class StageModule(nn.Module):
                 new_blocks.append(blocks[i])
             else:
                 new_blocks.append(_StopBlock())
+        if not self.is_first and lo == 0 and hi > 0:
+            # No pass-through block before this stage's first block (the
+            # previous stage held only embeddings): hand the received
+            # activation to that block directly. The block belongs to this
+            # stage alone, so the hook touches no other stage.
+            blocks[0].register_forward_pre_hook(self._inject_received)
         self.model = view
         _set(view, layout.blocks_path, new_blocks)
         for l in layout.layers:
@@ -146,10 +145,15 @@ class StageModule(nn.Module):
                             f"({type(m).__name__}); only nn.Embedding is supported there")
                     _set(view, p, _ZeroEmbedding(m.embedding_dim, m.weight.dtype))
             elif l.position == "post" and not self.is_last:
+                # A stage that ends with the last block (the head alone on the
+                # next stage): the first post module called ends the stage.
                 for p in l.paths:
-                    _set(view, p, _Absent())
+                    _set(view, p, _StopBlock())
         if not self.is_first and layout.num_blocks == 0:
             raise PlanMismatchError("pipeline stages need a block ModuleList to cut between")
+
+    def _inject_received(self, module, args):
+        return (self._received, *args[1:])
 
     def forward(self, *args):
         if self.autocast_dtype is None:

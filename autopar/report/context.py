@@ -133,7 +133,18 @@ def hand_checks(plan) -> list[dict]:
     return out
 
 
-SOLVER_HEADLINE = ("status", "gap", "candidates", "solved", "pruned_by_bound", "oom", "search_s")
+# The solver facts worth a glance, with the words to show them under.
+SOLVER_HEADLINE = {"status": "status", "gap": "optimality gap", "candidates": "candidate layouts",
+                   "solved": "solved", "pruned_by_bound": "pruned by bound", "oom": "out of memory",
+                   "search_s": "search time"}
+
+
+def _solver_value(key, value) -> str:
+    if key == "gap" and isinstance(value, (int, float)):
+        return fmt.percent(value, 2)
+    if key == "search_s" and isinstance(value, (int, float)):
+        return fmt.seconds(value)
+    return fmt.number(value)
 
 
 def _critical_rank(plan) -> int | None:
@@ -178,7 +189,8 @@ def build_context(plan, graph=None) -> dict:
         "cluster_rows": tables.flatten(plan.cluster),
         "constraints": tables.flatten(plan.constraints),
         "solver_rows": tables.flatten(plan.solver),
-        "solver_headline": [(k, fmt.number(plan.solver[k])) for k in SOLVER_HEADLINE if k in plan.solver],
+        "solver_headline": [(label, _solver_value(k, plan.solver[k])) for k, label in SOLVER_HEADLINE.items()
+                            if k in plan.solver],
         "critical_rank": _critical_rank(plan),
         "hand_checks": hand_checks(plan),
         "fusions": plan.fusions,

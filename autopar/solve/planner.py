@@ -115,7 +115,7 @@ def _price(model, cluster, result, precision, optimizer):
 
 
 def _run_search(model, cluster, constraints, global_batch_size, precision, optimizer, keep, time_limit_s,
-                progress=None):
+                progress=None, offload=False):
     world = cluster.world_size
     cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints)
     if not cands:
@@ -124,8 +124,9 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
             + (f" ({space.summary()})" if space.rejected else ""),
             hint="choose a GPU count with pp x dp x tp factorisations the model and batch allow "
                  "(dp must divide the global batch, tp the attention heads), or relax the pinned flags")
-    builder = TableBuilder(model, cluster, constraints=constraints, precision=precision, optimizer=optimizer)
-    result = search(cands, builder, keep=keep, time_limit_s=time_limit_s, progress=progress)
+    builder = TableBuilder(model, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
+                           offload=offload)
+    result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s, progress=progress)
     return result, builder
 
 
@@ -146,7 +147,8 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
         nodes *= 2
         bigger = scaled_cluster(cluster, nodes)
         try:
-            result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 1, 2.0)
+            result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 1, 2.0,
+                                    offload=free.offload is None)
         except InfeasibleError:
             continue
         if result.best is not None:
@@ -178,6 +180,10 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     keep = max(3, top_k + 1)
     result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep, time_limit_s,
                                   progress)
+    if result.best is None and pins.offload is None:
+        # Second pass: nothing fits without CPU offload; let layers offload.
+        result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
+                                      time_limit_s, progress, offload=True)
     device = cluster.device_profile
     if result.best is None:
         need = _min_memory_per_gpu(result, device.reserve_bytes)

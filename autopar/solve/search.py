@@ -56,13 +56,14 @@ class SearchResult:
 
 
 def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: Callable | None = None,
-           time_limit_s: float = 10.0, progress: Callable | None = None, order_key: Callable | None = None
-           ) -> SearchResult:
+           bound: Callable | None = None, time_limit_s: float = 10.0, progress: Callable | None = None,
+           order_key: Callable | None = None) -> SearchResult:
     """Solve `candidates` (objects with a total order) to the best `keep` of them.
 
-    build_problem(candidate) -> StageProblem | None (None: ruled out while
-    building, e.g. one layer alone exceeds memory). progress(done, total,
-    best_s) is called after each candidate's bound and each solve.
+    build_problem(candidate) -> StageProblem. bound(candidate) -> seconds or
+    None (cannot fit): an optional cheaper lower bound that never exceeds the
+    candidate's optimum; without it the bound of the built problem is used.
+    progress(phase, done, total, best_s) is called as the search advances.
     """
     t0 = time.perf_counter()
     solve = solver or (lambda p: solve_cpsat(p, time_limit_s=time_limit_s))
@@ -71,10 +72,13 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     oom = []
     total = len(candidates)
     for i, cand in enumerate(candidates):
-        problem = build_problem(cand)
-        lb = lower_bound(problem) if problem is not None else None
-        r = CandidateResult(cand, problem, None if lb is None else lb * NS / problem.virtual_stages)
-        if lb is None:
+        if bound is not None:
+            r = CandidateResult(cand, None, bound(cand))
+        else:
+            problem = build_problem(cand)
+            lb = lower_bound(problem)
+            r = CandidateResult(cand, problem, None if lb is None else lb * NS / problem.virtual_stages)
+        if r.lower_bound_s is None:
             r.status = "oom"
             oom.append(r)
         else:
@@ -88,12 +92,28 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     solve_wall = 0.0
     max_gap = 0.0
     all_optimal = True
+
+    def cutoff():
+        return solved[keep - 1].step_s if len(solved) >= keep else None
+
     for idx, r in enumerate(results):
-        if len(solved) >= keep and r.lower_bound_s >= solved[keep - 1].step_s:
+        if cutoff() is not None and r.lower_bound_s >= cutoff():
             for rest in results[idx:]:
                 rest.status = "pruned"
-            pruned = len(results) - idx
+            pruned += len(results) - idx
             break
+        if r.problem is None:
+            r.problem = build_problem(r.candidate)
+            lb = lower_bound(r.problem)
+            if lb is None:
+                r.status = "oom"
+                oom.append(r)
+                continue
+            r.lower_bound_s = max(r.lower_bound_s, lb * NS / r.problem.virtual_stages)
+            if cutoff() is not None and r.lower_bound_s >= cutoff():
+                r.status = "pruned"
+                pruned += 1
+                continue
         sol = solve(r.problem)
         r.solution = sol
         solve_wall += sol.wall_s

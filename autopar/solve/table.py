@@ -23,18 +23,30 @@ from cost_models.workload import fast
 
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
 from autopar.solve.layout import candidate_layout
-from autopar.solve.problem import (OptionCost, StageProblem, in_flight_numerators, to_mem_units,
+from autopar.solve.problem import (KIB, NS, OptionCost, lower_bound, StageProblem, in_flight_numerators, to_mem_units,
                                    to_time_units)
 from autopar.solve.search_space import Candidate
 
 
-def option_space(constraints: Constraints | None = None) -> list[tuple]:
+def option_space(constraints: Constraints | None = None, *, offload: bool = False) -> list[tuple]:
+    """Per-layer (zero, checkpoint, offload) options the solver may choose.
+
+    ZeRO-1 is searched only when pinned: ZeRO-2 moves the same bytes per step
+    (reduce-scatter + all-gather, ZeRO paper section 7) and holds fewer
+    gradients, so it is never worse. Offload is searched only when asked
+    (`offload=True`: the planner's second pass when nothing fits without it)
+    or pinned, since moving state over PCIe is a last resort.
+    """
     c = constraints or Constraints()
     out = []
     for zero in range(4):
+        if zero == 1 and c.zero != 1:
+            continue
         for ckpt in CHECKPOINTS:
             for off in OFFLOADS:
                 if off == "optimizer" and zero == 0 or off == "params" and zero != 3:
+                    continue
+                if off != "none" and not offload and c.offload is None:
                     continue
                 if (c.zero is not None and zero != c.zero or c.checkpoint is not None and ckpt != c.checkpoint
                         or c.offload is not None and off != c.offload):
@@ -73,12 +85,12 @@ class TableBuilder:
     """Builds the StageProblem of each candidate from the cost model."""
 
     def __init__(self, model, cluster, *, constraints: Constraints | None = None, precision: str = "bf16",
-                 optimizer: str = "adam", stage_time_overhead=None, reserve_bytes=None):
+                 optimizer: str = "adam", stage_time_overhead=None, reserve_bytes=None, offload: bool = False):
         self.model = model
         self.cluster = cluster
         self.precision = precision
         self.optimizer = optimizer
-        self.options = option_space(constraints)
+        self.options = option_space(constraints, offload=offload)
         # Group layers by signature, numbered in order of first appearance.
         self.group_of: list[int] = []
         self.representative: list = []
@@ -90,6 +102,8 @@ class TableBuilder:
                 self.representative.append(layer)
             self.group_of.append(index[sig])
         self._rows: dict = {}
+        self._canonical: dict = {}
+        self._overheads: dict = {}
         self._stage_time_overhead = stage_time_overhead or self.p2p_overhead
         self._reserve_bytes = reserve_bytes or (lambda cand: DDP_BUCKET_BYTES if cand.dp > 1 else 0.0)
         self.capacity_bytes = float(cluster.device_profile.usable_memory_bytes)
@@ -155,6 +169,67 @@ class TableBuilder:
                                offload="none")
         return st.params + (1.0 + FRAGMENTATION) * st.grads + st.optimizer
 
+    # -- the cheap bound table ------------------------------------------------------
+    def _canonical_costs(self, cand: Candidate) -> list[dict]:
+        """Per group, per checkpoint mode: layer_cost under dp = pp = 1, one micro-batch.
+
+        Compute, recomputation and tensor-parallel communication of a layer
+        depend only on (tp, sequence parallel, micro-batch size): the tp group
+        is the same consecutive ranks whatever dp and pp are. So these few
+        calls price every candidate sharing (tp, sp, micro-batch); data-parallel
+        exposure is left at zero and model states come from the ZeRO formulas,
+        which makes the table a valid under-estimate (tested)."""
+        key = (cand.tp, cand.sequence_parallel, cand.micro_batch_size)
+        hit = self._canonical.get(key)
+        if hit is not None:
+            return hit
+        layout = candidate_layout(Candidate(1, 1, cand.tp, cand.micro_batch_size, 1, "1f1b", 1, cand.sequence_parallel),
+                                  precision=self.precision, optimizer=self.optimizer)
+        ckpts = sorted({c for _, c, _ in self.options}, key=("none", "selective", "full").index)
+        out = []
+        for layer in self.representative:
+            out.append({c: layer_cost(layer, self.model, layout, self.cluster, zero=0, checkpoint=c, offload="none")
+                        for c in ckpts})
+            self.layer_cost_calls += len(ckpts)
+        self._canonical[key] = out
+        return out
+
+    def bound_problem(self, cand: Candidate) -> StageProblem:
+        """A StageProblem whose optimum is at most the real one (for bounds only)."""
+        canon = self._canonical_costs(cand)
+        group_options = []
+        for per_ckpt in canon:
+            opts = []
+            for i, (zero, ckpt, off) in enumerate(self.options):
+                lc = per_ckpt[ckpt]
+                st = model_state_bytes(lc.params_local, precision=self.precision, optimizer=self.optimizer, zero=zero,
+                                       dp=cand.dp, offload=off)
+                opts.append(OptionCost(i, to_time_units(lc.fwd_s + lc.bwd_s + lc.recompute_s + lc.tp_comm_s), 0,
+                                       int(st.params + st.grads + st.optimizer) // KIB,
+                                       int(lc.activation_bytes) // KIB))
+            group_options.append(opts)
+        return self._problem(cand, group_options, list(self.options))
+
+    def bound(self, cand: Candidate) -> float | None:
+        """Lower bound on the candidate's step time in seconds, None if it cannot fit."""
+        lb = lower_bound(self.bound_problem(cand))
+        return None if lb is None else lb * NS / cand.virtual_stages
+
+    def _problem(self, cand: Candidate, group_options, labels) -> StageProblem:
+        capacity = to_mem_units(max(0.0, self.capacity_bytes - self._reserve_bytes(cand)))
+        return StageProblem(
+            layer_group=list(self.group_of), group_options=group_options, pp=cand.pp,
+            virtual_stages=cand.virtual_stages, num_micro_batches=cand.num_micro_batches,
+            in_flight_num=in_flight_numerators(cand.schedule, cand.pp, cand.virtual_stages, cand.num_micro_batches),
+            capacity=[capacity] * cand.pp,
+            stage_time_overhead=self._overhead(cand), option_labels=labels)
+
+    def _overhead(self, cand: Candidate) -> int:
+        key = (cand.tp, cand.dp, cand.pp, cand.micro_batch_size, cand.sequence_parallel)
+        if key not in self._overheads:
+            self._overheads[key] = to_time_units(self._stage_time_overhead(cand)) if cand.pp > 1 else 0
+        return self._overheads[key]
+
     def __call__(self, cand: Candidate) -> StageProblem:
         rows = self._layer_rows(cand)
         labels: list[tuple] = []
@@ -168,11 +243,4 @@ class TableBuilder:
                     labels.append(label)
                 opts.append(OptionCost(label_index[label], time, step, static, act, peaks))
             group_options.append(opts)
-        capacity = to_mem_units(max(0.0, self.capacity_bytes - self._reserve_bytes(cand)))
-        return StageProblem(
-            layer_group=list(self.group_of), group_options=group_options, pp=cand.pp,
-            virtual_stages=cand.virtual_stages, num_micro_batches=cand.num_micro_batches,
-            in_flight_num=in_flight_numerators(cand.schedule, cand.pp, cand.virtual_stages, cand.num_micro_batches),
-            capacity=[capacity] * cand.pp,
-            stage_time_overhead=to_time_units(self._stage_time_overhead(cand)) if cand.pp > 1 else 0,
-            option_labels=labels)
+        return self._problem(cand, group_options, labels)
