@@ -151,7 +151,7 @@ def bench_one(name, m, n, dtype, device, iters, warmup, with_compile):
 
 def _markdown(result) -> str:
     lines = [f"# Fused kernels on {result['device']}", "",
-             f"dtype {result['dtype']}; copy bandwidth {result['copy_GBps']:.0f} GB/s (read+write); "
+             f"dtype {result['dtype']}; copy bandwidth {result['copy_GBps']:.1f} GB/s (read+write); "
              f"median of {result['iters']} runs; GB/s counts the bytes the fused kernel must move.", ""]
     if result["smoke"]:
         lines += ["**Smoke run (Triton interpreter on CPU): these timings say nothing about GPU speed.**", ""]
@@ -161,13 +161,16 @@ def _markdown(result) -> str:
     def ms(v):
         return f"{v * 1e3:.3f}" if v else "-"
 
+    def x(v):
+        return f"{v:.2f}x" if v else "-"
+
     for r in result["rows"]:
         gbps = r.get("triton_fwd_GBps")
         frac = f"{100 * gbps / result['copy_GBps']:.0f}%" if gbps and gbps == gbps else "-"
         lines.append(
             f"| {r['kernel']} | {r['rows']}x{r['width']} | {ms(r.get('triton_fwd_bwd_s'))} | {ms(r.get('eager_fwd_bwd_s'))} "
-            f"| {ms(r.get('compile_fwd_bwd_s'))} | {r.get('speedup_vs_eager', 0):.2f}x | {r.get('speedup_vs_compile', 0):.2f}x "
-            f"| {gbps if gbps and gbps == gbps else 0:.0f} | {frac} | {r['max_rel_err']:.1e} |")
+            f"| {ms(r.get('compile_fwd_bwd_s'))} | {x(r.get('speedup_vs_eager'))} | {x(r.get('speedup_vs_compile'))} "
+            f"| {f'{gbps:.1f}' if gbps and gbps == gbps else '-'} | {frac} | {r['max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,11 @@ def test_op_graph_covers_every_layer_with_node_facts(graph):
     layers_in_graph = {data["layer"] for _, data in g.nodes(data=True) if data["layer"]}
     assert layers_in_graph == {layer.name for layer in graph.layers}
     for _, data in g.nodes(data=True):
-        assert {"op", "kind", "module", "in_shapes", "out_shapes", "out_dtypes", "flops", "bytes"} <= set(data)
+        assert {"op", "kind", "module", "in_shapes", "in_dtypes", "out_shapes", "out_dtypes", "flops",
+                "bytes_read", "bytes_written", "bytes"} <= set(data)
+        assert data["bytes"] == data["bytes_read"] + data["bytes_written"]
+    qkv = next(d for _, d in g.nodes(data=True) if d["module"] == "blocks.2.attn.qkv" and d["op"] == "aten.addmm")
+    assert qkv["in_dtypes"] == ("bfloat16",) * 3 and qkv["flops"] > 0
     # Copied blocks carry their own module paths.
     modules = {data["module"] for _, data in g.nodes(data=True)}
     assert {"blocks.0.attn.qkv", "blocks.3.attn.qkv", "lm_head", "wte"} <= modules

@@ -245,3 +245,16 @@ def test_multihead_attention_runs_as_non_causal_flash(captured):
     assert captured["gpt_tiny"][2].layers[1].attrs["causal"] is True
     import torch.nn.functional as F
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # restored after capture
+
+
+def test_model_built_under_fake_tensor_mode_and_seq_dim_none():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model, inputs = gpt.gpt_tiny()
+    graph = autopar.capture(model, inputs, seq_dim=None)
+    assert graph.total_params == 55488
+    assert graph.seq_len is None  # costs fitted in batch only, at the inputs' length
+    assert S not in graph.layers[1].fwd_flops.free_symbols
+    real = autopar.capture(*gpt.gpt_tiny())
+    assert evaluate(graph.layers[1].fwd_flops, 3) == evaluate(real.layers[1].fwd_flops, 3, 16)

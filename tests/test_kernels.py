@@ -242,3 +242,21 @@ def test_dropout_p0_and_eval_are_exact_add():
 def test_bad_input_raises_actionable_error(call):
     with pytest.raises(AutoparError):
         call()
+
+
+def test_benchmark_script_runs_end_to_end(tmp_path):
+    # The GPU benchmark cannot run here; its smoke mode (interpreter, tiny
+    # size) keeps the script itself from rotting.
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_kernels", _runtime.__file__.rsplit("autopar", 1)[0] + "benchmarks/kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--no-compile", "--kernels", "swiglu", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernels_cpu_interpreter.json").read_text())
+    assert result["smoke"] is True and result["device"] == "cpu-interpreter"
+    (row,) = result["rows"]
+    assert row["kernel"] == "swiglu" and row["triton_fwd_bwd_s"] > 0 and row["eager_fwd_bwd_s"] > 0
+    assert row["max_rel_err"] < 1e-2
+    assert "Smoke run" in (tmp_path / "kernels_cpu_interpreter.md").read_text()

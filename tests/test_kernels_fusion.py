@@ -361,3 +361,31 @@ def test_savings_per_layer_for_the_cost_model():
     assert sympy.simplify(bwd - (4 * 32 + 4 * 64) * 2 * B * S) == 0
     # the chunked head moves more in forward and nothing in backward
     assert sympy.simplify(saved["output"]["fwd_saved"] + 128 * 2 * B * S) == 0
+
+
+class _NotQuiteRMSNorm(nn.Module):
+    """Named like an RMSNorm, with weight and eps, but ignores the weight."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def test_rmsnorm_lookalike_is_not_fused():
+    from autopar.kernels.fusion import _rmsnorm_probe
+
+    model, _ = llama_tiny()
+    assert _rmsnorm_probe(model.layers[0].ffn_norm)
+    before = model.layers[0].ffn_norm.weight.detach().clone()
+    assert torch.equal(model.layers[0].ffn_norm.weight, before)  # the probe restored the weight
+    for layer in model.layers:
+        layer.ffn_norm = _NotQuiteRMSNorm(32)
+    assert not _rmsnorm_probe(model.layers[0].ffn_norm)
+    assert "add_rmsnorm" not in {f["pattern"] for f in find_fusions(model)}
+    model.to(torch.bfloat16)
+    model2, _ = llama_tiny()
+    assert "add_rmsnorm" in {f["pattern"] for f in find_fusions(model2.to(torch.bfloat16))}

@@ -41,6 +41,7 @@ FOUR_RANK = [
     ("dp_x_tp", dict(dp=2, tp=2, zero=3)),
     ("pp_x_dp", dict(pp=2, dp=2, schedule="1f1b", num_micro_batches=2, zero=2)),
     ("pp_interleaved", dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, num_micro_batches=2)),
+    ("pp_head_alone_on_last_stage", dict(pp=2, dp=2, schedule="gpipe", num_micro_batches=2, stage_layers=[5, 1])),
 ]
 EIGHT_RANK = [  # both models in one world: an 8-rank spawn is the most expensive part of the suite
     ("gpt_pp_x_dp_x_tp", dict(model="gpt", pp=2, dp=2, tp=2, schedule="1f1b", num_micro_batches=2, zero=3,

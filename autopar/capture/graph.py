@@ -18,8 +18,8 @@ class ModelGraph(ModelSpec):
     `total_params`) with the forward op graph and how it was traced.
 
     graph: networkx.DiGraph of forward aten ops at (batch_size, seq_len); each
-        node has op, kind, module, layer, in_shapes, out_shapes, out_dtypes,
-        flops, bytes (read + written). Blocks that share a signature were
+        node has op, kind, module, layer, in_shapes, in_dtypes, out_shapes,
+        out_dtypes, flops, bytes_read, bytes_written, bytes (read + written). Blocks that share a signature were
         measured once; their nodes are copies of the representative's.
     """
 

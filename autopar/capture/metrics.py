@@ -188,9 +188,7 @@ def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, sta
         smaller = [w for w in widths if hd and w % hd == 0 and w < attrs["heads"] * hd]
         attrs["kv_heads"] = min(smaller) // hd if smaller else attrs["heads"]
     ffn = [c.gemm[1] for cid, c in cols.items() if cid in valid and cid not in attention_regions and c.gemm]
-    if ffn and "heads" in attrs:
-        attrs["ffn_hidden"] = max(ffn)
-    elif ffn:
+    if ffn:
         attrs["ffn_hidden"] = max(ffn)
     for r in fwd:
         if r.kind == "embedding" and r.uses_param:

@@ -13,8 +13,8 @@ import networkx as nx
 def build_op_graph(trace, layer_index: list, prefixes: dict) -> nx.DiGraph:
     """layer_index: (tracer layer index, layer name) of each kept layer, in order."""
     g = nx.DiGraph()
-    g.add_node("input", op="input", kind="input", module="", layer="", in_shapes=(), out_shapes=(),
-               out_dtypes=(), flops=0, bytes=0)
+    g.add_node("input", op="input", kind="input", module="", layer="", in_shapes=(), in_dtypes=(),
+               out_shapes=(), out_dtypes=(), flops=0, bytes_read=0, bytes_written=0, bytes=0)
     by_layer = {}
     for r in trace.records:
         if r.phase == "fwd":
@@ -34,7 +34,8 @@ def build_op_graph(trace, layer_index: list, prefixes: dict) -> nx.DiGraph:
             if rep != index and src_prefix and module.startswith(src_prefix):
                 module = dst_prefix + module[len(src_prefix):]
             g.add_node(node, op=r.op, kind=r.kind, module=module, layer=name, in_shapes=r.in_shapes,
-                       out_shapes=r.out_shapes, out_dtypes=r.out_dtypes, flops=r.flops, bytes=r.nbytes)
+                       in_dtypes=r.in_dtypes, out_shapes=r.out_shapes, out_dtypes=r.out_dtypes, flops=r.flops,
+                       bytes_read=r.bytes_read, bytes_written=r.bytes_written, bytes=r.nbytes)
             local[r.idx] = node
             for i in r.inputs:
                 if i in local:

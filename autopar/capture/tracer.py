@@ -51,10 +51,12 @@ class OpRecord:
     module: str
     phase: str  # "fwd" | "bwd"
     in_shapes: tuple
+    in_dtypes: tuple
     out_shapes: tuple
     out_dtypes: tuple
     flops: int
-    nbytes: int  # read + written
+    bytes_read: int
+    bytes_written: int
     gemm: tuple | None
     seq_nr: int
     uses_param: bool
@@ -63,6 +65,10 @@ class OpRecord:
     out_is_int: bool
     fwd_ref: int | None = None  # backward op: index of the forward op it differentiates
     causal: bool | None = None  # attention kernels: is_causal
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_read + self.bytes_written
 
 
 @dataclass
@@ -286,15 +292,18 @@ class Tracer:
             node = torch._C._current_autograd_node()
             seq_nr = node._sequence_nr() if node is not None else -1
             inputs = ()
-        nbytes = 0 if opinfo.moves_no_data(func) else (
-            sum(opinfo.tensor_bytes(x) for x in in_flat) + sum(opinfo.tensor_bytes(x) for x in out_flat))
+        moves = not opinfo.moves_no_data(func)
+        read = sum(opinfo.tensor_bytes(x) for x in in_flat) if moves else 0
+        written = sum(opinfo.tensor_bytes(x) for x in out_flat) if moves else 0
         packet = func._overloadpacket
         rec = OpRecord(
             idx=idx, op=str(packet), kind=opinfo.op_kind(packet), layer=self.pointer,
             module=self.module_stack[-1] if self.module_stack else "",
             phase=self.phase, in_shapes=tuple(tuple(x.shape) for x in in_flat),
-            out_shapes=tuple(tuple(x.shape) for x in out_flat), out_dtypes=tuple(str(x.dtype) for x in out_flat),
-            flops=opinfo.flops_of(func, args, kwargs, out), nbytes=nbytes,
+            in_dtypes=tuple(str(x.dtype).removeprefix("torch.") for x in in_flat),
+            out_shapes=tuple(tuple(x.shape) for x in out_flat),
+            out_dtypes=tuple(str(x.dtype).removeprefix("torch.") for x in out_flat),
+            flops=opinfo.flops_of(func, args, kwargs, out), bytes_read=read, bytes_written=written,
             gemm=opinfo.gemm_shape(func, args, out_flat[0]) if self.phase == "fwd" and out_flat
             and opinfo.op_kind(packet) == "gemm" else None,
             seq_nr=seq_nr, uses_param=bool(params), param_names=tuple(params), inputs=inputs,

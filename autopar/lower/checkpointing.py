@@ -12,7 +12,6 @@ against the same layout without it.
 """
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.nn as nn

@@ -191,26 +191,26 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
           optimizer_kwargs=None, init_fn=None, local_batch: bool = False) -> ParallelModel:
     if loss_fn is None:
         raise AutoparError("autopar.compile needs loss_fn(output, targets)")
-    layout = resolve(model, plan)  # checks the model before any collective
-    init_distributed()
-    mesh = build_mesh(plan)  # checks the world size
-    device = local_device()
+    # Every check that needs no process group runs first: ranks fail together
+    # with a message instead of some of them waiting in a collective.
+    layout = resolve(model, plan)
     pp, tp = plan.mesh.pp, plan.mesh.tp
     n_stages = len(plan.stages)
     for st in plan.stages:
         if st.pp_rank != st.index % pp:
             raise PlanMismatchError(f"stage {st.index} is on pp rank {st.pp_rank}; lowering places stage i on i % pp")
+    if n_stages % pp:
+        raise PlanMismatchError(f"{n_stages} stages do not spread evenly over pp={pp} ranks")
     if pp > 1:
         pipeline_parallel.check_stage_cuts(layout, n_stages)
     elif n_stages != 1:
         raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
+    init_distributed()
+    mesh = build_mesh(plan)  # checks the world size before creating any group
+    device = local_device()
     pp_rank = mesh["pp"].get_local_rank()
     local = sorted(st.index for st in plan.stages if st.pp_rank == pp_rank)
     holders = _param_holders(model)
-    layer_of_module = {}
-    for l in layout.layers:
-        for p in l.paths:
-            layer_of_module[p] = l
 
     # Tensor-parallel roles come from one traced forward of the whole model.
     block_plans = {}
@@ -230,10 +230,10 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if tp > 1:
         for l in tp_layers:
             if l.position == "block":
-                parallelize = tensor_parallel.parallelize_block
-                parallelize(model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
-                            sequence_parallel=plan.sequence_parallel or l.choice.tp_style == "sequence",
-                            first=l.block_index == 0, last=l.block_index == layout.num_blocks - 1)
+                tensor_parallel.parallelize_block(
+                    model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
+                    sequence_parallel=plan.sequence_parallel or l.choice.tp_style == "sequence",
+                    first=l.block_index == 0, last=l.block_index == layout.num_blocks - 1)
             else:
                 for p in l.paths:
                     tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position)

@@ -46,6 +46,38 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     for s in range(S):
         m.Add(b[s + 1] >= b[s] + 1)
 
+    # prefix[s][j]: layers of run j before boundary b[s] = clamp(b[s] - st_j, 0, len_j).
+    # Counts are differences of prefixes (linear), and the prefixes of one
+    # boundary add up to it: both keep the LP relaxation tight.
+    prefix = []
+    for s in range(S + 1):
+        row = []
+        for j, (st, en, g) in enumerate(runs):
+            size = en - st
+            if s == 0:
+                row.append(0)
+                continue
+            if s == S:
+                row.append(size)
+                continue
+            lo_b, hi_b = s, n - S + s  # the range b[s] can take
+            if hi_b <= st:
+                row.append(0)
+                continue
+            if lo_b >= en:
+                row.append(size)
+                continue
+            var = m.NewIntVar(max(0, lo_b - st), min(size, hi_b - st), f"prefix{s}_{j}")
+            shifted = m.NewIntVar(-n, n, f"shift{s}_{j}")
+            m.Add(shifted == b[s] - st)
+            capped = m.NewIntVar(0, n, f"cap{s}_{j}")
+            m.AddMaxEquality(capped, [shifted, 0])
+            m.AddMinEquality(var, [capped, size])
+            row.append(var)
+        prefix.append(row)
+        if 0 < s < S:
+            m.Add(sum(row) == b[s])
+
     rank_time = [[] for _ in range(pp)]
     rank_step = [[] for _ in range(pp)]
     rank_static = [[] for _ in range(pp)]
@@ -54,38 +86,42 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     # rank_peak[r][t]: the largest peak-term t among the options used on rank r
     rank_peak = [[m.NewIntVar(0, max((o.peaks[t] for opts in p.group_options for o in opts if len(o.peaks) > t),
                                      default=0), f"peak{r}_{t}") for t in range(n_peaks)] for r in range(pp)]
-    uses = {}
+    # Options are chosen per (pp rank, run): how many of the rank's layers of
+    # that run use each option. A rank's time and memory are sums over its
+    # stages, so which of its stages holds the checkpointed layers does not
+    # matter; deciding per stage would multiply equal solutions by V.
+    counts = {}  # (rank, run) -> list of per-stage count expressions
     for s in range(S):
-        r = s % pp
-        s_lo, s_hi = s, n - S + s + 1  # widest range stage s can cover
         for j, (st, en, g) in enumerate(runs):
-            if en <= s_lo or st >= s_hi:
+            a, z = prefix[s][j], prefix[s + 1][j]
+            if isinstance(a, int) and isinstance(z, int) and a == z:
                 continue  # this run can never meet this stage
-            size = min(en, s_hi) - max(st, s_lo)
-            lo = m.NewIntVar(0, n, f"lo{s}_{j}")
-            hi = m.NewIntVar(0, n, f"hi{s}_{j}")
-            m.AddMaxEquality(lo, [b[s], st])
-            m.AddMinEquality(hi, [b[s + 1], en])
-            count = m.NewIntVar(0, size, f"count{s}_{j}")
-            m.AddMaxEquality(count, [0, hi - lo])
-            opts = p.group_options[g]
-            if len(opts) == 1:
-                ks = [count]
-            else:
-                ks = [m.NewIntVar(0, size, f"uses{s}_{j}_{k}") for k in range(len(opts))]
-                m.Add(sum(ks) == count)
-            uses[s, j] = ks
-            for k, (o, var) in enumerate(zip(opts, ks)):
-                if any(o.peaks):
-                    used = m.NewBoolVar(f"used{s}_{j}_{k}")
-                    m.Add(var <= size * used)  # used = 0 forces no layer of this option here
-                    for t, value in enumerate(o.peaks):
-                        if value:
-                            m.Add(rank_peak[r][t] >= value * used)
-                rank_time[r].append(o.time * var)
-                rank_step[r].append(o.step * var)
-                rank_static[r].append(o.static_mem * var)
-                rank_act[r].append(o.act_mem * var)
+            counts.setdefault((s % pp, j), []).append(z - a)
+    uses = {}
+    for (r, j), parts in sorted(counts.items()):
+        st, en, g = runs[j]
+        size = en - st
+        total = sum(parts)
+        opts = p.group_options[g]
+        if len(opts) == 1:
+            var = m.NewIntVar(0, size, f"uses{r}_{j}_0")
+            m.Add(var == total)
+            ks = [var]
+        else:
+            ks = [m.NewIntVar(0, size, f"uses{r}_{j}_{k}") for k in range(len(opts))]
+            m.Add(sum(ks) == total)
+        uses[r, j] = ks
+        for k, (o, var) in enumerate(zip(opts, ks)):
+            if any(o.peaks):
+                used = m.NewBoolVar(f"used{r}_{j}_{k}")
+                m.Add(var <= size * used)  # used = 0 forces no layer of this option here
+                for t, value in enumerate(o.peaks):
+                    if value:
+                        m.Add(rank_peak[r][t] >= value * used)
+            rank_time[r].append(o.time * var)
+            rank_step[r].append(o.step * var)
+            rank_static[r].append(o.static_mem * var)
+            rank_act[r].append(o.act_mem * var)
 
     overhead = V * p.stage_time_overhead if pp > 1 else 0
     max_time = sum(max(o.time for o in p.group_options[g]) for g in p.layer_group) + overhead
@@ -112,20 +148,20 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
         status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
         return StageSolution(objective=None, status=status, wall_s=wall)
 
-    bounds = [solver.Value(x) for x in b]
+    bounds = [int(solver.Value(x)) for x in b]
     stage_of_layer = [0] * n
     option_of_layer = [0] * n
     for s in range(S):
         for layer in range(bounds[s], bounds[s + 1]):
             stage_of_layer[layer] = s
-        for j, (st, en, g) in enumerate(runs):
-            if (s, j) not in uses:
-                continue
-            first = max(bounds[s], st)
-            for k, var in enumerate(uses[s, j]):
-                for _ in range(solver.Value(var)):
-                    option_of_layer[first] = k
-                    first += 1
+    # Hand out each rank's option counts to its layers of that run, in layer
+    # order (lower option index first): deterministic and equivalent.
+    for (r, j), ks in uses.items():
+        st, en, g = runs[j]
+        pool = [k for k, var in enumerate(ks) for _ in range(int(solver.Value(var)))]
+        members = [layer for layer in range(st, en) if stage_of_layer[layer] % pp == r]
+        for layer, k in zip(members, pool):
+            option_of_layer[layer] = k
     value = int(round(solver.ObjectiveValue()))
     return StageSolution(objective=value, stage_of_layer=stage_of_layer, option_of_layer=option_of_layer,
                          status="optimal" if code == cp_model.OPTIMAL else "feasible",
