@@ -237,6 +237,12 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
                     sel_bytes[p] += nbytes
             if sel_bytes[p]:
                 sel_flops[p] = sum(f for k, f in m.fwd_op_flops.items() if k in op_keys)
+    if not any(sel_bytes.values()):
+        # No attention core with s^2 tensors (FlashAttention keeps only its
+        # logsumexp): selective then means the op-level policy lowering runs
+        # (autopar/checkpoint_policy.py), so measure what that policy drops.
+        sel_bytes = {p: m.policy_dropped_bytes for p, m in per_point.items()}
+        sel_flops = {p: m.policy_recompute_flops for p, m in per_point.items()}
     values["activation_bytes_selective"] = sel_bytes
     values["selective_recompute_flops"] = sel_flops
     fields = {f: fit(v, grid, f"{f} of {what}") for f, v in values.items()}

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from autopar.capture.tracer import PointTrace
+from autopar.checkpoint_policy import SAVED_OP_NAMES
 
 _LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
 
@@ -28,6 +29,11 @@ class LayerMetrics:
     # Keyed by (module, op, occurrence) so the same tensor/op lines up across points.
     saved_entries: dict = field(default_factory=dict)  # key -> (nbytes, shape) per deduped storage
     fwd_op_flops: dict = field(default_factory=dict)  # key -> forward FLOPs
+    # Under the selective-checkpoint policy (autopar/checkpoint_policy.py): saved
+    # bytes whose storage another op of this layer wrote (they are recomputed),
+    # and the forward FLOPs of those recomputed ops.
+    policy_dropped_bytes: int = 0
+    policy_recompute_flops: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
     ops: dict = field(default_factory=dict)  # key -> dict of op numbers
@@ -98,6 +104,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
 
     op_key = {r.idx: key_of(r) for r in fwd}
     m.fwd_op_flops = {op_key[r.idx]: r.flops for r in fwd}
+    m.policy_recompute_flops = sum(r.flops for r in fwd if r.op not in SAVED_OP_NAMES)
     m.input_bytes = trace.input_bytes.get(layer, 0)
     m.output_bytes = trace.output_bytes.get(layer, 0)
 
@@ -111,6 +118,9 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         m.saved_entries[key] = (s.nbytes, s.shape)
         if s.producer is not None and sharded.get(s.producer, False):
             m.activation_bytes_tp_sharded += s.nbytes
+        origin = trace.records[s.origin] if s.origin is not None and s.origin >= 0 else None
+        if origin is not None and origin.layer == layer and origin.op not in SAVED_OP_NAMES:
+            m.policy_dropped_bytes += s.nbytes
 
     # Group ops by (module relative to the layer, op): stable across points.
     by_idx = {}

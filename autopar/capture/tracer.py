@@ -78,6 +78,7 @@ class SavedRecord:
     nbytes: int
     producer: int | None
     shape: tuple
+    origin: int | None = None  # forward op that first wrote this storage (views see through)
 
 
 @dataclass
@@ -271,7 +272,8 @@ class Tracer:
             key = t.untyped_storage()._cdata
             if key not in self.state_storage:
                 self.trace.saved.append(SavedRecord(self.pointer, key, t.untyped_storage().nbytes(),
-                                                    self.producer.get(id(t)), tuple(t.shape)))
+                                                    self.producer.get(id(t)), tuple(t.shape),
+                                                    self.storage_origin.get(key)))
         return t
 
     # -- op recording ----------------------------------------------------------
@@ -316,6 +318,7 @@ class Tracer:
             self.seq_to_fwd.setdefault((self.pointer, seq_nr), idx)
             for x in out_flat:
                 self.producer[id(x)] = idx
+                self.storage_origin.setdefault(x.untyped_storage()._cdata, idx)
             self.keep.extend(out_flat)
             if packet is aten.topk:
                 k = args[1] if len(args) > 1 else kwargs.get("k")
@@ -393,6 +396,7 @@ class Tracer:
         self.module_stack, self.pointer, self.phase, self.fabricating = [], 0, "fwd", False
         self.reps, self.shortcut, self.out_specs = {}, {}, {}
         self.cuts, self.producer, self.keep, self.seg_outputs, self.seq_to_fwd = {}, {}, [], {}, {}
+        self.storage_origin = {}
         for p in self.model.parameters():  # no accumulation into last run's .grad
             p.grad = None
         for x in tree_flatten((args, kwargs))[0]:
