@@ -72,43 +72,49 @@ def _llama(name, hidden, heads, layers, ffn, seq=8192, eager=False):
 RUNS = [
     Run("BLOOM-176B, 384 A100 (tp4 pp12 dp8)", {"model": "BLOOM-176B"}, _bloom,
         Layout(tp=4, pp=12, dp=8, micro_batch_size=2, num_micro_batches=128, schedule="1f1b", zero=1,
-               checkpoint="full", stage_layers=[6] * 12, p2p_blocking=True),
+               checkpoint="full", stage_layers=[6] * 12, p2p_blocking=True, main_grads="fp32-unfused"),
         "dgx-a100:48", "hardware_tflops", "tflops_per_gpu",
         "DeepSpeed 1F1B; partition 'type:transformer|embedding': 6 layers per stage, embedding and tied head "
-        "counted as layers"),
+        "counted as layers; DeepSpeed BF16 optimizer (fp32 gradients updated after every micro-batch, all-reduced "
+        "after the flush)"),
 ]
 for gpus, dp in ((2240, 8), (2800, 10), (3360, 12)):
     RUNS.append(Run(f"MT-NLG-530B, {gpus} A100 (tp8 pp35 dp{dp})", {"model": "MT-NLG-530B", "gpus": str(gpus)}, _mtnlg,
                     Layout(tp=8, pp=35, dp=dp, micro_batch_size=1, num_micro_batches=1920 // dp, schedule="1f1b",
-                           zero=1, checkpoint="full", stage_layers=[4] + [3] * 33 + [4], p2p_blocking=True),
+                           zero=1, checkpoint="full", stage_layers=[4] + [3] * 33 + [4], p2p_blocking=True,
+                           main_grads="fp32-unfused"),
                     f"dgx-a100:{gpus // 8}", "hardware_tflops", "tflops_per_gpu",
-                    "micro-batch 1, ZeRO-1, DeepSpeed 1F1B, 3 blocks per stage (+ embedding / head at the ends)"))
+                    "micro-batch 1, ZeRO-1, DeepSpeed 1F1B, 3 blocks per stage (+ embedding / head at the ends); "
+                    "bf16 with fp32 gradients accumulated after every micro-batch (DeepSpeed engine, no GEMM-fused "
+                    "accumulation in 2021), reduced after the flush"))
 for gpus, dp in ((8192, 64), (16384, 128)):
     RUNS.append(Run(f"Llama3-405B, {gpus} H100 (tp8 pp16 dp{dp})", {"model": "Llama3-405B", "gpus": str(gpus)},
                     _llama("Llama3-405B", 16384, 128, 126, 53248),
                     Layout(tp=8, pp=16, dp=dp, micro_batch_size=1, num_micro_batches=2048 // dp, schedule="interleaved",
-                           virtual_stages=4, sequence_parallel=True, zero=2, checkpoint=None, stage_layers=[2] * 64),
+                           virtual_stages=4, sequence_parallel=True, zero=2, checkpoint=None, stage_layers=[2] * 64,
+                           main_grads="fp32"),
                     f"hgx-h100-roce:{gpus // 8}", "model_tflops", "tflops_per_gpu",
                     "interleaved V=4 (2 layers per virtual stage: one block fewer on the first and last, as the "
-                    "paper says), micro-batch 1, SP, FSDP without reshard (ZeRO-2), RoCE 400G; checkpointing "
-                    "unstated: the least recomputation that fits"))
+                    "paper says), micro-batch 1, SP, FSDP without reshard (ZeRO-2), RoCE 400G; FP32 gradient "
+                    "accumulation and reduce-scatter (paper, s3.3.2); checkpointing unstated: the least recomputation "
+                    "that fits"))
 RUNS += [
     Run("torchtitan Llama3-8B, 64 A100 (FSDP2)", {"system": "torchtitan 2024-08", "model": "Llama3-8B"},
         _llama("Llama3-8B", 4096, 32, 32, 14336, eager=True),
-        Layout(dp=64, micro_batch_size=1, num_micro_batches=1, zero=3, checkpoint="selective"),
-        "dgx-a100:8", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager PyTorch ops, SDPA flash attention, selective = op-level SAC"),
+        Layout(dp=64, micro_batch_size=1, num_micro_batches=1, zero=3, checkpoint="selective", main_grads="fp32"),
+        "dgx-a100:8", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager PyTorch ops, SDPA flash attention, selective = op-level SAC, fp32 reduce-scatter (FSDP2 reduce_dtype)"),
     Run("torchtitan Llama3-70B, 64 A100 (FSDP2)", {"system": "torchtitan 2024-08", "model": "Llama3-70B"},
         _llama("Llama3-70B", 8192, 64, 80, 28672, eager=True),
-        Layout(dp=64, micro_batch_size=1, num_micro_batches=1, zero=3, checkpoint="full"),
-        "dgx-a100:8", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager PyTorch ops, SDPA flash attention, selective = op-level SAC"),
+        Layout(dp=64, micro_batch_size=1, num_micro_batches=1, zero=3, checkpoint="full", main_grads="fp32"),
+        "dgx-a100:8", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager PyTorch ops, SDPA flash attention, selective = op-level SAC, fp32 reduce-scatter (FSDP2 reduce_dtype)"),
     Run("torchtitan Llama3.1-8B, 8 H100 (FSDP2)", {"system": "torchtitan 2024-12", "model": "Llama3.1-8B", "gpus": "8"},
         _llama("Llama3.1-8B", 4096, 32, 32, 14336, eager=True),
-        Layout(dp=8, micro_batch_size=2, num_micro_batches=1, zero=3, checkpoint="selective"),
-        "grand-teton-h100:1", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager ops, op-level SAC, seq 8192 (row: unverified)"),
+        Layout(dp=8, micro_batch_size=2, num_micro_batches=1, zero=3, checkpoint="selective", main_grads="fp32"),
+        "grand-teton-h100:1", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager ops, op-level SAC, fp32 reduce-scatter (FSDP2 reduce_dtype), seq 8192 (row: unverified)"),
     Run("torchtitan Llama3.1-8B, 128 H100 (FSDP2)", {"system": "torchtitan 2024-12", "model": "Llama3.1-8B", "gpus": "128"},
         _llama("Llama3.1-8B", 4096, 32, 32, 14336, eager=True),
-        Layout(dp=128, micro_batch_size=2, num_micro_batches=1, zero=3, checkpoint="selective"),
-        "grand-teton-h100:16", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager ops, op-level SAC, seq 8192 (row: unverified)"),
+        Layout(dp=128, micro_batch_size=2, num_micro_batches=1, zero=3, checkpoint="selective", main_grads="fp32"),
+        "grand-teton-h100:16", "tokens_per_s_per_gpu", "tok_s_per_gpu", "ZeRO-3, eager ops, op-level SAC, fp32 reduce-scatter (FSDP2 reduce_dtype), seq 8192 (row: unverified)"),
     Run("torchtitan Llama3.1-405B, 512 H100 (tp8 pp8 dp8, 1F1B)", {"system": "torchtitan 2024-12", "model": "Llama3.1-405B"},
         _llama("Llama3.1-405B", 16384, 128, 126, 53248, eager=True),
         Layout(tp=8, pp=8, dp=8, micro_batch_size=1, num_micro_batches=32, schedule="1f1b", sequence_parallel=True,

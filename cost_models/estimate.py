@@ -21,6 +21,7 @@ from cost_models.layout import Layout
 from cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION, activation_bytes, model_state_bytes,
                                 recompute_working_bytes, state_bytes_per_param)
 from cost_models.pipeline import simulate_cached
+from cost_models.stragglers import slowest_gpu_slowdown
 from cost_models.workload import S, LayerSpec, ModelSpec, OpSpec
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -129,7 +130,8 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: Clus
     offload = layout.offload if offload is None else offload
     key = (layer.signature or f"id{id(layer)}", layer.params, model.seq_len, model.dtype_bytes, layout.tp, layout.dp,
            layout.pp, layout.micro_batch_size, layout.num_micro_batches, layout.sequence_parallel, layout.precision,
-           layout.optimizer, zero, checkpoint, offload, cluster.cache_key())
+           layout.optimizer, zero, checkpoint, offload, layout.main_grads, layout.p2p_blocking, layout.pp > 1,
+           cluster.cache_key())
     hit = _LAYER_CACHE.get(key)
     if hit is not None:
         return hit
@@ -154,11 +156,18 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
 
     parts = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
     fwd_s, bwd_s = parts["fwd"], parts["bwd"]
-    if m > 1 and layer.params:
+    hbm = device.memory_bandwidth * device.memory_efficiency
+    fp32_main = layout.main_grads != "same" and layout.precision != "fp32"
+    if layout.main_grads == "fp32-unfused" and fp32_main and zero < 3 and layer.params:
+        # DeepSpeed's BF16 optimizer: after every micro-batch's backward, hp_grad += lp_grad.float()
+        # (read 2 + read 4 + write 4 bytes per local parameter), on the compute stream.
+        bwd_s += (2 + 4 + 4) * layer.params / tp / hbm
+    elif m > 1 and layer.params and not (fp32_main and zero < 3):
         # Gradient accumulation: from the second micro-batch on, autograd adds each new
         # gradient into .grad (read both, write one): a memory-bound pass per micro-batch.
+        # (fp32 main gradients accumulate inside the weight-gradient GEMM instead.)
         g_acc = state_bytes_per_param(layout.precision, layout.optimizer)[1]
-        bwd_s += (m - 1) / m * 3 * g_acc * layer.params / tp / (device.memory_bandwidth * device.memory_efficiency)
+        bwd_s += (m - 1) / m * 3 * g_acc * layer.params / tp / hbm
     core_fwd_s, core_flops = parts["core_fwd"], parts["core_flops"]
     cheap_fwd_s, gemm_fwd_s, gemm_fwd_flops = parts["cheap_fwd"], parts["gemm_fwd"], parts["gemm_flops"]
 
@@ -194,12 +203,18 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     params_local = layer.params / tp
     states = model_state_bytes(params_local, precision=layout.precision, optimizer=layout.optimizer, zero=zero,
                                dp=layout.dp, offload=offload)
+    p_bytes, g_bytes, k_bytes = state_bytes_per_param(layout.precision, layout.optimizer)
+    if fp32_main:  # fp32 main gradients: 4 bytes each where the gradients are held, and reduced in fp32
+        states.grads *= 4 / g_bytes
+        g_bytes = 4
     act = activation_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint, byte_scale=byte_scale)
     working = recompute_working_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint,
                                       byte_scale=byte_scale)
 
     # Data parallel traffic (nccl-tests sizes: the full, unsharded buffer).
-    p_bytes, g_bytes, k_bytes = state_bytes_per_param(layout.precision, layout.optimizer)
+    # Megatron's and DeepSpeed's pipeline engines reduce gradients (and ZeRO-1/2 gather the
+    # updated parameters) only after the pipeline flush: nothing left to hide behind.
+    overlap = 0.0 if (layout.pp > 1 and layout.p2p_blocking) else C.GRAD_REDUCE_OVERLAP
     dp_place = C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster)
     full_params = params_local * p_bytes
     full_grads = params_local * g_bytes
@@ -210,14 +225,14 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         if zero == 0:
             ar = C.collective_time("all_reduce", full_grads, dp_place, cluster)
             colls.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
-            step_exp = max(0.0, ar - C.GRAD_REDUCE_OVERLAP * bwd_window)
+            step_exp = max(0.0, ar - overlap * bwd_window)
         elif zero in (1, 2):
             rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
             ag = C.collective_time("all_gather", full_params, dp_place, cluster)
             frac = (layout.dp - 1) / layout.dp
             colls += [("reduce_scatter", full_grads * frac, rs), ("all_gather", full_params * frac, ag)]
             # grads reduce under the last backward; updated params gather under the next forward
-            step_exp = max(0.0, rs - C.GRAD_REDUCE_OVERLAP * bwd_window) + max(0.0, ag - C.GRAD_REDUCE_OVERLAP * fwd_s)
+            step_exp = max(0.0, rs - overlap * bwd_window) + max(0.0, ag - overlap * fwd_s)
         else:
             ag = C.collective_time("all_gather", full_params, dp_place, cluster)
             rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
@@ -422,6 +437,17 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
                        "buffers": buffers, "capacity": capacity, "reserve": device.reserve_bytes, "host": host})
     crit = max(range(pp), key=lambda r: rank_total[r])
     step = rank_total[crit]
+    idx = ranks[crit]
+    p2p_rank = sum(p2p[i] for i in range(n_stages) if i % pp == crit) + sum(
+        p2p[i - 1] for i in range(1, n_stages) if i % pp == crit)
+    # The slowest GPU of the job paces every synchronous step (stragglers.py): the
+    # compute-paced part of the step (compute, recompute, bubble, optimizer) stretches;
+    # communication time does not depend on SM clocks.
+    comm_exposed = (m * sum(costs[j].tp_comm_s for j in idx) + m * p2p_rank
+                    + sum(costs[j].dp_comm_exposed_s for j in idx))
+    straggler_s = max(0.0, step - comm_exposed) * (
+        slowest_gpu_slowdown(layout.world_size, device.clock_spread) - 1.0)
+    step += straggler_s
 
     gbs = layout.global_batch_size
     tokens = gbs * (model.tokens_per_sample or s1)
@@ -448,10 +474,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         why = why or (f"offload needs {host_need / 2**30:.0f} GiB of host memory per node, "
                       f"the node has {cluster.host_memory_bytes / 2**30:.0f} GiB")
 
-    idx = ranks[crit]
     dp_place = C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster)
-    p2p_rank = sum(p2p[i] for i in range(n_stages) if i % pp == crit) + sum(
-        p2p[i - 1] for i in range(1, n_stages) if i % pp == crit)
     time_breakdown = {
         "compute_s": m * sum(costs[j].fwd_s + costs[j].bwd_s for j in idx),
         "recompute_s": m * sum(costs[j].recompute_s for j in idx),
@@ -461,6 +484,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx),
         "bubble_s": sim.bubble_s[crit],
         "optimizer_s": sum(costs[j].optimizer_s for j in idx),
+        "straggler_s": straggler_s,
         "step_time_s": step,
         "critical_pp_rank": crit,
     }
@@ -517,5 +541,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         why_not_fit=why,
         assumptions={"device": cluster.device, "peak_flops": peak, "precision": layout.precision,
                      "grad_reduce_overlap": C.GRAD_REDUCE_OVERLAP, "fsdp_prefetch_overlap": C.FSDP_PREFETCH_OVERLAP,
-                     "tp_overlap": C.TP_OVERLAP, "fragmentation": FRAGMENTATION},
+                     "tp_overlap": C.TP_OVERLAP, "fragmentation": FRAGMENTATION,
+                     "sustained_clock_fraction": device.sustained_clock_fraction,
+                     "clock_spread": device.clock_spread, "main_grads": layout.main_grads},
     )

@@ -52,8 +52,8 @@ def _num(d: dict, key: str, where: str, file: str, *, positive=True, allow_zero=
     return float(value)
 
 
-def _fraction(d: dict, key: str, where: str, file: str, default=None) -> float:
-    value = _num(d, key, where, file, default=default)
+def _fraction(d: dict, key: str, where: str, file: str, default=None, allow_zero=False) -> float:
+    value = _num(d, key, where, file, default=default, allow_zero=allow_zero)
     if value > 1.0:
         raise ProfileError(f"is a fraction and must be <= 1, got {value!r}", field=f"{where}.{key}", file=file)
     return value
@@ -90,6 +90,7 @@ class DeviceProfile:
     attention_bwd_efficiency: float
     kernel_launch_s: float
     sustained_clock_fraction: float = 1.0  # clock held at the power limit / clock the peak assumes
+    clock_spread: float = 0.0  # std dev of sustained speed across GPUs of one model (fraction); see stragglers.py
     vendor: str = "nvidia"
     source: str = ""
 
@@ -132,6 +133,7 @@ class DeviceProfile:
             attention_bwd_efficiency=_fraction(d, "attention_bwd_efficiency", where, file, default=0.4),
             kernel_launch_s=_num(d, "kernel_launch_us", where, file, allow_zero=True, default=4) * 1e-6,
             sustained_clock_fraction=_fraction(d, "sustained_clock_fraction", where, file, default=1.0),
+            clock_spread=_fraction(d, "clock_spread", where, file, default=0.0, allow_zero=True),
             vendor=str(d.get("vendor", "nvidia")),
             source=str(d.get("source", "")),
         )
@@ -149,6 +151,7 @@ class DeviceProfile:
             "attention_bwd_efficiency": self.attention_bwd_efficiency,
             "kernel_launch_us": self.kernel_launch_s * 1e6,
             "sustained_clock_fraction": self.sustained_clock_fraction,
+            "clock_spread": self.clock_spread,
             "vendor": self.vendor,
             "source": self.source,
         }

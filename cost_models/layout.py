@@ -16,6 +16,7 @@ CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")  # "params" offloads optimizer state too
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
+MAIN_GRADS = ("same", "fp32", "fp32-unfused")
 
 
 @dataclass
@@ -40,6 +41,13 @@ class Layout:
     # Pipeline sends: False = asynchronous isend/irecv (torch.distributed.pipelining,
     # what autopar lowers to); True = blocking rendezvous (Megatron, DeepSpeed).
     p2p_blocking: bool = False
+    # Where gradients live between backward and the optimizer, when training in 16 bits:
+    # "same" = the training dtype (PyTorch autograd's .grad); "fp32" = fp32 main gradients,
+    # reduced in fp32, accumulated inside the weight-gradient GEMM (Megatron-LM's
+    # gradient-accumulation fusion, FSDP2 reduce_dtype=float32, Llama 3); "fp32-unfused" =
+    # the same plus a memory-bound lp -> fp32 pass after every micro-batch's backward
+    # (DeepSpeed's BF16 optimizer: clear_lp_grads / update_hp_grads).
+    main_grads: str = "same"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -61,7 +69,7 @@ class Layout:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostModelError(f"layout.{key} must be a positive integer, got {value!r}")
         checks = (("schedule", SCHEDULES), ("checkpoint", CHECKPOINTS), ("offload", OFFLOADS),
-                  ("precision", PRECISIONS), ("optimizer", OPTIMIZERS))
+                  ("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("main_grads", MAIN_GRADS))
         for key, allowed in checks:
             if getattr(self, key) not in allowed:
                 raise CostModelError(f"layout.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")

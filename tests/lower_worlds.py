@@ -200,10 +200,25 @@ def autoplan_world(rank, world):
     import hashlib
     from autopar.solve.planner import scaled_cluster
     from cost_models.hardware import ClusterSpec
+    ref_losses, _ = reference("gpt", "sgd")
     model, example, loss_fn = build("gpt")
     cluster = scaled_cluster(ClusterSpec.resolve("cpu"), 1, world)
+    cls, okw = make_optimizer("sgd")
     pm = compile(model, cluster, example_inputs=example, global_batch_size=GLOBAL_BATCH, loss_fn=loss_fn,
-                 optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, constraints={"pp": 1})
+                 optimizer=cls, optimizer_kwargs=okw, constraints={"pp": 1})
     losses = [pm.train_step((x,), y) for x, y in batches()]
     return {"plan_sha": hashlib.sha256(pm.plan.to_json().encode()).hexdigest(), "losses": losses,
+            "ref_losses": ref_losses, "precision": pm.plan.precision,
             "mesh": (pm.plan.mesh.pp, pm.plan.mesh.dp, pm.plan.mesh.tp)}
+
+
+def two_rank_runtime_world(rank, world):
+    """The 2-rank runtime checks in one spawn: a plan for the wrong world
+    size, bf16 plans, and compile(plan=None)."""
+    import traceback
+    out = {"mismatch": world_size_mismatch_world(rank, world), "precision": precision_world(rank, world)}
+    try:  # the planner is another stage: its failure must not hide the checks above
+        out["autoplan"] = autoplan_world(rank, world)
+    except Exception:
+        out["autoplan"] = {"error": traceback.format_exc()}
+    return out

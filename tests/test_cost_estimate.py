@@ -10,6 +10,7 @@ from cost_models.errors import CostModelError
 from cost_models.estimate import balance_stages, estimate, layer_cost
 from cost_models.hardware import ClusterSpec
 from cost_models.layout import Layout
+from cost_models.stragglers import expected_max_normal, slowest_gpu_slowdown
 from cost_models.workload import ModelSpec
 
 
@@ -58,8 +59,11 @@ def test_estimate_is_layer_cost_plus_pipeline():
     m = layout.num_micro_batches
     per_mb = sum(x.fwd_s + x.bwd_s + x.tp_comm_s + x.recompute_s for x in costs)
     expected = m * per_mb + sum(x.dp_step_exposed_s + x.optimizer_s for x in costs)
-    assert est.step_time_s == pytest.approx(expected, rel=1e-9)  # pp=1: no bubble, no p2p
     tb = est.time_breakdown
+    # pp=1: no bubble, no p2p; the slowest of the 8 GPUs stretches everything but the exposed communication
+    comm = m * sum(x.tp_comm_s for x in costs) + sum(x.dp_comm_exposed_s for x in costs)
+    assert tb["straggler_s"] == pytest.approx((expected - comm) * (slowest_gpu_slowdown(8, c.device_profile.clock_spread) - 1))
+    assert est.step_time_s == pytest.approx(expected + tb["straggler_s"], rel=1e-9)
     assert tb["compute_s"] == pytest.approx(m * sum(x.fwd_s + x.bwd_s for x in costs))
     assert est.tokens_per_s == pytest.approx(layout.global_batch_size * 2048 / est.step_time_s)
     assert est.mfu == pytest.approx(est.tflops_per_gpu * 1e12 / 989e12)
@@ -123,3 +127,65 @@ def test_bad_layouts_raise_clear_errors():
     with pytest.raises(CostModelError, match="multiple of pp"):
         estimate(model, Layout(pp=2, num_micro_batches=3, schedule="interleaved", virtual_stages=2), c)
     assert isinstance(CostModelError("x"), ValueError)
+
+
+def test_expected_max_of_normals_matches_known_values():
+    # order statistics of the standard normal (tabulated: E[max of 2] = 1/sqrt(pi), of 8 = 1.4236, of 100 = 2.5076)
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / 3.141592653589793 ** 0.5, rel=1e-4)
+    assert expected_max_normal(8) == pytest.approx(1.4236, rel=1e-3)
+    assert expected_max_normal(100) == pytest.approx(2.5076, rel=1e-3)
+
+
+def test_slowest_gpu_paces_larger_jobs_more():
+    model = gpt("g", hidden=2048, heads=16, layers=8, seq_len=2048, vocab_size=50304)
+    steps = []
+    for nodes in (1, 8, 64):
+        c = ClusterSpec.resolve(f"dgx-h100:{nodes}")
+        est = estimate(model, Layout(dp=8 * nodes, micro_batch_size=2, zero=1), c)
+        assert est.time_breakdown["straggler_s"] > 0
+        # same per-GPU work at every size: compute_s is the same, the straggler share grows
+        steps.append(est.time_breakdown["straggler_s"] / est.time_breakdown["compute_s"])
+    assert steps[0] < steps[1] < steps[2]  # slowest of 8 < of 64 < of 512
+    assert steps[2] < 0.05  # a 1% spread costs a few percent even at 512 GPUs
+    # a device without a measured spread (the CPU test rank) has no straggler term
+    est = estimate(model, Layout(dp=2, zero=1), ClusterSpec.resolve("cpu-gloo"))
+    assert est.time_breakdown["straggler_s"] == 0.0
+
+
+def test_fp32_main_gradients_double_grad_memory_and_reduction_bytes():
+    layer = block(0, hidden=4096, heads=32, ffn_hidden=16384)
+    model = ModelSpec("m", [layer], seq_len=2048)
+    c = ClusterSpec.preset("dgx-a100")
+    base = dict(dp=8, micro_batch_size=1, num_micro_batches=4, zero=1)
+    same = layer_cost(layer, model, Layout(**base), c)
+    fused = layer_cost(layer, model, Layout(**base, main_grads="fp32"), c)
+    unfused = layer_cost(layer, model, Layout(**base, main_grads="fp32-unfused"), c)
+    assert fused.grad_bytes == pytest.approx(2 * same.grad_bytes)
+    rs = {k: b for k, b, _ in same.dp_collectives}
+    rs32 = {k: b for k, b, _ in fused.dp_collectives}
+    assert rs32["reduce_scatter"] == pytest.approx(2 * rs["reduce_scatter"])
+    assert rs32["all_gather"] == pytest.approx(rs["all_gather"])  # updated parameters still go out in bf16
+    hbm = c.device_profile.memory_bandwidth * c.device_profile.memory_efficiency
+    compute = fused.bwd_s  # accumulation fused into the weight-gradient GEMM: no extra pass
+    # autograd's bf16 accumulation from the second micro-batch on: read two, write one (2 bytes each)
+    assert same.bwd_s - compute == pytest.approx(3 / 4 * 6 * layer.params / hbm)
+    # DeepSpeed's BF16 optimizer: hp += lp.float() after every micro-batch (2 + 4 + 4 bytes)
+    assert unfused.bwd_s - compute == pytest.approx(10 * layer.params / hbm)
+
+
+def test_pipeline_engines_reduce_gradients_after_the_flush():
+    layer = block(0, hidden=4096, heads=32, ffn_hidden=16384)
+    model = ModelSpec("m", [layer] * 4, seq_len=2048)
+    c = ClusterSpec.resolve("dgx-a100:8")
+    kw = dict(tp=8, pp=2, dp=4, micro_batch_size=1, num_micro_batches=8, zero=1)
+    overlapped = layer_cost(layer, model, Layout(**kw), c)
+    engine = layer_cost(layer, model, Layout(**kw, p2p_blocking=True), c)
+    assert overlapped.dp_step_exposed_s < engine.dp_step_exposed_s
+    assert engine.dp_step_exposed_s == pytest.approx(overlapped.dp_comm_s)  # all of it: RS and AG, nothing hides
+
+
+def test_main_grads_is_validated():
+    with pytest.raises(CostModelError, match="layout.main_grads must be one of same, fp32, fp32-unfused"):
+        Layout(main_grads="fp16").validate()
+    assert Layout.from_dict(Layout(main_grads="fp32").to_dict()).main_grads == "fp32"

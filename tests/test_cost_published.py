@@ -1,13 +1,14 @@
 """Published training runs priced by the cost model (benchmarks/published_runs.py).
 
 Acceptance (issue 3): every row within 20% of the published figure and the
-median absolute error under 12%. The model does not meet it yet: every row is
-predicted fast, by +8.5% (torchtitan 70B, A100) to +32% (torchtitan 8B on
-500 W H100s), median +21% (BLOOM, MT-NLG, torchtitan 8B on H100 and the
-8192-GPU Llama 3 run are outside 20%); that test is a strict xfail so it turns red the day
-the gap closes and someone must update this note. What the model does meet
-today is checked without xfail: no row off by more than 40%, the published
-trends (more GPUs at a fixed batch -> lower per-GPU throughput) reproduced.
+median absolute error under 12%. The median holds (10.9%); the per-row bound
+does not: MT-NLG on 3360 GPUs is predicted +21.4% fast (BLOOM and the other
+MT-NLG rows +16..17%: DeepSpeed's pipeline engine pays about twice the fill
+and drain we simulate, docs/cost_model.md s.7). That test is a strict xfail
+so it turns red the day the gap closes and someone must update this note.
+What the model does meet today is checked without xfail: the median, no row
+off by more than 25%, the published trends (more GPUs at a fixed batch ->
+lower per-GPU throughput), and Megatron-LM's own 530B MFU on the same layout.
 """
 import sys
 
@@ -17,7 +18,7 @@ from conftest import ROOT, SHARED
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_runs  # noqa: E402
 
-CURRENT_TOLERANCE = 0.40
+CURRENT_TOLERANCE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,28 @@ def test_published_trends_are_reproduced(results):
     assert llama[0] > llama[1]  # 430 > 400
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: whole-step throughput predicted 8-32% fast, median 21% "
-                                       "(docs/cost_model.md, 'Accuracy')")
+def test_median_error_meets_the_issue(results):
+    errors = sorted(abs(r["error"]) for r in results)
+    assert errors[len(errors) // 2] < published_runs.MEDIAN_TOLERANCE
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: MT-NLG 3360 GPUs predicted +21.4% fast (DeepSpeed pipeline "
+                                       "engine fill/drain, docs/cost_model.md 'Accuracy')")
 def test_issue3_acceptance(results):
     errors = sorted(abs(r["error"]) for r in results)
     assert all(e <= published_runs.TOLERANCE for e in errors)
     assert errors[len(errors) // 2] < published_runs.MEDIAN_TOLERANCE
+
+
+# Korthikanti et al. 2022 (abstract): the same 530B model and 2240-GPU layout as MT-NLG (tp 8, pp 35,
+# micro-batch 1), run by Megatron-LM's 2022 code: 54.2% MFU with selective recomputation + sequence
+# parallelism, 42.1% with full recomputation. Not in the CSV; held here so that closing the MT-NLG gap
+# (a DeepSpeed-engine cost) is never done by slowing A100 compute in general.
+@pytest.mark.parametrize("checkpoint, sp, published", [("selective", True, 0.542), ("full", False, 0.421)])
+def test_megatron_lm_530b_mfu(checkpoint, sp, published):
+    model = published_runs._mtnlg()
+    layout = published_runs.Layout(tp=8, pp=35, dp=8, micro_batch_size=1, num_micro_batches=280, zero=1,
+                                   checkpoint=checkpoint, sequence_parallel=sp, stage_layers=[4] + [3] * 33 + [4],
+                                   p2p_blocking=True, main_grads="fp32")
+    est = published_runs.estimate(model, layout, published_runs.ClusterSpec.resolve("dgx-a100:280"))
+    assert est.mfu == pytest.approx(published, rel=0.12)

@@ -95,6 +95,7 @@ def test_solver_plan_from_autopar_compile_lowers_and_matches_single_process(tmp_
                 "-o", str(out)]) == 0
     plan = Plan.load(str(out / "plan.json"))
     assert (plan.mesh.pp, plan.mesh.tp) == (2, 2) and plan.solver.get("status") != "manual"
+    assert plan.model["param_shapes"]["output.weight"] == [128, 32]  # recorded for the model check
     results = run_world(equivalence_world, 4, "llama", [("solver", {"plan_json": str(out / "plan.json")})],
                         "sgd", timeout=200)
     r = results[0]["solver"]

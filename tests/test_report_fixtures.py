@@ -53,7 +53,7 @@ def make_plan(*, name="gpt3_175b", nodes=128, gpus_per_node=8, pp=16, dp=8, tp=8
              "activations": (pp - r) * 0.6 * GiB, "buffers": 3.0 * GiB, "capacity": capacity}
         breakdown.append(b)
     predicted = Predicted(
-        step_time_s=step, tokens_per_s=gbs * seq_len / step, tflops_per_gpu=tflops, mfu=tflops / 312.0,
+        step_time_s=step, tokens_per_s=gbs * (seq_len or 1) / step, tflops_per_gpu=tflops, mfu=tflops / 312.0,
         peak_memory_bytes=[sum(v_ for k, v_ in b.items() if k != "capacity") for b in breakdown],
         memory_breakdown=breakdown, time_breakdown=tb,
         comm=[
@@ -67,7 +67,7 @@ def make_plan(*, name="gpt3_175b", nodes=128, gpus_per_node=8, pp=16, dp=8, tp=8
         alternatives = [
             {"mesh": {"pp": pp, "dp": dp, "tp": tp}, "schedule": "interleaved", "virtual_stages": 2,
              "micro_batch_size": micro_batch_size, "num_micro_batches": m, "sequence_parallel": True, "zero": 1,
-             "checkpoint": "selective", "predicted": {"step_time_s": step * 1.04, "tokens_per_s": gbs * seq_len / (step * 1.04), "mfu": 0.43},
+             "checkpoint": "selective", "predicted": {"step_time_s": step * 1.04, "tokens_per_s": gbs * (seq_len or 1) / (step * 1.04), "mfu": 0.43},
              "status": "slower", "why": "twice the p2p traffic over InfiniBand outweighs the smaller bubble"},
             {"mesh": {"pp": max(1, pp // 2), "dp": dp * 2, "tp": tp}, "schedule": schedule, "virtual_stages": 1,
              "micro_batch_size": micro_batch_size, "num_micro_batches": max(1, m // 2), "sequence_parallel": True, "zero": 1,

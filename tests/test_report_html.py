@@ -221,3 +221,14 @@ def test_tp_groups_are_bracketed_per_node_and_marked_when_they_span_nodes():
     assert labels(2, 2, 2, 8, [0]) == ["tp group (2 GPUs)"] * 4
     assert labels(1, 1, 16, 8, [0, 1]) == ["part of a 16-GPU tp group"] * 2
     assert labels(1, 8, 1, 8, [0]) == []  # no tensor parallelism: nothing to bracket
+
+
+def test_models_without_a_sequence_report_samples_per_second():
+    from autopar.report.context import hand_checks
+
+    plan = make_small_plan(name="vit", seq_len=None)
+    text = all_text(parse(render_html(plan)))
+    assert fmt.si(plan.predicted.tokens_per_s, "samples/s") in text
+    assert "tok/s" not in text
+    check = {h["what"]: h for h in hand_checks(plan)}["samples/s"]
+    assert check["value"] == check["plan"]

@@ -20,14 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
 
 
-def _samples() -> dict:
+def _regenerate_module():
     spec = importlib.util.spec_from_file_location("regenerate", REPORTS / "regenerate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.SAMPLES
+    return module
 
 
-SAMPLES = _samples()
+REGENERATE = _regenerate_module()
+SAMPLES = REGENERATE.SAMPLES
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -43,3 +44,9 @@ def test_sample_report_matches_current_code(name):
     html5lib.HTMLParser(strict=True).parse(html)
     assert len(html.encode()) < 2 * 1024 * 1024
     assert plan.mesh.world_size == int(SAMPLES[name][SAMPLES[name].index("--gpus") + 1])
+
+
+def test_index_lists_the_saved_plans():
+    readme = REPORTS / "README.md"
+    assert readme.exists(), "run `python3 reports/regenerate.py --render-only`"
+    assert readme.read_text(encoding="utf-8") == REGENERATE.index_text()

@@ -34,7 +34,11 @@ def run(args) -> int:
                                     hint="drop --plan to re-plan, or pass the plan's GPU count")
     else:
         from autopar.commands.common import plan_from_args
+        from autopar.lower.model_layers import model_signature
+        from autopar.model_file import load_model
         plan, _graph = plan_from_args(args)
+        # Record parameter names and shapes so train.py refuses a different model.
+        plan.model.setdefault("param_shapes", model_signature(load_model(args.model).model)["param_shapes"])
     files = write_build(args.output, plan, args.model, getattr(args, "gpus_per_node", None))
     m = plan.mesh
     print(f"autopar compile: pp={m.pp} x dp={m.dp} x tp={m.tp}, schedule {plan.schedule}, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 from autopar.commands.common import add_plan_arguments, plan_from_args, stderr_is_tty
 from autopar.errors import AutoparError
@@ -27,7 +28,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.top < 0:
         raise AutoparError(f"--top must be >= 0, got {args.top}")
+    t0 = time.perf_counter()
     plan, graph = _plan_with_progress(args)
+    wall = time.perf_counter() - t0
     if args.html:
         _write_html(plan, args.html, graph)
     if args.json:
@@ -36,7 +39,7 @@ def run(args) -> int:
     from rich.console import Console
 
     console = Console()
-    render(plan, console, top=args.top)
+    render(plan, console, top=args.top, wall_s=wall)
     if args.html:
         console.print(f"report written to [bold]{args.html}[/]")
     return 0
@@ -116,7 +119,7 @@ def _bar(used: float, capacity: float, width: int = 24) -> str:
     return f"[{color}]{'#' * filled}[/][dim]{'.' * (width - filled)}[/] {frac:.0%}"
 
 
-def render(plan, console, top: int = 5) -> None:
+def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     from rich.table import Table
 
     m, p = plan.model, plan.predicted
@@ -184,4 +187,5 @@ def render(plan, console, top: int = 5) -> None:
     s = plan.solver
     console.print(f"[dim]solver: {s.get('status')} (gap {s.get('gap', 0):.2%}), {s.get('candidates')} candidate "
                   f"layouts, {s.get('solved')} solved, {s.get('pruned_by_bound')} pruned by bound, "
-                  f"{s.get('oom')} out of memory; {s.get('time_s')} s[/]")
+                  f"{s.get('oom')} out of memory"
+                  + (f"; planned in {wall_s:.1f} s (capture included)" if wall_s is not None else "") + "[/]")

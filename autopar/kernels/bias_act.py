@@ -173,6 +173,51 @@ class _SwiGLU(torch.autograd.Function):
         return dg, du
 
 
+# -- tensor parallelism --------------------------------------------------------
+# Under TP (ColwiseParallel with DTensor activations) the MLP's hidden
+# activations are DTensors sharded on their last dim and the bias is sharded
+# on dim 0 the same way; SwiGLU's two inputs share one placement. Then the
+# op is shard-local: run the kernel on the local shards and wrap the result
+# with the input's placements. Any other layout (a Partial, a bias that does
+# not match) takes the reference, which DTensor knows how to shard.
+
+def _local_bias_act(x, bias, act):
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(x, DTensor) and isinstance(bias, DTensor)) or x.device_mesh != bias.device_mesh:
+        return None
+    last = x.dim() - 1
+    for px, pb in zip(x.placements, bias.placements):
+        aligned = (px.is_replicate() and pb.is_replicate()) or (
+            px.is_shard() and px.dim % x.dim() == last and pb.is_shard() and pb.dim == 0)
+        if not aligned:
+            return None
+    xl, bl = x.to_local(), bias.to_local()
+    if not use_triton(xl, bl):
+        return None
+    y = _BiasAct.apply(xl, bl, act)
+    return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _local_swiglu(gate, up):
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(gate, DTensor) and isinstance(up, DTensor)) or gate.device_mesh != up.device_mesh:
+        return None
+    if gate.placements != up.placements or any(p.is_partial() for p in gate.placements):
+        return None
+    gl, ul = gate.to_local(), up.to_local()
+    if gl.shape != ul.shape or not use_triton(gl, ul):
+        return None
+    y = _SwiGLU.apply(gl, ul)
+    return DTensor.from_local(y, gate.device_mesh, gate.placements, run_check=False, shape=gate.shape,
+                              stride=gate.stride())
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
 # -- public functions --------------------------------------------------------
 
 def _check_bias(x, bias, name):
@@ -193,9 +238,13 @@ def bias_gelu(x, bias, approximate: str = "tanh"):
         from autopar.errors import AutoparError
 
         raise AutoparError(f"bias_gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
+    act = "gelu_tanh" if approximate == "tanh" else "gelu"
+    if _is_dtensor(x) and HAVE_TRITON:
+        y = _local_bias_act(x, bias, act)
+        return y if y is not None else bias_gelu_reference(x, bias, approximate)
     if not use_triton(x, bias):
         return bias_gelu_reference(x, bias, approximate)
-    return _BiasAct.apply(x, bias, "gelu_tanh" if approximate == "tanh" else "gelu")
+    return _BiasAct.apply(x, bias, act)
 
 
 def bias_silu_reference(x, bias):
@@ -205,6 +254,9 @@ def bias_silu_reference(x, bias):
 def bias_silu(x, bias):
     """silu(x + bias) over the last dim."""
     _check_bias(x, bias, "bias_silu")
+    if _is_dtensor(x) and HAVE_TRITON:
+        y = _local_bias_act(x, bias, "silu")
+        return y if y is not None else bias_silu_reference(x, bias)
     if not use_triton(x, bias):
         return bias_silu_reference(x, bias)
     return _BiasAct.apply(x, bias, "silu")
@@ -218,6 +270,9 @@ def swiglu(gate, up):
     """silu(gate) * up: the SwiGLU gate of Llama-style MLPs (w2(silu(w1 x) * w3 x))."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         return swiglu_reference(gate, up)  # broadcasting / mixed dtypes: eager semantics
+    if _is_dtensor(gate) and HAVE_TRITON:
+        y = _local_swiglu(gate, up)
+        return y if y is not None else swiglu_reference(gate, up)
     if not use_triton(gate, up):
         return swiglu_reference(gate, up)
     return _SwiGLU.apply(gate, up)

@@ -29,24 +29,45 @@ def norm_eps(m: nn.Module) -> float:
     raise AttributeError(f"{type(m).__name__} has no eps attribute")
 
 
+class _Pair(tuple):
+    """(normed output, residual stream). Under sequence parallelism the norm
+    runs on DTensors and TP's output hook calls `.to_local()` on what the
+    module returns; a pair answers that for both tensors."""
+
+    def to_local(self):
+        return _Pair(t.to_local() if hasattr(t, "to_local") else t for t in self)
+
+
+def _residual_like(x, residual):
+    # SequenceParallel turned x (a local sequence shard) into a DTensor; the
+    # residual, passed by keyword, is the same kind of local shard.
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor) and not isinstance(residual, DTensor):
+        return DTensor.from_local(residual, x.device_mesh, x.placements, run_check=False)
+    return residual
+
+
 class _FusedAddLayerNormMixin:
     def forward(self, x, residual=None):
         if residual is None:
             return super().forward(x)
+        residual = _residual_like(x, residual)
         if residual.shape != x.shape:  # a broadcasting add: eager semantics
             h = x + residual
-            return super().forward(h), h
-        return add_layernorm(x, residual, self.weight, self.bias, self.eps)
+            return _Pair((super().forward(h), h))
+        return _Pair(add_layernorm(x, residual, self.weight, self.bias, self.eps))
 
 
 class _FusedAddRMSNormMixin:
     def forward(self, x, residual=None):
         if residual is None:
             return super().forward(x)
+        residual = _residual_like(x, residual)
         if residual.shape != x.shape:
             h = x + residual
-            return super().forward(h), h
-        return add_rmsnorm(x, residual, self.weight, norm_eps(self))
+            return _Pair((super().forward(h), h))
+        return _Pair(add_rmsnorm(x, residual, self.weight, norm_eps(self)))
 
 
 class _FusedBiasActLinearMixin:

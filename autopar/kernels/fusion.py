@@ -18,20 +18,23 @@ several kernels:
 
 Each match is a plain dict (JSON-ready, stored in `Plan.fusions`):
   {"layer", "module", "pattern", "kernel", "anchor", "modules", "ops",
-   "scope", "width", "params"}
+   "scope", "target", "width", "params"}
 `layer` is the ModelGraph layer the chain belongs to (its name; without a
 graph, the module path, which is how capture names a one-module layer);
-`module` is the path of the module that is traced and rewritten.
-`anchor` identifies the match inside the layer; `width` is the row width the
-kernel runs on (None where it is only known at run time, e.g. softmax keys).
+`module` is the layer's module that was traced; `target` is the sub-module
+(relative to `module`) that contains the whole chain and is rewritten;
+`anchor` identifies the chain inside the layer by a stable name (see
+`_stable_anchors`); `width` is the row width the kernel runs on (None where
+it is only known at run time, e.g. softmax keys).
 
-`apply_fusions(model, fusions)` rewrites each listed layer in place and
-returns the model: the layer becomes an fx GraphModule with the same
+`apply_fusions(model, fusions)` rewrites each target module in place and
+returns the model: the target becomes an fx GraphModule with the same
 submodules and parameter names, matched modules get their fused class
 (`fused_modules.swap_class`), and only the modules a chain lives in are
 traced through (the rest stay leaf calls, so e.g. `self.training` checks in
-attention still run at call time). `linear_cross_entropy` is not applied
-here: the loss lives outside the model; the lowering's loss path calls
+attention still run at call time, and a block still calls its attention
+and MLP modules). `linear_cross_entropy` is not applied here: the loss
+lives outside the model; the lowering's loss path calls
 `autopar.kernels.linear_cross_entropy(hidden, head.weight, targets)`.
 
 `fusion_bytes(fusion, rows, ...)` gives the HBM bytes each chain moves
@@ -173,9 +176,43 @@ def _only_user(n: fx.Node, user: fx.Node) -> bool:
 
 # -- matching -------------------------------------------------------------------
 
-def _match(graph: fx.Graph, modules: dict) -> list[dict]:
-    """All chains in one block's graph, as {pattern, anchor, nodes, ...}; a node
-    belongs to at most one chain (add+norm is matched before dropout+add)."""
+def _match(graph: fx.Graph, modules: dict, prefix: str = "") -> list[dict]:
+    """All chains in one traced module's graph, as {pattern, anchor, scope,
+    nodes, ...}; a node belongs to at most one chain (add+norm is matched
+    before dropout+add). `prefix` is the traced module's path inside the
+    layer module, so anchors and scopes read the same whichever module of the
+    layer was traced (see `_stable_anchors`)."""
+    found = _match_chains(graph, modules)
+    _stable_anchors(found, prefix)
+    for m in found:
+        m["modules"] = [prefix + p for p in m["modules"]]
+        m["ops"] = [prefix + o if o in modules else o for o in m["ops"]]
+    return found
+
+
+def _join(prefix: str, path: str) -> str:
+    return (prefix + path) if path else prefix.rstrip(".")
+
+
+def _stable_anchors(found: list[dict], prefix: str) -> None:
+    """Anchor = the module a chain is built around (a norm, a Linear), as a
+    path inside the layer; for chains of functions only, "<scope>:<pattern>#k"
+    (the k-th such chain in that module's own forward). fx node names would
+    not do: they count ops over the whole trace, so they shift when another
+    sub-module is inlined or kept a leaf."""
+    seen: dict[tuple, int] = {}
+    for m in found:
+        m["scope"] = sorted({_join(prefix, _scope(x)) for x in m["nodes"]})
+        if m["anchor"] is not None:
+            m["anchor"] = prefix + m["anchor"]
+            continue
+        scope = _join(prefix, _scope(m["nodes"][-1]))
+        k = seen.get((m["pattern"], scope), 0)
+        seen[(m["pattern"], scope)] = k + 1
+        m["anchor"] = f"{scope}:{m['pattern']}#{k}"
+
+
+def _match_chains(graph: fx.Graph, modules: dict) -> list[dict]:
     found: list[dict] = []
     used: set[fx.Node] = set()
     nodes = list(graph.nodes)
@@ -207,7 +244,7 @@ def _match(graph: fx.Graph, modules: dict) -> list[dict]:
             if (isinstance(s, fx.Node) and s not in used and (_is_fn(s, _SILU, "silu") or isinstance(_module(s, modules), nn.SiLU))
                     and _only_user(s, n) and isinstance(_other(n, s), fx.Node) and not s.kwargs.get("inplace")):
                 src = s.args[0]
-                anchor = src.target if isinstance(src, fx.Node) and src.op == "call_module" else n.name
+                anchor = src.target if isinstance(src, fx.Node) and src.op == "call_module" else None
                 lin = _module(src, modules) if isinstance(src, fx.Node) else None
                 width = lin.out_features if isinstance(lin, nn.Linear) else None
                 found.append(dict(pattern="swiglu", anchor=anchor, nodes=[s, n], ops=["silu", "mul"], width=width,
@@ -259,7 +296,7 @@ def _match(graph: fx.Graph, modules: dict) -> list[dict]:
         if not (isinstance(x, fx.Node) and isinstance(c, (int, float))):
             continue
         scale = float(c) if not _is_fn(src, {operator.truediv, torch.div}, "div") else 1.0 / float(c)
-        found.append(dict(pattern="scaled_softmax", anchor=n.name, nodes=[src] + chain,
+        found.append(dict(pattern="scaled_softmax", anchor=None, nodes=[src] + chain,
                           ops=[s.name for s in [src] + chain], width=None,
                           params={"scale": scale, "masked": mask is not None}, modules=[], mask=mask))
         used.update([src] + chain)
@@ -273,15 +310,24 @@ def _match(graph: fx.Graph, modules: dict) -> list[dict]:
                     and isinstance(_other(n, d), fx.Node) and not dm.inplace):
                 src = _module(d.args[0], modules) if isinstance(d.args[0], fx.Node) else None
                 width = src.out_features if isinstance(src, nn.Linear) else None
-                found.append(dict(pattern="dropout_add", anchor=n.name, nodes=[d, n], ops=[d.target, "add"],
+                found.append(dict(pattern="dropout_add", anchor=None, nodes=[d, n], ops=[d.target, "add"],
                                   width=width, params={"p": dm.p}, modules=[d.target]))
                 used.update([d, n])
                 break
     return found
 
 
+def _common_scope(scopes: list[str]) -> str:
+    parts = [sc.split(".") if sc else [] for sc in scopes]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
 def _record(layer: str, module: str, match: dict) -> dict:
-    scopes = sorted({_scope(x) for x in match["nodes"]})
     kernel = {"scaled_softmax": "scaled_masked_softmax"}.get(match["pattern"], match["pattern"])
     return {
         "layer": layer,
@@ -291,7 +337,8 @@ def _record(layer: str, module: str, match: dict) -> dict:
         "anchor": match["anchor"],
         "modules": [f"{module}.{p}" if module else p for p in match["modules"]],
         "ops": list(match["ops"]),
-        "scope": scopes,
+        "scope": match["scope"],
+        "target": _common_scope(match["scope"]),  # the sub-module apply_fusions rewrites
         "width": match["width"],
         "params": dict(match["params"]),
     }
@@ -342,7 +389,7 @@ def _output_head(model: nn.Module) -> dict | None:
     if not isinstance(lin, nn.Linear) or lin.bias is not None:
         return None
     return {"layer": path, "module": path, "pattern": "linear_cross_entropy", "kernel": "linear_cross_entropy",
-            "anchor": path, "modules": [path], "ops": [path, "cross_entropy"], "scope": [""],
+            "anchor": path, "modules": [path], "ops": [path, "cross_entropy"], "scope": [""], "target": "",
             "width": lin.out_features, "params": {"hidden": lin.in_features, "applied_by": "loss"}}
 
 
@@ -384,11 +431,14 @@ def find_fusions(model, graph=None, *, patterns: Iterable[str] = PATTERNS) -> li
     return out
 
 
-def _open_paths(records: list[dict]) -> set[str]:
+def _open_paths(records: list[dict], target: str) -> set[str]:
+    """Module paths (relative to `target`) the trace must inline: every
+    prefix of every scope a chain lives in. Everything else stays a leaf."""
     paths = {""}
     for r in records:
-        for s in r["scope"]:
-            parts = s.split(".") if s else []
+        for sc in r["scope"]:
+            rel = sc[len(target):].lstrip(".") if target else sc
+            parts = rel.split(".") if rel else []
             for i in range(len(parts) + 1):
                 paths.add(".".join(parts[:i]))
     return paths
@@ -443,7 +493,9 @@ def _rewrite(graph: fx.Graph, modules: dict, match: dict, block: nn.Module | Non
         add, norm = nodes
         fm.swap_class(modules[norm.target], pattern)
         with graph.inserting_after(norm):
-            fused = graph.call_module(norm.target, tuple(add.args))
+            # residual as a keyword: hooks that prepare a module's inputs (TP's
+            # SequenceParallel) rewrite the positional ones and drop the rest
+            fused = graph.call_module(norm.target, (add.args[0],), {"residual": add.args[1]})
         with graph.inserting_after(fused):
             out = graph.call_function(operator.getitem, (fused, 0))
         with graph.inserting_after(out):
@@ -546,41 +598,49 @@ def apply_fusions(model: nn.Module, fusions: list[dict]) -> nn.Module:
     loss path and are skipped here."""
     if not isinstance(model, nn.Module):
         raise AutoparError(f"apply_fusions expects an nn.Module, got {type(model).__name__}")
-    by_layer: dict[str, list[dict]] = {}
+    groups: dict[str, list[dict]] = {}
     for f in fusions:
-        if not isinstance(f, dict) or "module" not in f or "pattern" not in f:
+        if not isinstance(f, dict) or "module" not in f or "pattern" not in f or "anchor" not in f:
             raise AutoparError(f"apply_fusions: malformed fusion record {f!r}",
                                hint="pass the dicts find_fusions returned (Plan.fusions)")
         if f.get("params", {}).get("applied_by") == "loss":
             continue
-        by_layer.setdefault(f["module"], []).append(f)
-    for path, records in by_layer.items():
+        target = f.get("target", "")
+        groups.setdefault(_join(f["module"] + "." if f["module"] else "", target), []).append(f)
+    # Deepest modules first; a rewritten parent calls its children by name,
+    # so the order does not change the result, only what each trace sees.
+    new_root = model
+    for path in sorted(groups, key=lambda p: (-(p.count(".") + 1 if p else 0), p)):
+        records = groups[path]
         try:
-            block = model.get_submodule(path) if path else model
+            target_module = model.get_submodule(path) if path else model
         except AttributeError:
             continue
-        graph = _trace(block, _open_paths(records))
+        target = records[0].get("target", "")
+        graph = _trace(target_module, _open_paths(records, target))
         if graph is None:
             continue
-        modules = dict(block.named_modules())
+        modules = dict(target_module.named_modules())
         wanted = {(r["pattern"], r["anchor"]) for r in records}
-        matches = [m for m in _match(graph, modules) if (m["pattern"], m["anchor"]) in wanted]
+        matches = [m for m in _match(graph, modules, prefix=target + "." if target else "")
+                   if (m["pattern"], m["anchor"]) in wanted]
         if not matches:
             continue
         for m in matches:
-            _rewrite(graph, modules, m, block)
+            _rewrite(graph, modules, m, target_module)
         graph.lint()
-        gm = fx.GraphModule(block, graph, class_name=f"Fused{type(block).__name__}")
-        _keep_all_state(block, gm)
-        _keep_non_persistent(block, gm)
-        _keep_order(block, gm)
-        gm.train(block.training)
+        gm = fx.GraphModule(target_module, graph, class_name=f"Fused{type(target_module).__name__}")
+        _keep_all_state(target_module, gm)
+        _keep_non_persistent(target_module, gm)
+        _keep_order(target_module, gm)
+        gm.train(target_module.training)
         if not path:
-            return gm
+            new_root = gm
+            continue
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         parent._modules[name] = gm
-    return model
+    return new_root
 
 
 # -- bytes for the cost model ---------------------------------------------------

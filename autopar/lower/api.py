@@ -29,15 +29,19 @@ def _plan_on_rank0(make) -> Plan:
 
     from autopar.lower.mesh import init_distributed
     init_distributed()
-    box = [None]
+    box, failure = [None], None
     if dist.get_rank() == 0:
         try:
             box[0] = make().to_dict()
-        except AutoparError as exc:  # tell the other ranks instead of leaving them waiting
-            box[0] = {"__error__": exc.message, "__hint__": exc.hint}
+        except Exception as exc:  # tell the other ranks instead of leaving them waiting
+            failure = exc
+            box[0] = {"__error__": getattr(exc, "message", f"{type(exc).__name__}: {exc}"),
+                      "__hint__": getattr(exc, "hint", None)}
     dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
     if "__error__" in box[0]:
-        raise AutoparError(box[0]["__error__"], hint=box[0]["__hint__"])
+        raise AutoparError(f"planning failed on rank 0: {box[0]['__error__']}", hint=box[0]["__hint__"])
     return Plan.from_dict(box[0])
 
 
@@ -64,7 +68,12 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size}
         if constraints:
             kwargs["constraints"] = constraints
-        plan = _plan_on_rank0(lambda: make_plan(model, cluster_spec, **kwargs))
+        def make():
+            from autopar.lower.model_layers import model_signature
+            made = make_plan(model, cluster_spec, **kwargs)
+            made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
+            return made
+        plan = _plan_on_rank0(make)
     plan = load_plan(plan)
     if global_batch_size is not None and global_batch_size != plan.global_batch_size:
         raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "

@@ -7,7 +7,6 @@ recombine numbers the Plan already holds so a reader can verify them).
 """
 from __future__ import annotations
 
-
 from autopar.report import format as fmt
 from autopar.report import gantt, memory, mesh, tables, timeline
 
@@ -85,8 +84,8 @@ def summary(plan) -> dict:
         "sequence_parallel": "on" if plan.sequence_parallel else "off",
         "precision": plan.precision,
         "step_time": fmt.seconds(p.step_time_s),
-        "tokens_per_s": fmt.si(p.tokens_per_s, "tok/s"),
-        "tokens_per_s_per_gpu": fmt.si(p.tokens_per_s / plan.mesh.world_size, "tok/s") if p.tokens_per_s else fmt.DASH,
+        "tokens_per_s": fmt.si(p.tokens_per_s, rate_unit(plan)),
+        "tokens_per_s_per_gpu": fmt.si(p.tokens_per_s / plan.mesh.world_size, rate_unit(plan)) if p.tokens_per_s else fmt.DASH,
         "tflops": fmt.tflops(p.tflops_per_gpu),
         "mfu": fmt.percent(p.mfu),
         "peak_memory": fmt.bytes_(peak_mem),
@@ -107,6 +106,11 @@ def hand_checks(plan) -> list[dict]:
                     "formula": "global_batch_size \u00d7 seq_len / step_time",
                     "filled": f"{plan.global_batch_size} \u00d7 {seq} / {p.step_time_s:.4g} s",
                     "value": fmt.si(tokens / p.step_time_s, "tok/s"), "plan": fmt.si(p.tokens_per_s, "tok/s"), "note": ""})
+    elif p.step_time_s:
+        out.append({"what": "samples/s", "formula": "global_batch_size / step_time",
+                    "filled": f"{plan.global_batch_size} / {p.step_time_s:.4g} s",
+                    "value": fmt.si(plan.global_batch_size / p.step_time_s, "samples/s"),
+                    "plan": fmt.si(p.tokens_per_s, "samples/s"), "note": ""})
     peak = _peak_flops(plan)
     if peak and p.tflops_per_gpu:
         out.append({"what": "MFU", "formula": "model TFLOP/s per GPU / peak TFLOP/s",
@@ -147,6 +151,12 @@ def _solver_value(key, value) -> str:
     return fmt.number(value)
 
 
+def rate_unit(plan) -> str:
+    """Throughput unit: tokens for sequence models; samples (images) when the model has no sequence axis,
+    where the cost model's tokens_per_s counts samples (tokens_per_sample = 1)."""
+    return "tok/s" if (plan.seq_len or plan.model.get("seq_len")) else "samples/s"
+
+
 def _critical_rank(plan) -> int | None:
     v = (plan.predicted.time_breakdown or {}).get("critical_pp_rank")
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
@@ -184,7 +194,7 @@ def build_context(plan, graph=None) -> dict:
         "memory_rows": mem_rows,
         "time_rows": tables.time_rows(plan),
         "comm_rows": tables.comm_rows(plan),
-        "alternatives": tables.alternative_rows(plan),
+        "alternatives": tables.alternative_rows(plan, rate_unit(plan)),
         "assumptions": tables.flatten(plan.assumptions),
         "cluster_rows": tables.flatten(plan.cluster),
         "constraints": tables.flatten(plan.constraints),

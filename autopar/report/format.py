@@ -1,7 +1,8 @@
 """Human-readable numbers for the report (and anyone else printing a Plan).
 
-Units are fixed so a reader can compare numbers across reports: bytes in
-binary units (GiB, as device memory is sold and as `nvidia-smi` prints it),
+Units are fixed so a reader can compare numbers across reports and with
+`autopar plan`'s terminal output: bytes in decimal units (1 GB = 1e9 B, as
+the terminal, the planner's explanations and the ZeRO paper write them),
 times in the largest unit that keeps one to three integer digits, rates with
 SI prefixes. Missing values (None, NaN) print as an em dash rather than 0,
 so an absent prediction never reads as a free one.
@@ -21,7 +22,7 @@ def bytes_(n, digits: int = 1) -> str:
     if _missing(n):
         return DASH
     n = float(n)
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.{digits}f} {unit}"
     return f"{n:.0f} B"

@@ -27,7 +27,8 @@ def memory_rows(breakdown: list[dict], capacity_default: float | None) -> list[d
         total = sum(parts.values())
         cap = b.get("capacity", capacity_default)
         rows.append({"pp_rank": r, "parts": parts, "total": total, "capacity": cap,
-                     "fraction": (total / cap) if cap else None})
+                     "fraction": (total / cap) if cap else None,
+                     "reserve": b.get("reserve"), "host": float(b.get("host", 0.0) or 0.0)})
     return rows
 
 

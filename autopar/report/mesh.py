@@ -99,7 +99,7 @@ def detail_nodes(pp: int, dp: int, tp: int, gpus_per_node: int, nodes: int) -> l
 
 def detail_svg(pp: int, dp: int, tp: int, gpus_per_node: int, node_ids: list[int]) -> Markup:
     """One row per node, one cell per GPU: rank, dp index, tp index; tp groups bracketed."""
-    cell_w, cell_h, gap, left, top = 74, 46, 4, 70, 10
+    cell_w, cell_h, gap, left, top = 88, 46, 4, 70, 10
     row_h = cell_h + 26
     width = left + gpus_per_node * (cell_w + gap) + 10
     height = top + len(node_ids) * row_h + 4

@@ -149,7 +149,7 @@ def _choice(v) -> str:
     return str(v)
 
 
-def alternative_rows(plan) -> list[dict]:
+def alternative_rows(plan, unit: str = "tok/s") -> list[dict]:
     best = plan.predicted.step_time_s
     rows = []
     for i, a in enumerate(plan.alternatives):
@@ -169,7 +169,7 @@ def alternative_rows(plan) -> list[dict]:
             "zero": _choice(a.get("zero")),
             "checkpoint": _choice(a.get("checkpoint")),
             "step": seconds(p.get("step_time_s")),
-            "tokens": si_rate(tps),
+            "tokens": si(tps, unit),
             "vs_best": percent(p["step_time_s"] / best - 1, sign=True) if (p.get("step_time_s") and best) else DASH,
             "mfu": percent(p.get("mfu")),
             "peak": bytes_(peak),
@@ -177,10 +177,6 @@ def alternative_rows(plan) -> list[dict]:
             "why": a.get("why", ""),
         })
     return rows
-
-
-def si_rate(x) -> str:
-    return si(x, "tok/s")
 
 
 def flatten(d, prefix: str = "") -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ lower option indices go to earlier layers).
 """
 from __future__ import annotations
 
+import math
 import time
 
 from ortools.sat.python import cp_model
@@ -141,12 +142,12 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     solver.parameters.num_search_workers = workers
     solver.parameters.random_seed = seed
     solver.parameters.max_deterministic_time = time_limit_s
-    solver.parameters.max_time_in_seconds = 4 * time_limit_s  # backstop only; the deterministic limit binds first
+    solver.parameters.max_time_in_seconds = max(60.0, 20 * time_limit_s)  # backstop only: the deterministic limit binds
     code = solver.Solve(m)
     wall = time.perf_counter() - t0
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
-        return StageSolution(objective=None, status=status, wall_s=wall)
+        return StageSolution(objective=None, status=status, wall_s=wall, work=solver.deterministic_time)
 
     bounds = [int(solver.Value(x)) for x in b]
     stage_of_layer = [0] * n
@@ -165,4 +166,5 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     value = int(round(solver.ObjectiveValue()))
     return StageSolution(objective=value, stage_of_layer=stage_of_layer, option_of_layer=option_of_layer,
                          status="optimal" if code == cp_model.OPTIMAL else "feasible",
-                         bound=int(round(solver.BestObjectiveBound())), wall_s=wall)
+                         bound=int(math.ceil(solver.BestObjectiveBound() - 1e-6)), wall_s=wall,
+                         work=solver.deterministic_time)

@@ -130,11 +130,19 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
     return result, builder
 
 
+def _fill_problems(result: SearchResult, builder) -> None:
+    """Candidates ruled out by the cheap bound have no table; give them the bound table."""
+    for r in result.oom:
+        if r.problem is None:
+            r.problem = builder.bound_problem(r.candidate)
+
+
 def _min_memory_per_gpu(result: SearchResult, reserve: float) -> float:
     """Smallest per-GPU footprint any candidate could reach (its memory lower bound)."""
     best = math.inf
     for r in result.oom:
-        best = min(best, memory_floor(r.problem) * KIB + reserve)
+        if r.problem is not None and r.problem.num_layers >= r.problem.num_stages:
+            best = min(best, memory_floor(r.problem) * KIB + reserve)
     return best
 
 
@@ -147,18 +155,18 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
         nodes *= 2
         bigger = scaled_cluster(cluster, nodes)
         try:
-            result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 1, 2.0,
+            result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 3, 2.0,
                                     offload=free.offload is None)
         except InfeasibleError:
             continue
-        if result.best is not None:
+        if any(_price(model, bigger, r, precision, optimizer)[1].fits for r in result.ranked):
             return nodes * g
     return None
 
 
 def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None = None, constraints=None,
          seq_len: int | None = None, precision: str = "bf16", top_k: int = 5, *, optimizer: str = "adam",
-         time_limit_s: float = 10.0, progress=None, name: str | None = None, source: str | None = None) -> Plan:
+         time_limit_s: float = 3.0, progress=None, name: str | None = None, source: str | None = None) -> Plan:
     """Search the best parallel layout of `model` on `cluster_spec` and return it as a Plan.
 
     model: an nn.Module (captured with example_inputs) or a ModelSpec/ModelGraph.
@@ -166,7 +174,6 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     constraints: dict with any of tp, pp, dp, micro_batch, zero, checkpoint,
     schedule ('gpipe' | '1f1b' | 'interleaved[:V]'), sequence_parallel, offload.
     """
-    t0 = time.perf_counter()
     cluster = resolve_cluster(cluster_spec)
     pins = parse_constraints(constraints)
     spec = model_spec(model, example_inputs, seq_len=seq_len, name=name)
@@ -185,34 +192,42 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
                                       time_limit_s, progress, offload=True)
     device = cluster.device_profile
-    if result.best is None:
+    priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in result.ranked]
+    fitting = [x for x in priced if x[2].fits]
+    if not fitting and not pins.offload and result.ranked and not any(
+            o != "none" for _, _, o in builder.options):
+        # The solver's memory model passed them but the full estimate did not: try with offload too.
+        result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
+                                      time_limit_s, progress, offload=True)
+        priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in result.ranked]
+        fitting = [x for x in priced if x[2].fits]
+    _fill_problems(result, builder)
+    if not fitting:
         need = _min_memory_per_gpu(result, device.reserve_bytes)
+        why = next((x[2].why_not_fit for x in priced if x[2].why_not_fit), "")
         smallest = _smallest_world(spec, cluster, pins, global_batch_size, precision, optimizer)
         pinned = f" with {', '.join(f'{k}={v}' for k, v in pins.to_dict().items())}" if pins.to_dict() else ""
+        need_txt = (f"it needs at least {need / GB:.1f} GB per GPU" if math.isfinite(need)
+                    else f"the best layout does not fit ({why})")
         raise InfeasibleError(
-            f"{spec.name} does not fit on {world} x {device.name}{pinned}: it needs at least "
-            f"{need / GB:.1f} GB per GPU (even with ZeRO-3, full checkpointing and offload allowed), "
-            f"{device.memory_bytes / GB:.1f} GB available",
+            f"{spec.name} does not fit on {world} x {device.name}{pinned}: {need_txt} "
+            f"(even with ZeRO-3, full checkpointing and CPU offload allowed); "
+            f"{device.memory_bytes / GB:.1f} GB per GPU available",
             hint=(f"the smallest GPU count that fits is {smallest}" if smallest else
                   "no GPU count up to 4096x this one fits; use a larger-memory device") +
                  ("; or relax the pinned flags" if pinned else ""))
 
-    # Price the best few exactly; keep the fastest that fits.
-    priced = []
-    for r in result.ranked:
-        layout, est = _price(spec, cluster, r, precision, optimizer)
-        priced.append((r, layout, est))
-    fitting = [x for x in priced if x[2].fits]
-    pool = fitting or priced
-    pool.sort(key=lambda x: (x[2].step_time_s, x[0].candidate))
+    # The best few, priced exactly: the fastest that fits wins.
+    pool = sorted(fitting, key=lambda x: (x[2].step_time_s, x[0].candidate))
     winner = pool[0]
     plan_obj = _build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, result)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
     plan_obj.alternatives = _alternatives(winner, [x for x in priced if x is not winner], result, top_k)
     if batch_assumed:
         plan_obj.assumptions["global_batch_size"] = f"{world} (one sample per GPU; none was given)"
-    plan_obj.solver["time_s"] = round(time.perf_counter() - t0, 3)
+    # No wall-clock times in the Plan: the same inputs must give the same JSON.
     plan_obj.solver["layer_cost_calls"] = builder.layer_cost_calls
+    plan_obj.solver["time_limit_work_units"] = time_limit_s
     return plan_obj
 
 
@@ -269,8 +284,7 @@ def _solver_info(result: SearchResult, winner) -> dict:
         "solved": result.solved,
         "pruned_by_bound": result.pruned,
         "oom": len(result.oom),
-        "search_s": round(result.wall_s, 3),
-        "cpsat_s": round(result.solve_wall_s, 3),
+        "unresolved": result.stats.get("unresolved"),
         "winner_status": sol.status,
         "workers": 1,
         "units": {"time": "1 ns", "memory": "1 KiB"},

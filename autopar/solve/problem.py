@@ -97,6 +97,13 @@ class StageProblem:
                 start = i
         return out
 
+    def group_counts(self) -> list[tuple[int, int]]:
+        """(group, number of layers) for every group, in group order."""
+        counts: dict = {}
+        for g in self.layer_group:
+            counts[g] = counts.get(g, 0) + 1
+        return sorted(counts.items())
+
     def to_seconds(self, objective: int) -> float:
         return objective * NS / self.virtual_stages
 
@@ -109,6 +116,7 @@ class StageSolution:
     status: str = "optimal"  # optimal | feasible | infeasible | unknown
     bound: int | None = None  # best proven lower bound of the objective
     wall_s: float = 0.0
+    work: float = 0.0  # CP-SAT deterministic time spent (its work units, about seconds)
 
     @property
     def gap(self) -> float:
@@ -177,9 +185,11 @@ def time_lower_bound(problem: StageProblem) -> int:
     perfectly balanced over pp ranks; the step tail at its smallest, spread
     evenly."""
     p = problem
-    min_time = sum(min(o.time for o in p.group_options[g]) for g in p.layer_group)
-    min_step = sum(min(o.step for o in p.group_options[g]) for g in p.layer_group)
-    longest = max(min(o.time for o in p.group_options[g]) for g in p.layer_group)
+    counts = p.group_counts()
+    fastest = {g: min(o.time for o in p.group_options[g]) for g, _ in counts}
+    min_time = sum(c * fastest[g] for g, c in counts)
+    min_step = sum(c * min(o.step for o in p.group_options[g]) for g, c in counts)
+    longest = max(fastest.values())
     overhead = p.virtual_stages * p.stage_time_overhead if p.pp > 1 else 0
     t_lb = max(-(-min_time // p.pp), longest) + overhead
     d_lb = -(-min_step // p.pp)
@@ -193,8 +203,10 @@ def memory_floor(problem: StageProblem) -> int:
     p = problem
     v = p.virtual_stages
     least = min(p.in_flight_num)
-    per_layer = [min(v * o.static_mem + least * o.act_mem for o in p.group_options[g]) for g in p.layer_group]
-    return -(-max(-(-sum(per_layer) // p.pp), max(per_layer)) // v)
+    counts = p.group_counts()
+    smallest = {g: min(v * o.static_mem + least * o.act_mem for o in p.group_options[g]) for g, _ in counts}
+    total = sum(c * smallest[g] for g, c in counts)
+    return -(-max(-(-total // p.pp), max(smallest.values())) // v)
 
 
 def lagrangian_bound(problem: StageProblem) -> int:
@@ -216,11 +228,8 @@ def lagrangian_bound(problem: StageProblem) -> int:
     p = problem
     v, pp = p.virtual_stages, p.pp
     least = min(p.in_flight_num)
-    counts: dict = {}
-    for g in p.layer_group:
-        counts[g] = counts.get(g, 0) + 1
     cost_rows, mem_rows, weights = [], [], []
-    for g, c in sorted(counts.items()):
+    for g, c in p.group_counts():
         opts = p.group_options[g]
         cost_rows.append(np.array([(p.time_weight * o.time + p.step_weight * o.step) / pp for o in opts], float))
         mem_rows.append(np.array([v * o.static_mem + least * o.act_mem for o in opts], float))

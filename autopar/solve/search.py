@@ -56,17 +56,26 @@ class SearchResult:
 
 
 def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: Callable | None = None,
-           bound: Callable | None = None, time_limit_s: float = 10.0, progress: Callable | None = None,
-           order_key: Callable | None = None) -> SearchResult:
+           bound: Callable | None = None, time_limit_s: float = 3.0, quick_limit_s: float = 0.3,
+           work_budget: float = 40.0, progress: Callable | None = None, order_key: Callable | None = None
+           ) -> SearchResult:
     """Solve `candidates` (objects with a total order) to the best `keep` of them.
 
     build_problem(candidate) -> StageProblem. bound(candidate) -> seconds or
     None (cannot fit): an optional cheaper lower bound that never exceeds the
     candidate's optimum; without it the bound of the built problem is used.
+    solver(problem, time_limit_s) -> StageSolution (default CP-SAT).
+
+    Two passes: every candidate that survives the bounds is solved with a
+    short limit (`quick_limit_s`), in order of its bound, so good incumbents
+    appear early and most solves end proven optimal; candidates left
+    unproven whose solver bound still beats the k-th best are then re-solved
+    with `time_limit_s` each while the deterministic `work_budget` lasts.
+    Limits are CP-SAT work units, so the result does not depend on load.
     progress(phase, done, total, best_s) is called as the search advances.
     """
     t0 = time.perf_counter()
-    solve = solver or (lambda p: solve_cpsat(p, time_limit_s=time_limit_s))
+    solve = solver or (lambda p, limit: solve_cpsat(p, time_limit_s=limit))
     order_key = order_key or (lambda c: c)
     results = []
     oom = []
@@ -88,19 +97,41 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     # Deterministic order: by bound, then by the candidate itself.
     results.sort(key=lambda r: (r.lower_bound_s, order_key(r.candidate)))
     solved: list[CandidateResult] = []
-    pruned = 0
-    solve_wall = 0.0
-    max_gap = 0.0
-    all_optimal = True
+    stats = {"pruned": 0, "wall": 0.0, "work": 0.0}
 
     def cutoff():
         return solved[keep - 1].step_s if len(solved) >= keep else None
+
+    def run(r, limit):
+        sol = solve(r.problem, limit)
+        stats["wall"] += sol.wall_s
+        stats["work"] += sol.work
+        if sol.objective is None:
+            if sol.status == "infeasible":
+                r.status = "oom"
+                r.solution = sol
+                oom.append(r)
+            elif r.solution is None:
+                r.status = "unsolved"
+            return
+        if r.solution is None or r.solution.objective is None or sol.objective <= r.solution.objective:
+            better_bound = max(sol.bound or 0, r.solution.bound or 0) if r.solution else sol.bound
+            sol.bound = better_bound
+            r.solution = sol
+        if sol.bound is not None:
+            r.lower_bound_s = max(r.lower_bound_s, sol.bound * NS / r.problem.virtual_stages)
+        if r.status != "ok":
+            r.status = "ok"
+            solved.append(r)
+        if r.solution.bound is not None and r.solution.bound >= r.solution.objective:
+            r.solution.status = "optimal"
+        solved.sort(key=lambda x: (x.step_s, order_key(x.candidate)))
 
     for idx, r in enumerate(results):
         if cutoff() is not None and r.lower_bound_s >= cutoff():
             for rest in results[idx:]:
                 rest.status = "pruned"
-            pruned += len(results) - idx
+            stats["pruned"] += len(results) - idx
             break
         if r.problem is None:
             r.problem = build_problem(r.candidate)
@@ -112,25 +143,24 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
             r.lower_bound_s = max(r.lower_bound_s, lb * NS / r.problem.virtual_stages)
             if cutoff() is not None and r.lower_bound_s >= cutoff():
                 r.status = "pruned"
-                pruned += 1
+                stats["pruned"] += 1
                 continue
-        sol = solve(r.problem)
-        r.solution = sol
-        solve_wall += sol.wall_s
-        if sol.objective is None:
-            r.status = "oom" if sol.status == "infeasible" else "unsolved"
-            if r.status == "oom":
-                oom.append(r)
-            else:
-                all_optimal = False
-            continue
-        r.status = "ok"
-        max_gap = max(max_gap, sol.gap)
-        all_optimal = all_optimal and sol.status == "optimal"
-        solved.append(r)
-        solved.sort(key=lambda x: (x.step_s, order_key(x.candidate)))
+        run(r, min(quick_limit_s, time_limit_s))
         if progress:
-            progress("solving", idx + 1, len(results), solved[0].step_s)
-    return SearchResult(ranked=solved, oom=oom, pruned=pruned, solved=len(solved), candidates=total,
-                        wall_s=time.perf_counter() - t0, solve_wall_s=solve_wall, max_gap=max_gap,
-                        all_optimal=all_optimal)
+            progress("solving", idx + 1, len(results), solved[0].step_s if solved else None)
+
+    # Pass 2: close the gaps that could still change the answer, best bound first.
+    open_ = sorted((r for r in solved if r.solution.status != "optimal"),
+                   key=lambda r: (r.lower_bound_s, order_key(r.candidate)))
+    for r in open_:
+        if stats["work"] >= work_budget or r.lower_bound_s >= (cutoff() or float("inf")):
+            continue
+        run(r, time_limit_s)
+    unresolved = [r for r in solved if r.solution.status != "optimal"]
+    best = solved[0].step_s if solved else None
+    global_lb = min([best] + [r.lower_bound_s for r in unresolved]) if best else None
+    max_gap = (best - global_lb) / best if best else 0.0
+    return SearchResult(ranked=solved, oom=oom, pruned=stats["pruned"], solved=len(solved), candidates=total,
+                        wall_s=time.perf_counter() - t0, solve_wall_s=stats["wall"], max_gap=max(0.0, max_gap),
+                        all_optimal=not any(r.lower_bound_s < best for r in unresolved) if best else True,
+                        stats={"cpsat_work_units": round(stats["work"], 3), "unresolved": len(unresolved)})

@@ -104,6 +104,7 @@ class TableBuilder:
         self._rows: dict = {}
         self._canonical: dict = {}
         self._overheads: dict = {}
+        self._outputs: dict = {}
         self._stage_time_overhead = stage_time_overhead or self.p2p_overhead
         self._reserve_bytes = reserve_bytes or (lambda cand: DDP_BUCKET_BYTES if cand.dp > 1 else 0.0)
         self.capacity_bytes = float(cluster.device_profile.usable_memory_bytes)
@@ -133,7 +134,9 @@ class TableBuilder:
         """Per stage per micro-batch: the activation sent forward and its gradient sent back."""
         if cand.pp == 1:
             return 0.0
-        out = max(self._output_bytes(layer, cand) for layer in self.model.layers[:-1])
+        last = self.group_of[-1]
+        groups = {g for g in self.group_of[:-1]} or {last}
+        out = max(self._output_bytes(self.representative[g], cand) for g in sorted(groups))
         if cand.sequence_parallel and cand.tp > 1:
             out /= cand.tp
         same_node = C.pp_neighbours_same_node(cand.tp, cand.dp, self.cluster)
@@ -155,8 +158,13 @@ class TableBuilder:
                 (to_mem_units(frag * lc.working_bytes), to_mem_units(fsdp), to_mem_units(tp_out)))
 
     def _output_bytes(self, layer, cand: Candidate) -> float:
-        scale = DTYPE_BYTES.get(self.precision, 2) / (self.model.dtype_bytes or 2)
-        return fast(layer.output_bytes)(cand.micro_batch_size, self.model.seq_len or 1) * scale
+        key = (layer_signature(layer), cand.micro_batch_size)
+        hit = self._outputs.get(key)
+        if hit is None:
+            scale = DTYPE_BYTES.get(self.precision, 2) / (self.model.dtype_bytes or 2)
+            hit = fast(layer.output_bytes)(cand.micro_batch_size, self.model.seq_len or 1) * scale
+            self._outputs[key] = hit
+        return hit
 
     def _tied_copy(self, layer, cand: Candidate, zero: int) -> float:
         """With a pipeline, a tied output layer keeps its own copy of the embedding
