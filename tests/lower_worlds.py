@@ -94,7 +94,7 @@ def equivalence_world(rank, world, model_name, layouts, optim):
         state = pm.full_state_dict()
         out[name] = {"losses": losses, "ref_losses": ref_losses,
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-                     "param_rel": compare(state, ref_params)}
+                     "param_rel": compare(state, ref_params), "loss_parallel": pm.loss_parallel}
     return out
 
 

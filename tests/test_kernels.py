@@ -17,6 +17,8 @@ from autopar.kernels import REGISTRY, dropout_add, dropout_mask, poison_outputs,
 from autopar.kernels import _runtime
 from autopar.kernels.dropout_add import philox_uniform
 
+pytestmark = pytest.mark.triton  # these run the Triton kernels (interpreter on CPU)
+
 NAMES = sorted(REGISTRY)
 # Shapes with three leading dims and a non-power-of-two width (the kernels'
 # masks must cover the tail), one per kernel family's argument convention.

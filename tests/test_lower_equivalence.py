@@ -67,6 +67,9 @@ def _check(results, tol_loss, tol_param):
 def test_two_rank_layouts_match_single_process(model):
     results = run_world(equivalence_world, 2, model, TWO_RANK, "sgd", timeout=280)
     _check(results, SGD_TOL, SGD_TOL)
+    # the models' cross-entropy runs on vocab-sharded logits (loss_parallel) under TP
+    assert all(r[name]["loss_parallel"] for r in results for name in ("tp", "tp_sp", "tp_sp_full_ckpt"))
+    assert not any(r["dp_zero3"]["loss_parallel"] for r in results)
     # Recomputation changes no number: checkpointed == the same layout without it.
     r = results[0]
     for ckpt, plain in (("tp_sp_full_ckpt", "tp_sp"), ("pp_1f1b_selective_ckpt", "pp_1f1b")):

@@ -102,3 +102,21 @@ def test_pipeline_cut_inside_the_head_is_refused():
     bad.stages[0].layers, bad.stages[1].layers = bad.stages[1].layers, bad.stages[0].layers
     with pytest.raises(PlanMismatchError):
         check_stage_cuts(resolve(model, bad), 2)
+
+
+def test_loss_parallel_probe_checks_the_users_loss_numerically(tmp_path):
+    """Cross-entropy runs on vocab-sharded logits; a loss loss_parallel
+    cannot honour (label smoothing) is detected and keeps gathered logits."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.lower.tensor_parallel import loss_parallel_works
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        assert loss_parallel_works(gpt.loss_fn, mesh, (2, 4, 16))
+        smoothed = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), label_smoothing=0.2)
+        assert not loss_parallel_works(smoothed, mesh, (2, 4, 16))
+        assert not loss_parallel_works(lambda out, t: out[0], mesh, (2, 4, 16))  # not a scalar loss
+    finally:
+        dist.destroy_process_group()

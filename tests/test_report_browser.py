@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from autopar.report import render_html
 from autopar.report.palette import MEMORY, PHASE, stage_color
 from test_report_fixtures import make_plan, make_small_plan
 
+ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
 
@@ -141,3 +143,22 @@ def test_175b_report_loads_and_prints(tmp_path):
     assert body.startswith(b"%PDF")
     pages = len(re.findall(rb"/Type\s*/Page[^s]", body))
     assert 2 <= pages <= 30, pages
+
+
+@pytest.mark.parametrize("sample", sorted(p.name for p in (ROOT / "reports").glob("*.html")))
+def test_sample_reports_load_cleanly(tmp_path, sample):
+    dom = chromium(tmp_path, ROOT / "reports" / sample, "--dump-dom")
+    assert dom.returncode == 0 and console_messages(dom.stderr) == []
+    for cls in ("mesh-detail", "gantt", "memory"):
+        assert re.search(rf'<svg[^>]*class="chart {cls}"', dom.stdout), cls
+
+
+def test_hostile_module_names_stay_text_in_the_browser(tmp_path):
+    hostile = "<script>alert(1)</script>"
+    plan = make_small_plan(layer_name=hostile + "{i}", module_name=hostile, name=hostile)
+    page = tmp_path / "hostile.html"
+    page.write_text(render_html(plan), encoding="utf-8")
+    dom = chromium(tmp_path, page, "--dump-dom")
+    assert dom.returncode == 0 and console_messages(dom.stderr) == []
+    assert "<script" not in dom.stdout.lower()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom.stdout

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import html5lib
 import pytest
 
 from autopar.cli import main
@@ -82,3 +83,17 @@ def test_plan_html_and_json_come_from_one_plan(tmp_path, capsys, monkeypatch):
     graph, _ = load_graph(SimpleNamespace(model="examples/gpt.py:gpt_tiny"))
     assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp) == (2, 2, 2)
     assert out.read_text(encoding="utf-8") == render_html(plan, graph)
+
+
+def test_report_plans_from_a_model_file(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "tiny.html"
+    monkeypatch.chdir(ROOT)
+    argv = ["report", "examples/gpt.py:gpt_tiny", "--gpus", "8", "--pp", "2", "--tp", "2", "--dp", "2",
+            "--micro-batch", "2", "--batch-size", "16", "--zero", "1", "--checkpoint", "none", "--offload", "none",
+            "--schedule", "1f1b", "--sequence-parallel", "-o", str(out)]
+    assert main(argv) == 0
+    assert "pp 2 x dp 2 x tp 2" in capsys.readouterr().out
+    text = out.read_text(encoding="utf-8")
+    tree = html5lib.HTMLParser(strict=True).parse(text)
+    assert "examples/gpt.py:gpt_tiny" in "".join(tree.itertext())
+    assert "<th>params</th>" in text  # the captured graph reached the renderer (parameter counts)

@@ -232,3 +232,46 @@ def test_models_without_a_sequence_report_samples_per_second():
     assert "tok/s" not in text
     check = {h["what"]: h for h in hand_checks(plan)}["samples/s"]
     assert check["value"] == check["plan"]
+
+
+def test_links_table_shows_the_named_link_profiles_and_skips_unknown_names():
+    from autopar.report.context import link_rows
+    from cost_models.hardware import get_link
+
+    plan = make_small_plan()
+    plan.cluster.update(intra_node_link="nvlink4", inter_node_link="no-such-link")
+    rows = link_rows(plan)
+    assert [r["name"] for r in rows] == ["nvlink4"]
+    assert rows[0]["bandwidth"] == f"{get_link('nvlink4').to_dict()['bandwidth_gbs']:g} GB/s"
+    assert "nvlink4" in all_text(parse(render_html(plan)))
+
+
+def test_timeline_uses_the_simulated_stage_times_and_draws_a_few_rounds():
+    from autopar.report import timeline
+
+    plan = make_plan()  # pp 16, 192 micro-batches
+    for st in plan.stages:  # what cost_models.estimate fed its simulator
+        st.predicted["sim_fwd_s"] = 2 * st.predicted["fwd_s"]
+        st.predicted["sim_bwd_s"] = 3 * st.predicted["bwd_s"]
+    events, drawn = timeline.schedule_events(plan)
+    assert drawn == 2 * plan.mesh.pp < plan.num_micro_batches
+    assert len(events) == 2 * plan.mesh.pp * drawn
+    first = plan.stages[0].predicted
+    e = next(e for e in events if e.stage == 0 and e.phase == "fwd")
+    assert e.end_s - e.start_s == pytest.approx(first["sim_fwd_s"])
+    e = next(e for e in events if e.stage == 0 and e.phase == "bwd")
+    assert e.end_s - e.start_s == pytest.approx(first["sim_bwd_s"])
+    # every micro-batch's backward on a stage starts after its forward there
+    done = {(e.stage, e.micro_batch, e.phase): e for e in events}
+    assert all(done[(s, m, "bwd")].start_s >= done[(s, m, "fwd")].end_s for (s, m, ph) in done if ph == "fwd")
+
+
+def test_interleaved_timeline_draws_a_multiple_of_pp():
+    from autopar.report import timeline
+
+    plan = make_plan(name="interleaved", nodes=8, pp=4, dp=2, tp=8, schedule="interleaved", virtual_stages=2,
+                     num_micro_batches=64, num_blocks=30)
+    events, drawn = timeline.schedule_events(plan)
+    assert drawn % plan.mesh.pp == 0 and drawn < 64
+    assert {e.stage for e in events} == set(range(8))
+    assert len(events) == 2 * 8 * drawn

@@ -48,6 +48,17 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 MAX_ROW_BLOCK = 65536
 
 
+def plain(t):
+    """An AsyncCollectiveTensor (what TP's async reduce-scatter hands out as a
+    local tensor) waited into a plain tensor, keeping autograd; anything else
+    unchanged. Triton needs real storage."""
+    if type(t).__name__ == "AsyncCollectiveTensor":
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.wait_tensor(t)
+    return t
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

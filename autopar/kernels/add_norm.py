@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.kernels._runtime import (
-    HAVE_TRITON, MAX_ROW_BLOCK, new_empty, next_pow2, num_warps_for, reduce_programs, rows_of, use_triton,
+    HAVE_TRITON, MAX_ROW_BLOCK, new_empty, plain, next_pow2, num_warps_for, reduce_programs, rows_of, use_triton,
 )
 
 if HAVE_TRITON:
@@ -143,6 +143,41 @@ class _AddNorm(torch.autograd.Function):
         return dx.to(ctx.x_dtype), dres, dw, db, None, None
 
 
+def _local_add_norm(x, residual, weight, bias, eps, rms):
+    """Sequence parallelism: x and the residual are DTensors sharded on a
+    non-normalised dim (the sequence), the norm's parameters replicated. Each
+    rank normalises its own rows, so the kernel runs on the local shards; the
+    weight / bias gradients computed from local rows are partial sums, which
+    `to_local(grad_placements=Partial)` tells DTensor to reduce."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not (isinstance(x, DTensor) and isinstance(residual, DTensor)) or x.placements != residual.placements:
+        return None
+    last = x.dim() - 1
+    if any(p.is_partial() or (p.is_shard() and p.dim % x.dim() == last) for p in x.placements):
+        return None
+    params = [t for t in (weight, bias) if t is not None]
+    if not all(isinstance(t, DTensor) and t.device_mesh == x.device_mesh and all(p.is_replicate() for p in t.placements)
+               for t in params):
+        return None
+    grad_pl = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+    xl, rl = plain(x.to_local()), plain(residual.to_local())
+    wl = weight.to_local(grad_placements=grad_pl) if weight is not None else None
+    bl = bias.to_local(grad_placements=grad_pl) if bias is not None else None
+    if not use_triton(xl, rl, wl, bl):
+        return None
+    out, h = _AddNorm.apply(xl, rl, wl, bl, float(eps), rms)
+
+    def wrap(t):
+        return DTensor.from_local(t, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+    return wrap(out), wrap(h)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
 def _check(x, residual, weight, name):
     from autopar.errors import AutoparError
 
@@ -160,6 +195,11 @@ def add_layernorm_reference(x, residual, weight, bias, eps: float = 1e-5):
 def add_layernorm(x, residual, weight, bias, eps: float = 1e-5):
     """(layer_norm(x + residual), x + residual). `residual`, `weight`, `bias` may be None."""
     _check(x, residual, weight, "add_layernorm")
+    x, residual = plain(x), plain(residual)
+    if _is_dtensor(x) and HAVE_TRITON and residual is not None:
+        pair = _local_add_norm(x, residual, weight, bias, eps, rms=False)
+        if pair is not None:
+            return pair
     if not use_triton(x, residual, weight, bias) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return add_layernorm_reference(x, residual, weight, bias, eps)
     if residual is None:
@@ -177,6 +217,11 @@ def add_rmsnorm_reference(x, residual, weight, eps: float = 1e-6):
 def add_rmsnorm(x, residual, weight, eps: float = 1e-6):
     """(rms_norm(x + residual) * weight, x + residual), normalised in fp32 as Llama does."""
     _check(x, residual, weight, "add_rmsnorm")
+    x, residual = plain(x), plain(residual)
+    if _is_dtensor(x) and HAVE_TRITON and residual is not None:
+        pair = _local_add_norm(x, residual, weight, None, eps, rms=True)
+        if pair is not None:
+            return pair
     if not use_triton(x, residual, weight) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return add_rmsnorm_reference(x, residual, weight, eps)
     if residual is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autopar.kernels._runtime import HAVE_TRITON, new_empty, next_pow2, rows_of, use_triton
+from autopar.kernels._runtime import HAVE_TRITON, new_empty, next_pow2, plain, rows_of, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -192,7 +192,7 @@ def _local_bias_act(x, bias, act):
             px.is_shard() and px.dim % x.dim() == last and pb.is_shard() and pb.dim == 0)
         if not aligned:
             return None
-    xl, bl = x.to_local(), bias.to_local()
+    xl, bl = plain(x.to_local()), plain(bias.to_local())
     if not use_triton(xl, bl):
         return None
     y = _BiasAct.apply(xl, bl, act)
@@ -206,7 +206,7 @@ def _local_swiglu(gate, up):
         return None
     if gate.placements != up.placements or any(p.is_partial() for p in gate.placements):
         return None
-    gl, ul = gate.to_local(), up.to_local()
+    gl, ul = plain(gate.to_local()), plain(up.to_local())
     if gl.shape != ul.shape or not use_triton(gl, ul):
         return None
     y = _SwiGLU.apply(gl, ul)

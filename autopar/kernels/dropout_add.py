@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.kernels._runtime import HAVE_TRITON, new_empty, use_triton
+from autopar.kernels._runtime import HAVE_TRITON, new_empty, plain, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -129,6 +129,7 @@ def dropout_add(x, residual, p: float = 0.1, seed: int = 0, training: bool = Tru
     _check(x, residual, p, seed)
     if not training or p == 0.0:
         return x + residual  # eager add is already one kernel
+    x, residual = plain(x), plain(residual)
     if not use_triton(x, residual):
         return dropout_add_reference(x, residual, p, seed, training)
     return _DropoutAdd.apply(x, residual, float(p), int(seed))

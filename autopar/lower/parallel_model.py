@@ -16,12 +16,14 @@ each from its own file, on one DeviceMesh ("pp", "dp", "tp"):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel
@@ -44,11 +46,12 @@ class ParallelModel:
 
     def __init__(self, *, plan: Plan, mesh, layout: ModelLayout, stages: list[nn.Module], optimizer,
                  loss_fn, schedule, holders: dict, tied_groups: list, local_batch: bool, device,
-                 fsdp: bool):
+                 fsdp: bool, replicated: bool = False, loss_parallel: bool = False):
         self.plan, self.mesh, self.layout, self.stages = plan, mesh, layout, stages
         self.optimizer, self.loss_fn, self.schedule = optimizer, loss_fn, schedule
         self._holders, self._tied_groups = holders, tied_groups
-        self.local_batch, self.device, self._fsdp = local_batch, device, fsdp
+        self.local_batch, self.device, self._fsdp, self._replicated = local_batch, device, fsdp, replicated
+        self.loss_parallel = loss_parallel  # logits stay vocab-sharded into the loss
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -75,14 +78,23 @@ class ParallelModel:
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         inputs = tuple(self._local_slice(x) for x in inputs)
         targets = self._local_slice(targets)
+        expected = self.plan.micro_batch_size * self.plan.num_micro_batches
+        if self.schedule is not None and inputs[0].shape[0] != expected:
+            # Pipeline stages fix their activation shapes at the first step.
+            raise PlanMismatchError(
+                f"this rank's batch has {inputs[0].shape[0]} samples; the plan's pipeline runs "
+                f"{self.plan.num_micro_batches} micro-batches of {self.plan.micro_batch_size}",
+                hint=f"feed global batches of {self.plan.global_batch_size} samples (or re-plan)")
         self.optimizer.zero_grad(set_to_none=True)
-        if self.schedule is None:
-            local_loss = self._accumulate(inputs, targets)
-        else:
-            losses: list[torch.Tensor] = []
-            kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-            self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
-            local_loss = torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
+        with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()):
+            if self.schedule is None:
+                local_loss = self._accumulate(inputs, targets)
+            else:
+                losses: list[torch.Tensor] = []
+                kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
+                local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
+                              if self.has_last else None)
         self._sync_tied_grads()
         self.optimizer.step()
         return self._global_mean(local_loss)
@@ -96,11 +108,11 @@ class ParallelModel:
         stage = self.stages[0]
         total = torch.zeros((), device=self.device)
         for i in range(n):
-            if self._fsdp:  # reduce-scatter gradients once, after the last micro-batch
+            if self._fsdp or self._replicated:  # sync gradients once, after the last micro-batch
                 stage.set_requires_gradient_sync(i == n - 1)
             loss = self.loss_fn(stage(*(c[i] for c in chunks)), tchunks[i])
             (loss / n).backward()
-            total += loss.detach().float()
+            total += _plain(loss).float()
         return total / n
 
     def _global_mean(self, local_loss) -> float:
@@ -162,6 +174,23 @@ class ParallelModel:
                     seen.add(id(t))
                     total += t.numel() * t.element_size()
         return total
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor of a loss (a replicated DTensor under loss_parallel)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_inputs, plan) -> bool:
+    """Vocab-sharded logits into the loss when the head is one vocab-split
+    Linear and the user's loss runs correctly under `loss_parallel`."""
+    heads = [m for l in tp_layers if l.position == "post" for p in l.paths
+             for m in model.get_submodule(p).modules() if isinstance(m, nn.Linear)]
+    if len(heads) != 1:
+        return False
+    tokens = _example_args(example_inputs, 1)[0]
+    return tensor_parallel.loss_parallel_works(loss_fn, tp_mesh, (1, *tokens.shape[1:], heads[0].out_features))
 
 
 def _param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
@@ -227,7 +256,9 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
 
     # 2. tensor parallel
     tp_mesh = mesh["tp"]
+    use_loss_parallel = False
     if tp > 1:
+        use_loss_parallel = _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_inputs, plan)
         for l in tp_layers:
             if l.position == "block":
                 tensor_parallel.parallelize_block(
@@ -236,7 +267,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                     first=l.block_index == 0, last=l.block_index == layout.num_blocks - 1)
             else:
                 for p in l.paths:
-                    tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position)
+                    tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position,
+                                                      loss_parallel=use_loss_parallel)
 
     # Tied weights: re-tie the ends that share this rank (parallelize_module
     # swaps in new Parameter objects); ends on other pp ranks sync gradients.
@@ -302,7 +334,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         schedule = pipeline_parallel.build_schedule(plan, stages, mesh["pp"].get_group(), device, loss_fn)
     return ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
                          schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
-                         device=device, fsdp=fsdp)
+                         device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel)
 
 
 def _names_of(model, hs):

@@ -180,10 +180,47 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
             use_local_output=True))
 
 
-def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str) -> None:
-    """Embeddings split over the vocabulary (pre layers), head Linears column-wise (post layers)."""
+def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str, loss_parallel: bool = False) -> None:
+    """Embeddings split over the vocabulary (pre layers), head Linears column-wise
+    (post layers): logits gathered, or left vocab-sharded for `loss_parallel`."""
     for name, m in module.named_modules():
         if position == "pre" and isinstance(m, nn.Embedding):
             parallelize_module(m, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         elif position == "post" and isinstance(m, nn.Linear):
-            parallelize_module(m, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+            out = Shard(-1) if loss_parallel else Replicate()
+            parallelize_module(m, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=out,
+                                                           use_local_output=not loss_parallel))
+
+
+def loss_parallel_works(loss_fn, tp_mesh, logits_shape: tuple) -> bool:
+    """Whether the user's loss can run on vocab-sharded logits (`loss_parallel`).
+
+    With it, the head's column-parallel output stays sharded over the
+    vocabulary and cross-entropy reduces across tp ranks (no all-gather of
+    the logits). The loss function is arbitrary user code, so it is tried
+    once on small random logits against the same loss on whole logits
+    (value and gradient); anything it cannot do keeps the gathered logits.
+    Every tp rank runs the same deterministic probe, so all ranks agree.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(logits_shape, generator=g)
+    target = torch.randint(0, logits_shape[-1], logits_shape[:-1], generator=g)
+    device = tp_mesh.device_type
+    full, target = full.to(device), target.to(device)
+    try:
+        ref_in = full.clone().requires_grad_()
+        ref = loss_fn(ref_in, target)
+        ref.backward()
+        sharded = distribute_tensor(full, tp_mesh, [Shard(len(logits_shape) - 1)]).detach().requires_grad_()
+        with loss_parallel():
+            loss = loss_fn(sharded, target)
+            loss.backward()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        grad = sharded.grad.full_tensor()
+        return bool(torch.allclose(value.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+                    and torch.allclose(grad, ref_in.grad, rtol=1e-4, atol=1e-6))
+    except Exception:  # any unsupported op: fall back to gathered logits
+        return False

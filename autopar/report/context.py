@@ -96,6 +96,17 @@ def summary(plan) -> dict:
     }
 
 
+def _additivity_note(parts_s: float, step_s: float) -> str:
+    gap = parts_s / step_s - 1
+    if abs(gap) <= 0.005:
+        return ""
+    if gap > 0:
+        return (f"the parts add up to {fmt.percent(gap)} more than the step time: some of them overlap "
+                f"(e.g. a p2p wait is also idle time)")
+    return (f"the parts add up to {fmt.percent(-gap)} less than the step time: the plan's breakdown "
+            f"leaves {fmt.seconds(step_s - parts_s)} per step unattributed")
+
+
 def hand_checks(plan) -> list[dict]:
     """Identities between the Plan's own numbers, written out with the values filled in."""
     p, out = plan.predicted, []
@@ -124,9 +135,8 @@ def hand_checks(plan) -> list[dict]:
         out.append({"what": "step time", "formula": " + ".join(parts),
                     "filled": " + ".join(f"{float(tb[k]):.4g}" for k in parts),
                     "value": fmt.seconds(total), "plan": fmt.seconds(p.step_time_s),
-                    # Said plainly rather than hidden: the parts of a simulated step can overlap.
-                    "note": (f"the parts add up to {fmt.percent(gap, sign=True)} of the step: they overlap "
-                             f"(e.g. a p2p wait is also idle time)" if abs(gap) > 0.005 else "")})
+                    # Said plainly rather than hidden: a simulated step need not be a plain sum.
+                    "note": _additivity_note(total, p.step_time_s)})
     if plan.mesh.pp > 1 and tb.get("bubble_s") is not None and p.step_time_s:
         v = plan.virtual_stages if plan.schedule == "interleaved" else 1
         ideal = (plan.mesh.pp - 1) / (v * plan.num_micro_batches)
@@ -149,6 +159,32 @@ def _solver_value(key, value) -> str:
     if key == "search_s" and isinstance(value, (int, float)):
         return fmt.seconds(value)
     return fmt.number(value)
+
+
+def link_rows(plan) -> list[dict]:
+    """Bandwidth, efficiency and latency of the links the plan names, for checking comm times by hand.
+
+    The plan records link names only, so the numbers come from the profiles
+    shipped with this autopar (or the ones the cluster file defined inline,
+    which the plan does carry); the page says so next to the table.
+    """
+    from cost_models.errors import CostModelError
+    from cost_models.hardware import LinkProfile, get_link
+
+    inline = plan.cluster.get("links") if isinstance(plan.cluster.get("links"), dict) else {}
+    rows = []
+    for tier, key in (("intra node", "intra_node_link"), ("inter node", "inter_node_link"), ("host", "host_link")):
+        name = plan.cluster.get(key)
+        if not isinstance(name, str):
+            continue
+        try:
+            link = (LinkProfile.from_dict(name, inline[name]) if name in inline else get_link(name)).to_dict()
+        except (CostModelError, TypeError, KeyError):
+            continue  # an unknown name: nothing trustworthy to show
+        rows.append({"tier": tier, "name": name, "bandwidth": f"{link['bandwidth_gbs']:g} GB/s",
+                     "efficiency": fmt.percent(link["bus_efficiency"], 0), "latency": f"{link['latency_us']:g} \u00b5s",
+                     "source": link.get("source", "")})
+    return rows
 
 
 def rate_unit(plan) -> str:
@@ -203,6 +239,7 @@ def build_context(plan, graph=None) -> dict:
                             if k in plan.solver],
         "critical_rank": _critical_rank(plan),
         "hand_checks": hand_checks(plan),
+        "link_rows": link_rows(plan),
         "fusions": plan.fusions,
         "fmt": fmt,
     }

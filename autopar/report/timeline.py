@@ -64,8 +64,11 @@ def schedule_events(plan) -> tuple[list[Event], int]:
     if not times or len(times) != plan.mesh.pp * v:
         return [], 0
     m = drawn_micro_batches(plan)
+    # Without a pipeline the cost model runs micro-batches 1F1B (forward then backward
+    # of each, gradient accumulation) whatever the plan's schedule field says.
+    schedule = plan.schedule if plan.mesh.pp > 1 else "1f1b"
     try:
-        raw = pipeline.timeline(plan.schedule, plan.mesh.pp, m, plan.virtual_stages,
+        raw = pipeline.timeline(schedule, plan.mesh.pp, m, plan.virtual_stages,
                                 fwd_s=[t[0] for t in times], bwd_s=[t[1] for t in times], p2p_s=[t[2] for t in times])
     except CostModelError:  # a plan the simulator cannot lay out (hand-edited): draw nothing rather than fail
         return [], 0

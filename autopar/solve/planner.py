@@ -192,7 +192,9 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
                                       time_limit_s, progress, offload=True)
     device = cluster.device_profile
+    first, first_builder = result, builder
     priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in result.ranked]
+    first_peaks = [max(x[2].peak_memory_bytes) + device.reserve_bytes for x in priced]
     fitting = [x for x in priced if x[2].fits]
     if not fitting and not pins.offload and result.ranked and not any(
             o != "none" for _, _, o in builder.options):
@@ -203,12 +205,20 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         fitting = [x for x in priced if x[2].fits]
     _fill_problems(result, builder)
     if not fitting:
-        need = _min_memory_per_gpu(result, device.reserve_bytes)
+        _fill_problems(first, first_builder)
+        need = min([_min_memory_per_gpu(first, device.reserve_bytes)] + first_peaks)
         why = next((x[2].why_not_fit for x in priced if x[2].why_not_fit), "")
         smallest = _smallest_world(spec, cluster, pins, global_batch_size, precision, optimizer)
         pinned = f" with {', '.join(f'{k}={v}' for k, v in pins.to_dict().items())}" if pins.to_dict() else ""
-        need_txt = (f"it needs at least {need / GB:.1f} GB per GPU" if math.isfinite(need)
-                    else f"the best layout does not fit ({why})")
+        if math.isfinite(need) and need > device.memory_bytes:
+            need_txt = f"it needs at least {need / GB:.1f} GB per GPU without CPU offload"
+        elif math.isfinite(need):
+            need_txt = (f"no layout fits in GPU memory without CPU offload (its memory lower bound is {need / GB:.1f} "
+                        "GB per GPU; whole layers per stage and buffers push every layout over)")
+        else:
+            need_txt = "no layout fits in GPU memory without CPU offload"
+        if why:
+            need_txt += f", and with offload the best layout does not fit either ({why})"
         raise InfeasibleError(
             f"{spec.name} does not fit on {world} x {device.name}{pinned}: {need_txt} "
             f"(even with ZeRO-3, full checkpointing and CPU offload allowed); "
