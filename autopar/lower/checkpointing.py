@@ -2,32 +2,26 @@
 
 full       the layer's forward is recomputed in backward
            (`checkpoint_wrapper`, non-reentrant);
-selective  torch's selective-checkpoint policy: outputs of matmuls and
-           attention are saved, everything cheap (norms, activations,
-           dropout, reshapes) is recomputed
-           (`create_selective_checkpoint_contexts`);
+selective  torch's selective-checkpoint policy: outputs of the ops in
+           autopar/checkpoint_policy.py (weight GEMMs, fused attention) are
+           saved, everything else (norms, activations, dropout, bmm) is
+           recomputed (`create_selective_checkpoint_contexts`);
 none       nothing.
 Recomputation changes no number: the tests check checkpointed training
 against the same layout without it.
 """
 from __future__ import annotations
 
-
-import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autopar.checkpoint_policy import saved_ops
 from autopar.lower.model_layers import ModelLayout
 
-_aten = torch.ops.aten
-# Expensive to recompute: keep their outputs.
-SAVE_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+# Which ops' outputs are kept: one definition shared with capture, so the
+# plan's activation memory prices exactly what runs here.
+SAVE_OPS = saved_ops()
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
