@@ -25,7 +25,7 @@ import time
 
 from ortools.sat.python import cp_model
 
-from autopar.solve.problem import StageProblem, StageSolution, lower_bound
+from autopar.solve.problem import StageProblem, StageSolution, lower_bound, pigeonhole_bounds
 
 
 def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: int = 1,
@@ -134,6 +134,9 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
         m.Add(D >= sum(rank_step[r]))
         m.Add(V * (sum(rank_static[r]) + sum(rank_peak[r])) + p.in_flight_num[r] * sum(rank_act[r])
               <= V * p.capacity[r])
+    t_pigeon, d_pigeon = pigeonhole_bounds(p)  # redundant cuts the LP relaxation cannot see
+    m.Add(T >= t_pigeon)
+    m.Add(D >= d_pigeon)
     objective = p.time_weight * T + p.step_weight * D
     m.Add(objective >= lb)  # redundant, helps the proof of optimality
     m.Minimize(objective)
