@@ -38,9 +38,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pin.add_argument("--schedule", default=None, metavar="NAME", help="gpipe, 1f1b, interleaved or interleaved:V")
     pin.add_argument("--sequence-parallel", dest="sequence_parallel", action=argparse.BooleanOptionalAction,
                      default=None, help="pin sequence parallelism on or off")
-    parser.add_argument("--time-limit", type=float, default=3.0, metavar="S",
+    parser.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                         help="CP-SAT deterministic time limit (work units, about seconds) per candidate left "
-                             "unproven by the first pass (default 3)")
+                             "unproven by the first pass (default 1)")
 
 
 def constraints_from_args(args) -> dict:

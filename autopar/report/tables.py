@@ -90,6 +90,7 @@ TIME_PARTS = (
     ("dp_comm_exposed_s", "data-parallel comm, exposed"),
     ("bubble_s", "pipeline bubble"),
     ("optimizer_s", "optimizer step"),
+    ("straggler_s", "slowest GPU of the job (clock spread)"),
 )
 
 

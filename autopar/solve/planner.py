@@ -166,7 +166,7 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
 
 def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None = None, constraints=None,
          seq_len: int | None = None, precision: str = "bf16", top_k: int = 5, *, optimizer: str = "adam",
-         time_limit_s: float = 3.0, progress=None, name: str | None = None, source: str | None = None) -> Plan:
+         time_limit_s: float = 1.0, progress=None, name: str | None = None, source: str | None = None) -> Plan:
     """Search the best parallel layout of `model` on `cluster_spec` and return it as a Plan.
 
     model: an nn.Module (captured with example_inputs) or a ModelSpec/ModelGraph.

@@ -56,8 +56,8 @@ class SearchResult:
 
 
 def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: Callable | None = None,
-           bound: Callable | None = None, time_limit_s: float = 3.0, quick_limit_s: float = 0.3,
-           work_budget: float = 40.0, progress: Callable | None = None, order_key: Callable | None = None
+           bound: Callable | None = None, time_limit_s: float = 1.0, quick_limit_s: float = 0.2,
+           work_budget: float = 5.0, progress: Callable | None = None, order_key: Callable | None = None
            ) -> SearchResult:
     """Solve `candidates` (objects with a total order) to the best `keep` of them.
 
