@@ -87,6 +87,6 @@ def test_in_flight_counts_match_the_cost_model_closed_forms():
 
 
 def test_parse_schedule_forms():
-    assert parse_schedule("1F1B") == ("1f1b", 1)
+    assert parse_schedule("1F1B") == ("1f1b", None)
     assert parse_schedule("interleaved") == ("interleaved", None)
     assert parse_schedule("interleaved:4") == ("interleaved", 4)

@@ -133,11 +133,11 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
         console.print("pinned: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.constraints.items())))
 
     mesh = Table(title="Layout", show_header=True, header_style="bold")
-    for col in ("pp", "dp", "tp", "sequence parallel", "schedule", "micro-batch", "micro-batches"):
+    for col in ("pp", "dp", "tp", "seq. parallel", "schedule", "micro-batch", "count"):
         mesh.add_column(col, justify="right")
     sched = plan.schedule if plan.schedule != "interleaved" else f"interleaved (V={plan.virtual_stages})"
     if plan.mesh.pp == 1:
-        sched = "none (grad. accumulation)"
+        sched = "none (accumulate)"
     mesh.add_row(str(plan.mesh.pp), str(plan.mesh.dp), str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
@@ -148,41 +148,46 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.tokens_per_s), f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}")
     console.print(speed)
     if p.time_breakdown:
-        parts = [f"{k.removesuffix('_s')} {_fmt_time(v)}" for k, v in p.time_breakdown.items()
-                 if isinstance(v, (int, float)) and v > 0]
-        console.print("step time breakdown: " + ", ".join(parts))
+        parts = [f"{k.removesuffix('_s').replace('_', ' ')} {_fmt_time(v)}" for k, v in p.time_breakdown.items()
+                 if k.endswith("_s") and k != "step_time_s" and isinstance(v, (int, float)) and v > 0]
+        console.print("per step: " + ", ".join(parts))
 
-    memt = Table(title="Memory per GPU (fullest GPU of each pp rank)", show_header=True, header_style="bold")
-    for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "of capacity"):
+    memt = Table(title="Memory per GPU (GB)", show_header=True, header_style="bold")
+    for col in ("pp rank", "model states", "activations", "buffers", "total", "of capacity"):
         memt.add_column(col, justify="right")
     for r, peak in enumerate(p.peak_memory_bytes):
         b = p.memory_breakdown[r] if r < len(p.memory_breakdown) else {}
         cap = b.get("capacity") or 0.0
-        memt.add_row(str(r), *(f"{b.get(k, 0.0) / GB:.1f}" for k in ("params", "grads", "optimizer", "activations",
-                                                                       "buffers")),
-                     f"{peak / GB:.1f} GB", _bar(peak, cap) + (f" of {cap / GB:.0f} GB" if cap else ""))
+        states = sum(b.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+        memt.add_row(str(r), f"{states / GB:.1f}", f"{b.get('activations', 0.0) / GB:.1f}",
+                     f"{b.get('buffers', 0.0) / GB:.1f}", f"{peak / GB:.1f}",
+                     _bar(peak, cap, 10) + (f" of {cap / GB:.0f}" if cap else ""))
     console.print(memt)
 
-    st = Table(title="Pipeline stages and per-layer choices", show_header=True, header_style="bold")
-    for col in ("stage", "pp rank", "layers", "kind", "zero", "checkpoint", "offload", "tensor parallel"):
+    st = Table(title="Stages and per-layer choices", show_header=True, header_style="bold")
+    for col in ("stage", "rank", "layers", "zero", "checkpoint", "offload", "tensor parallel"):
         st.add_column(col)
     for stage in plan.stages:
         for i, (group, c) in enumerate(collapse_runs(stage.layers)):
             label = name_range([x.name for x in group]) + (f" ({len(group)})" if len(group) > 1 else "")
-            st.add_row(str(stage.index) if i == 0 else "", str(stage.pp_rank) if i == 0 else "", label, c.kind,
+            st.add_row(str(stage.index) if i == 0 else "", str(stage.pp_rank) if i == 0 else "", label,
                        str(c.zero), c.checkpoint, c.offload, c.tp_style)
     console.print(st)
 
     if plan.alternatives and top:
         alt = Table(title="Alternatives considered", show_header=True, header_style="bold")
-        for col in ("#", "pp x dp x tp", "schedule", "micro-batch", "step time", "status", "why"):
+        for col in ("#", "layout", "step time", "why it lost"):
             alt.add_column(col)
         for i, a in enumerate(plan.alternatives[:top], 1):
-            mesh_s = f"{a['mesh']['pp']} x {a['mesh']['dp']} x {a['mesh']['tp']}" + (" +SP" if a.get("sequence_parallel") else "")
             sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
+            if a["mesh"]["pp"] == 1:
+                sched = "no pp"
+            layout = (f"{a['mesh']['pp']}x{a['mesh']['dp']}x{a['mesh']['tp']}"
+                      + (" SP" if a.get("sequence_parallel") else "")
+                      + f", {sched}, mb {a['micro_batch_size']}x{a['num_micro_batches']}")
             step = a.get("predicted", {}).get("step_time_s")
-            alt.add_row(str(i), mesh_s, sched, f"{a['micro_batch_size']} x {a['num_micro_batches']}",
-                        _fmt_time(step) if step else "-", a["status"], a["why"])
+            why = a["why"] if a["status"] == "slower" else f"[red]{a['why']}[/]"
+            alt.add_row(str(i), layout, _fmt_time(step) if step else "-", why)
         console.print(alt)
     s = plan.solver
     console.print(f"[dim]solver: {s.get('status')} (gap {s.get('gap', 0):.2%}), {s.get('candidates')} candidate "

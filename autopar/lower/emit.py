@@ -64,6 +64,9 @@ def main():
 
     plan = autopar.Plan.load(PLAN)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
+    # Real weights on the host. For a model larger than host memory build it
+    # on "meta" and pass autopar.compile(..., init_fn=f) with f(module) doing
+    # the model's own init: every rank then allocates only its shards.
     loaded = load_model(MODEL, device="cpu")
     if loaded.loss_fn is None:
         sys.exit("the model file defines no loss_fn(output, targets)")

@@ -47,8 +47,9 @@ class Constraints:
     def to_dict(self) -> dict:
         """The pinned values only (what a Plan records under `constraints`)."""
         d = {k: v for k, v in asdict(self).items() if v is not None}
-        if "virtual_stages" in d:  # keep the user's spelling: schedule "interleaved:V"
-            d["schedule"] = f"interleaved:{d.pop('virtual_stages')}"
+        v = d.pop("virtual_stages", None)
+        if v is not None and d.get("schedule") == "interleaved":  # the user's spelling: "interleaved:V"
+            d["schedule"] = f"interleaved:{v}"
         return d
 
     @property
@@ -77,7 +78,7 @@ def parse_schedule(value: str) -> tuple[str, int | None]:
         raise ConstraintError(f"--schedule {value!r} is not a schedule",
                               hint="use gpipe, 1f1b, interleaved or interleaved:V (V virtual stages per pp rank)")
     if not v:
-        return name, (1 if name != "interleaved" else None)
+        return name, None
     if name != "interleaved":
         raise ConstraintError(f"--schedule {value!r}: only interleaved takes a virtual-stage count")
     try:

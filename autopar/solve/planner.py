@@ -126,7 +126,8 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
                  "(dp must divide the global batch, tp the attention heads), or relax the pinned flags")
     builder = TableBuilder(model, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
                            offload=offload)
-    result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s, progress=progress)
+    result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s, progress=progress,
+                    distinct=_mesh_key)
     return result, builder
 
 
@@ -135,6 +136,21 @@ def _fill_problems(result: SearchResult, builder) -> None:
     for r in result.oom:
         if r.problem is None:
             r.problem = builder.bound_problem(r.candidate)
+
+
+def _mesh_key(c: Candidate) -> tuple:
+    return (c.pp, c.dp, c.tp)
+
+
+def _to_price(result: SearchResult, keep: int) -> list:
+    """The solver's best three, plus the best of each other mesh (up to `keep` meshes)."""
+    out, meshes = list(result.ranked[:3]), set()
+    for r in result.ranked:
+        if _mesh_key(r.candidate) not in meshes and len(meshes) < keep:
+            meshes.add(_mesh_key(r.candidate))
+            if r not in out:
+                out.append(r)
+    return out
 
 
 def _min_memory_per_gpu(result: SearchResult, reserve: float) -> float:
@@ -193,7 +209,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                                       time_limit_s, progress, offload=True)
     device = cluster.device_profile
     first, first_builder = result, builder
-    priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in result.ranked]
+    priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in _to_price(result, keep)]
     first_peaks = [max(x[2].peak_memory_bytes) + device.reserve_bytes for x in priced]
     fitting = [x for x in priced if x[2].fits]
     if not fitting and not pins.offload and result.ranked and not any(
@@ -201,7 +217,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         # The solver's memory model passed them but the full estimate did not: try with offload too.
         result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
                                       time_limit_s, progress, offload=True)
-        priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in result.ranked]
+        priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in _to_price(result, keep)]
         fitting = [x for x in priced if x[2].fits]
     _fill_problems(result, builder)
     if not fitting:
@@ -375,7 +391,15 @@ def _alternatives(winner, others, result: SearchResult, top_k: int) -> list[dict
     best_est = winner[2]
     out = []
     others = sorted(others, key=lambda x: (not x[2].fits, x[2].step_time_s, x[0].candidate))
-    for r, layout, est in others[:top_k]:
+    # One runner-up per mesh (other meshes first): a reader compares layouts, not micro-batch sizes.
+    seen = {_mesh_key(winner[0].candidate)}
+    picked = []
+    for x in others:
+        if _mesh_key(x[0].candidate) not in seen:
+            seen.add(_mesh_key(x[0].candidate))
+            picked.append(x)
+    picked += [x for x in others if x not in picked]
+    for r, layout, est in picked[:top_k]:
         alt = _summary(r.candidate, _choices(r.problem, r.solution))
         alt["predicted"] = _predicted_dict(est)
         if est.fits:

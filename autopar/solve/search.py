@@ -57,8 +57,8 @@ class SearchResult:
 
 def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: Callable | None = None,
            bound: Callable | None = None, time_limit_s: float = 1.0, quick_limit_s: float = 0.2,
-           work_budget: float = 5.0, progress: Callable | None = None, order_key: Callable | None = None
-           ) -> SearchResult:
+           work_budget: float = 5.0, progress: Callable | None = None, order_key: Callable | None = None,
+           distinct: Callable | None = None) -> SearchResult:
     """Solve `candidates` (objects with a total order) to the best `keep` of them.
 
     build_problem(candidate) -> StageProblem. bound(candidate) -> seconds or
@@ -73,6 +73,8 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     with `time_limit_s` each while the deterministic `work_budget` lasts.
     Limits are CP-SAT work units, so the result does not depend on load.
     progress(phase, done, total, best_s) is called as the search advances.
+    distinct(candidate) -> key: `keep` counts distinct keys (e.g. meshes), so
+    the runners-up are other layouts, not the winner with another micro-batch.
     """
     t0 = time.perf_counter()
     solve = solver or (lambda p, limit: solve_cpsat(p, time_limit_s=limit))
@@ -100,7 +102,15 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     stats = {"pruned": 0, "wall": 0.0, "work": 0.0}
 
     def cutoff():
-        return solved[keep - 1].step_s if len(solved) >= keep else None
+        seen, count = set(), 0
+        for x in solved:
+            key = distinct(x.candidate) if distinct else id(x)
+            if key not in seen:
+                seen.add(key)
+                count += 1
+                if count == keep:
+                    return x.step_s
+        return None
 
     def run(r, limit):
         sol = solve(r.problem, limit)

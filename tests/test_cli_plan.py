@@ -1,0 +1,93 @@
+"""`autopar plan` on the command line: tables, --json, pins, and exit code 2 with
+a clear message for bad input (never a traceback)."""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+pytest.importorskip("cost_models.estimate", reason="cost_models.estimate (issue 3) is not in this checkout")
+
+from autopar.cli import main  # noqa: E402
+from autopar.commands.plan import collapse_runs, name_range  # noqa: E402
+from autopar.plan import LayerChoice, Plan  # noqa: E402
+
+GPT = str(ROOT / "examples" / "gpt.py")
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_prints_tables(capsys):
+    code, out, err = run_cli(capsys, "plan", f"{GPT}:gpt2_small", "--gpus", "8", "--device", "a100-80g",
+                             "--batch-size", "32")
+    assert code == 0, err
+    for words in ("Layout", "Predicted", "Memory per GPU", "Pipeline stages", "Alternatives", "solver: optimal"):
+        assert words in out
+    assert "Traceback" not in err
+
+
+def test_plan_json_is_a_plan_and_deterministic(capsys):
+    argv = ("plan", f"{GPT}:gpt2_small", "--gpus", "8", "--device", "a100-80g", "--batch-size", "32", "--json")
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    plan = Plan.from_json(out)
+    assert plan.mesh.world_size == 8 and plan.global_batch_size == 32
+    assert {"mesh", "schedule", "micro_batch_size", "num_micro_batches", "stages", "predicted",
+            "alternatives"} <= set(json.loads(out))
+    code, again, _ = run_cli(capsys, *argv)
+    assert again == out
+
+
+def test_everything_pinned_is_an_estimator(capsys):
+    code, out, _ = run_cli(capsys, "plan", f"{GPT}:gpt2_small", "--gpus", "8", "--device", "a100-80g",
+                           "--batch-size", "32", "--tp", "2", "--pp", "2", "--dp", "2", "--micro-batch", "4",
+                           "--zero", "1", "--checkpoint", "selective", "--schedule", "gpipe",
+                           "--no-sequence-parallel", "--json")
+    assert code == 0
+    plan = Plan.from_json(out)
+    assert (plan.mesh.tp, plan.mesh.pp, plan.mesh.dp, plan.micro_batch_size, plan.schedule) == (2, 2, 2, 4, "gpipe")
+    assert not plan.sequence_parallel
+    assert all(c.zero == 1 and c.checkpoint == "selective" for c in plan.layer_choices)
+    assert plan.constraints["schedule"] == "gpipe"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--tp", "4", "--pp", "4", "--dp", "4"), "= 64 GPUs, but the cluster has 8"),
+    (("--micro-batch", "5"), "not divisible by --micro-batch 5"),
+    (("--tp", "1", "--sequence-parallel"), "contradicts --tp 1"),
+    (("--pp", "1", "--schedule", "interleaved:2"), "contradicts --pp 1"),
+    (("--schedule", "zigzag"), "is not a schedule"),
+    (("--device", "tpu-v9"), "not a cluster preset"),
+    (("--gpus", "12"), "not a whole number of 8-GPU nodes"),
+])
+def test_bad_input_exits_2_with_a_message(capsys, flags, words):
+    code, out, err = run_cli(capsys, "plan", f"{GPT}:gpt2_small", "--batch-size", "32", "--gpus", "8", *flags)
+    assert code == 2
+    assert words in err and "Traceback" not in err
+
+
+def test_no_valid_mesh_exits_2(capsys):
+    code, _, err = run_cli(capsys, "plan", f"{GPT}:gpt_tiny", "--gpus", "7", "--gpus-per-node", "7",
+                           "--batch-size", "8")
+    assert code == 2 and "no valid mesh for 7 GPUs" in err
+
+
+def test_subprocess_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "autopar", "plan", f"{GPT}:gpt_tiny", "--gpus", "4",
+                           "--batch-size", "8", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert Plan.from_json(proc.stdout).mesh.world_size == 4
+
+
+def test_collapsing_helpers():
+    assert name_range([f"blocks.{i}" for i in range(3, 9)]) == "blocks.3-8"
+    assert name_range(["embedding"]) == "embedding"
+    layers = [LayerChoice("embedding", "embedding")] + [LayerChoice(f"blocks.{i}", "transformer_block", zero=3)
+                                                          for i in range(4)] + [LayerChoice("head", "head")]
+    runs = collapse_runs(layers)
+    assert [len(group) for group, _ in runs] == [1, 4, 1]
