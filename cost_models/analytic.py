@@ -17,12 +17,22 @@ f ffn hidden; FLOPs count a multiply-add as 2, attention unmasked):
   parallelism and 5 a s^2 b is the attention core selective checkpointing drops.
   With FlashAttention the s^2 terms are never stored (it saves q, k, v, the
   output and a fp32 log-sum-exp per row and recomputes the scores).
+
+Tensor parallelism is head-parallel by default (Megatron's own code, and
+Llama's separate wq/wk/wv). `fused_qkv_split=True` prices a model written like
+examples/gpt.py instead, `q, k, v = qkv(x).split(h, dim=2)`: the split cuts
+the column-sharded dim, so DTensor all-gathers the qkv output
+(`tp_gather_bytes`, reduce-scattered back in backward) and every tp rank runs
+the whole attention core; its activations (q, k, v, scores, the attention
+output) are then not divided by tp. This matches what capture measures.
 """
 from __future__ import annotations
 
+from cost_models.errors import CostModelError
 from cost_models.workload import B, S, LayerSpec, ModelSpec, OpSpec
 
 BYTES = 2  # 16-bit activations and weights (the captured training dtype)
+GATHERED = "gathered"  # a saved tensor downstream of a tp all-gather: whole on every tp rank
 
 
 def _divisors_for_tp(*sizes: int) -> tuple:
@@ -37,23 +47,34 @@ def _gemm(name: str, m, n: int, k: int, *, tp_sharded: bool = True) -> OpSpec:
                   gemm=(m, n, k), tp_sharded=tp_sharded)
 
 
-def _elementwise(name: str, kind: str, reads, writes, *, tp_sharded: bool, count: int = 1, flops=0) -> OpSpec:
+def _elementwise(name: str, kind: str, reads, writes, *, tp_sharded: bool, count: int = 1, flops=0,
+                 tp_replicated: bool = False) -> OpSpec:
     # backward reads the output gradient plus what the forward saved, writes input gradients
     return OpSpec(name=name, kind=kind, fwd_flops=flops, bwd_flops=2 * flops, fwd_bytes=reads + writes,
-                  bwd_bytes=2 * reads + writes, tp_sharded=tp_sharded, count=count)
+                  bwd_bytes=2 * reads + writes, tp_sharded=tp_sharded, tp_replicated=tp_replicated, count=count)
 
 
 def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int | None = None, gated_mlp: bool = False,
           norm: str = "layernorm", dropout: bool = False, attention: str = "flash", bias: bool = True,
           fused_qkv: bool = True, rope: bool = False, eager: bool = False, sac: str = "autopar",
-          name: str | None = None) -> LayerSpec:
+          fused_qkv_split: bool = False, name: str | None = None) -> LayerSpec:
     """One transformer block as a LayerSpec (expressions in B and S).
 
     eager=True prices the reference PyTorch code as written (examples/llama.py,
     torchtitan without torch.compile): RMSNorm in fp32 over ~7 kernels,
     rotate-half RoPE, repeat_kv copies, separate SiLU and multiply. Each eager
     kernel reads and writes whole tensors, which is what makes eager slower.
+
+    fused_qkv_split=True: the attention core runs replicated on every tp rank
+    after an all-gather of the fused qkv output (see the module docstring).
     """
+    if fused_qkv_split and not fused_qkv:
+        raise CostModelError("fused_qkv_split=True needs fused_qkv=True: separate wq/wk/wv projections "
+                             "stay head-parallel, leave fused_qkv_split off")
+    core_tp = not fused_qkv_split  # is the attention core (after the qkv GEMM) divided by tp?
+    # how the core's ops and saved tensors are marked: tp-sharded, or gathered (whole on every rank)
+    core = {"tp_sharded": core_tp, "tp_replicated": not core_tp}
+    core_saved = True if core_tp else GATHERED
     h, a, f = hidden, heads, ffn_hidden
     g = kv_heads or heads
     d = h // a
@@ -73,32 +94,32 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         ops += [_gemm("wq", T, h, h), _gemm("wk", T, kv, h), _gemm("wv", T, kv, h)]
     if rope:
         if eager:  # q*cos, neg, cat, *sin, add: ~20 bytes per element over 5 kernels, for q and k
-            ops.append(_elementwise("rope", "elementwise", 12 * T * (h + kv), 8 * T * (h + kv), tp_sharded=True,
+            ops.append(_elementwise("rope", "elementwise", 12 * T * (h + kv), 8 * T * (h + kv), **core,
                                     count=10))
         else:
-            ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), tp_sharded=True, count=2))
+            ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), **core, count=2))
     if eager and g != a:  # repeat_kv materialises k and v at the full head count
-        ops.append(_elementwise("repeat_kv", "elementwise", 2 * act * kv, 2 * act * h, tp_sharded=True, count=2))
+        ops.append(_elementwise("repeat_kv", "elementwise", 2 * act * kv, 2 * act * h, **core, count=2))
     core_flops = 4 * B * S * S * h  # QK^T + PV, unmasked
     score_elems = B * a * S * S
     if attention == "flash":
         # backward 2.5x forward: FlopCounterMode's count (QK^T recomputed), as capture measures it
         ops.append(OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=5 * core_flops / 2,
-                          fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), tp_sharded=True,
+                          fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), **core,
                           causal=True))
     else:  # Megatron 2022: two batched GEMMs around a fused scale-mask-softmax kernel
         ops.append(OpSpec(name="scores", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
                           fwd_bytes=act * 2 * h + BYTES * score_elems, bwd_bytes=2 * (act * 2 * h + BYTES * score_elems),
-                          gemm=(S, S, d, B * a), tp_sharded=True))
-        ops.append(_elementwise("softmax", "softmax", BYTES * score_elems, BYTES * score_elems, tp_sharded=True))
+                          gemm=(S, S, d, B * a), **core))
+        ops.append(_elementwise("softmax", "softmax", BYTES * score_elems, BYTES * score_elems, **core))
         if dropout:
             ops.append(_elementwise("attn_dropout", "elementwise", BYTES * score_elems,
-                                    BYTES * score_elems + score_elems, tp_sharded=True))
+                                    BYTES * score_elems + score_elems, **core))
         ops.append(OpSpec(name="context", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
                           fwd_bytes=BYTES * score_elems + act * 2 * h, bwd_bytes=2 * (BYTES * score_elems + act * 2 * h),
-                          gemm=(S, d, S, B * a), tp_sharded=True))
+                          gemm=(S, d, S, B * a), **core))
     if eager:  # transpose(1, 2).reshape of the attention output copies it
-        ops.append(_elementwise("attn_transpose", "elementwise", act * h, act * h, tp_sharded=True))
+        ops.append(_elementwise("attn_transpose", "elementwise", act * h, act * h, **core))
     ops.append(_gemm("attn_out", T, h, h))
     ops.append(_elementwise("attn_residual", "elementwise", 2 * act * h, act * h + (T * h if dropout else 0),
                             tp_sharded=False))
@@ -122,20 +143,20 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         (act * h, False, False),  # qkv GEMM input (norm output), replicated across tp
         (act * h, False, False),  # mlp norm input
         (act * h, False, False),  # fc1 / w1,w3 input (norm output)
-        (act * h, True, False),  # attention output, input of attn_out GEMM
+        (act * h, core_saved, False),  # attention output, input of attn_out GEMM
     ]
     if eager and norm == "rmsnorm":  # eager fp32 RMSNorm keeps x.float() and the bf16 normalised x
         saved += [(2 * 4 * T * h, False, False)]
     if attention == "flash":
         kv_saved = h if (eager and g != a) else kv  # after repeat_kv, SDPA saves full-head k and v
-        saved += [(act * (h + 2 * kv_saved), True, False),  # q, k, v
-                  (4 * B * a * S, True, False)]  # fp32 log-sum-exp per row
+        saved += [(act * (h + 2 * kv_saved), core_saved, False),  # q, k, v
+                  (4 * B * a * S, core_saved, False)]  # fp32 log-sum-exp per row
     else:
-        saved += [(act * (h + kv), True, False),  # q, k for QK^T
-                  (act * kv, True, False),  # v for PV
-                  (BYTES * score_elems, True, True)]  # softmax output
+        saved += [(act * (h + kv), core_saved, False),  # q, k for QK^T
+                  (act * kv, core_saved, False),  # v for PV
+                  (BYTES * score_elems, core_saved, True)]  # softmax output
         if dropout:
-            saved += [(score_elems, True, True), (BYTES * score_elems, True, True)]  # mask, dropped probs
+            saved += [(score_elems, core_saved, True), (BYTES * score_elems, core_saved, True)]  # mask, dropped probs
     if gated_mlp:
         saved += [(3 * act * f, True, False),  # w1 out, silu out, w3 out
                   (act * f, True, False)]  # w2 input
@@ -145,8 +166,12 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         saved += [(T * h, False, False), (T * h, False, False)]  # two residual dropout masks
 
     total = sum(x for x, _, _ in saved)
-    sharded = sum(x for x, tp, _ in saved if tp)
+    sharded = sum(x for x, tp, _ in saved if tp is True)
+    gathered = sum(x for x, tp, _ in saved if tp == GATHERED)
     selective = sum(x for x, _, sel in saved if sel)
+    # Default (None): all of `selective` counts as tp-sharded, as before; a gathered core is not.
+    selective_sharded = None if core_tp else sum(x for x, tp, sel in saved if sel and tp is True)
+    selective_gathered = sum(x for x, tp, sel in saved if sel and tp == GATHERED)
     selective_flops = core_flops
     if attention == "flash":
         # FlashAttention stores no s^2 scores, so Korthikanti's selective checkpointing has
@@ -161,10 +186,13 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
             # Llama block) and so drops their outputs too.
             selective += act * f
             selective_flops = 2 * T * h * (kv + h + f)
+        if not core_tp:  # the norm outputs are replicated; the MLP activations are tp-sharded
+            selective_sharded, selective_gathered = selective - 2 * act * h, 0
     params = (h * (h + 2 * kv) + h * h + (2 if gated_mlp else 1) * h * f + f * h + 2 * norm_params
               + ((h + 2 * kv) + h + f + h if bias else 0))
     sig = (f"transformer_block:h{h}:a{a}:g{g}:f{f}:gated{int(gated_mlp)}:{norm}:drop{int(dropout)}:"
-           f"{attention}:bias{int(bias)}:rope{int(rope)}:eager{int(eager)}:sac-{sac}")
+           f"{attention}:bias{int(bias)}:rope{int(rope)}:eager{int(eager)}:sac-{sac}"
+           + (":qkv-split" if fused_qkv_split else ""))
     return LayerSpec(
         name=name or f"blocks.{index}",
         kind="transformer_block",
@@ -178,7 +206,11 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         activation_bytes_tp_sharded=sharded,
         activation_bytes_selective=selective,
         selective_recompute_flops=selective_flops,
+        activation_bytes_selective_tp_sharded=selective_sharded,
+        activation_bytes_tp_gathered=gathered,
+        activation_bytes_selective_tp_gathered=selective_gathered,
         tp_allreduces=2,
+        tp_gather_bytes=0 if core_tp else act * (h + 2 * kv),  # the fused qkv output
         tp_degrees=_divisors_for_tp(a, g, f),
         ops=ops,
         attrs={"hidden": h, "heads": a, "kv_heads": g, "head_dim": d, "ffn_hidden": f, "causal": True},
@@ -241,12 +273,13 @@ def transformer(name: str, *, hidden: int, heads: int, layers: int, seq_len: int
                 kv_heads: int | None = None, ffn_hidden: int | None = None, gated_mlp: bool = False,
                 tied: bool = True, learned_positions: bool = True, norm: str = "layernorm", dropout: bool = False,
                 attention: str = "flash", bias: bool = True, fused_qkv: bool = True, rope: bool = False,
-                embedding_norm: bool = False, eager: bool = False, sac: str = "autopar") -> ModelSpec:
+                embedding_norm: bool = False, eager: bool = False, sac: str = "autopar",
+                fused_qkv_split: bool = False) -> ModelSpec:
     """A decoder-only transformer workload from its shape."""
     ffn = ffn_hidden or 4 * hidden
     blocks = [block(i, hidden=hidden, heads=heads, ffn_hidden=ffn, kv_heads=kv_heads, gated_mlp=gated_mlp, norm=norm,
                     dropout=dropout, attention=attention, bias=bias, fused_qkv=fused_qkv, rope=rope, eager=eager,
-                    sac=sac)
+                    sac=sac, fused_qkv_split=fused_qkv_split)
               for i in range(layers)]
     layers_ = ([embedding(hidden=hidden, vocab_size=vocab_size, seq_len=seq_len, learned_positions=learned_positions,
                           dropout=dropout, norm=embedding_norm)]
@@ -256,7 +289,8 @@ def transformer(name: str, *, hidden: int, heads: int, layers: int, seq_len: int
 
 def gpt(name: str, *, hidden: int, heads: int, layers: int, seq_len: int, vocab_size: int, dropout: bool = False,
         attention: str = "flash", **kw) -> ModelSpec:
-    """GPT-2/3 style: LayerNorm, GELU MLP of 4h, biases, learned positions, tied head."""
+    """GPT-2/3 style: LayerNorm, GELU MLP of 4h, biases, learned positions, tied head.
+    Head-parallel TP by default (Megatron); fused_qkv_split=True for examples/gpt.py's layout."""
     return transformer(name, hidden=hidden, heads=heads, layers=layers, seq_len=seq_len, vocab_size=vocab_size,
                        dropout=dropout, attention=attention, **kw)
 

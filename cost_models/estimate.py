@@ -103,7 +103,8 @@ def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: in
         parts.update(fwd=f / rate, bwd=b / rate, gemm_fwd=f / rate, gemm_flops=f)
         return parts
     for op, core in zip(layer.ops, _core_flags(layer)):
-        divisor = tp if (op.tp_sharded or sp) else 1
+        # sequence parallelism splits what tp leaves whole, except what tp had to gather
+        divisor = tp if (op.tp_sharded or (sp and not op.tp_replicated)) else 1
         f, b = op_times(op, batch, seq, device, dtype=dtype, work_divisor=divisor, byte_scale=byte_scale,
                         gemm_split=tp if op.tp_sharded else 1)
         parts["fwd"] += f
@@ -179,6 +180,10 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     if tp > 1 and layer.tp_allreduces:
         out_bytes = fast(layer.output_bytes)(b, s1) * byte_scale
         tp_fwd = layer.tp_allreduces * C.collective_time("all_reduce", out_bytes, tp_place, cluster)
+    if tp > 1 and layer.tp_gather_bytes:
+        # The model cuts a sharded dim (GPT's fused qkv split): all-gather it forward,
+        # reduce-scatter its gradient backward (a ring prices both the same).
+        tp_fwd += C.collective_time("all_gather", fast(layer.tp_gather_bytes)(b, s1) * byte_scale, tp_place, cluster)
     tp_comm = 2 * tp_fwd
 
     # Recomputation in backward.
@@ -491,8 +496,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     comm = []
     if layout.tp > 1:
         t = m * sum(costs[j].tp_comm_s for j in idx)
-        nbytes = m * sum(2 * layers[j].tp_allreduces * fast(layers[j].output_bytes)(b, s1) * byte_scale
-                         * 2 * (layout.tp - 1) / layout.tp for j in idx if _tp_for(layers[j], layout.tp) > 1)
+        nbytes = m * sum((2 * layers[j].tp_allreduces * fast(layers[j].output_bytes)(b, s1) * 2
+                          + 2 * fast(layers[j].tp_gather_bytes)(b, s1)) * byte_scale * (layout.tp - 1) / layout.tp
+                         for j in idx if _tp_for(layers[j], layout.tp) > 1)
         comm.append({"axis": "tp", "collective": "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce",
                      "bytes": nbytes, "time_s": t, "exposed_s": t, "tier": tp_place.tier})
     if layout.dp > 1:

@@ -10,9 +10,12 @@ ZeRO-2 the gradients too, ZeRO-3 the parameters too.
 Activations per layer (Korthikanti et al. 2022): the workload's
 `activation_bytes` is what one micro-batch saves for backward with no
 parallelism. Tensor parallelism divides the `activation_bytes_tp_sharded`
-part by tp; sequence parallelism divides the rest by tp as well; selective
-checkpointing drops `activation_bytes_selective` (the attention core) and
-full checkpointing keeps only `input_bytes`.
+part by tp; sequence parallelism divides the rest by tp as well, except
+`activation_bytes_tp_gathered` (downstream of a tp all-gather: whole on every
+rank); selective checkpointing drops `activation_bytes_selective` (the
+attention core: tp-sharded in Megatron's head-parallel layout, gathered where
+the model splits a fused qkv, see `activation_bytes_selective_tp_sharded` and
+`_tp_gathered`) and full checkpointing keeps only `input_bytes`.
 """
 from __future__ import annotations
 
@@ -84,12 +87,19 @@ def activation_bytes(layer: LayerSpec, batch: int, seq: int | None, *, tp: int =
         return byte_scale * kept / (tp if sequence_parallel else 1)
     total = fast(layer.activation_bytes)(batch, s)
     sharded = fast(layer.activation_bytes_tp_sharded)(batch, s)
-    replicated = total - sharded
+    gathered = fast(layer.activation_bytes_tp_gathered)(batch, s)
+    replicated = total - sharded - gathered
     if checkpoint == "selective":
-        sharded -= fast(layer.activation_bytes_selective)(batch, s)
+        dropped = fast(layer.activation_bytes_selective)(batch, s)
+        dropped_sharded = dropped if layer.activation_bytes_selective_tp_sharded is None \
+            else fast(layer.activation_bytes_selective_tp_sharded)(batch, s)
+        dropped_gathered = fast(layer.activation_bytes_selective_tp_gathered)(batch, s)
+        sharded -= dropped_sharded
+        gathered -= dropped_gathered
+        replicated -= dropped - dropped_sharded - dropped_gathered
     elif checkpoint != "none":
         raise CostModelError(f"unknown checkpoint mode '{checkpoint}' (none, selective, full)")
-    return byte_scale * (sharded / tp + replicated / (tp if sequence_parallel else 1))
+    return byte_scale * (sharded / tp + gathered + replicated / (tp if sequence_parallel else 1))
 
 
 def recompute_working_bytes(layer: LayerSpec, batch: int, seq: int | None, *, tp: int = 1,
@@ -130,10 +140,15 @@ def activation_expr(layer: LayerSpec, *, tp: int = 1, sequence_parallel: bool = 
     sharded = sympy.sympify(layer.activation_bytes_tp_sharded)
     if checkpoint == "full":
         return sympy.simplify(sympy.sympify(layer.input_bytes) / (tp if sequence_parallel else 1))
+    gathered = sympy.sympify(layer.activation_bytes_tp_gathered)
     if checkpoint == "selective":
-        sharded = sharded - sympy.sympify(layer.activation_bytes_selective)
-        total = total - sympy.sympify(layer.activation_bytes_selective)
+        dropped = sympy.sympify(layer.activation_bytes_selective)
+        dropped_sharded = dropped if layer.activation_bytes_selective_tp_sharded is None \
+            else sympy.sympify(layer.activation_bytes_selective_tp_sharded)
+        sharded = sharded - dropped_sharded
+        gathered = gathered - sympy.sympify(layer.activation_bytes_selective_tp_gathered)
+        total = total - dropped
     elif checkpoint != "none":
         raise CostModelError(f"unknown checkpoint mode '{checkpoint}' (none, selective, full)")
-    replicated = total - sharded
-    return sympy.factor(sharded / tp + replicated / (tp if sequence_parallel else 1))
+    replicated = total - sharded - gathered
+    return sympy.factor(sharded / tp + gathered + replicated / (tp if sequence_parallel else 1))

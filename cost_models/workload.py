@@ -80,6 +80,9 @@ class OpSpec:
     bwd_bytes: Expr = 0
     gemm: tuple | None = None
     tp_sharded: bool = False
+    # True for ops downstream of a tensor-parallel all-gather (see LayerSpec.tp_gather_bytes):
+    # every tp rank runs them in full, and sequence parallelism does not split them either.
+    tp_replicated: bool = False
     count: int = 1  # identical ops folded into this entry (flops/bytes are totals)
     # kind 'attention' only: True/None = causal (a flash kernel skips the masked
     # half, priced at half the unmasked FLOPs counted above), False = full.
@@ -102,6 +105,14 @@ class LayerSpec:
           parallelism adds to one forward pass of this layer (Megatron: 2 for
           a transformer block, 1 for a vocab-parallel embedding); backward
           adds the same number again.
+    tp_gather_bytes: bytes per forward pass (one micro-batch, unsharded size)
+          of activations that tensor parallelism must all-gather because the
+          model splits a column-sharded dimension into pieces (GPT's fused
+          `qkv(x).split(hidden, dim=-1)`: DTensor cannot keep the split
+          sharded, so every tp rank receives all of q, k and v and runs the
+          whole attention core). Backward pays a matching reduce-scatter.
+          0 for head-parallel layouts (Llama's separate wq/wk/wv, Megatron's
+          view-then-split), which stay sharded.
     tp_degrees: tensor-parallel sizes this layer can be split into
           (heads, kv heads, ffn and vocab divisible), 1 always included.
     signature: equal for layers that are identical up to their name (the
@@ -122,7 +133,16 @@ class LayerSpec:
     activation_bytes_tp_sharded: Expr = 0  # part of activation_bytes TP divides by tp
     activation_bytes_selective: Expr = 0  # part selective checkpointing drops (attention core)
     selective_recompute_flops: Expr = 0  # forward FLOPs selective checkpointing redoes
+    # Part of activation_bytes_selective that is also in activation_bytes_tp_sharded;
+    # None = all of it (Megatron's head-parallel core). GPT's gathered core: 0.
+    activation_bytes_selective_tp_sharded: Expr | None = None
+    # Part of activation_bytes downstream of a tp gather (GPT's attention core after the
+    # qkv split): whole on every tp rank, which sequence parallelism does not divide either;
+    # and the part of activation_bytes_selective that is such.
+    activation_bytes_tp_gathered: Expr = 0
+    activation_bytes_selective_tp_gathered: Expr = 0
     tp_allreduces: int = 0
+    tp_gather_bytes: Expr = 0  # see the class docstring
     tp_degrees: tuple = (1,)
     ops: list = field(default_factory=list)  # list[OpSpec]
     attrs: dict = field(default_factory=dict)

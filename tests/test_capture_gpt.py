@@ -1,8 +1,11 @@
 """Capture of GPT against the published analytic counts (Korthikanti et al.
 2022, "Reducing Activation Recomputation in Large Transformer Models";
 Narayanan et al. 2021, Megatron eq. 2)."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autopar
 import gpt
@@ -15,17 +18,66 @@ def _capture(cfg, **kwargs):
     return model, autopar.capture(model, lambda b: gpt.example_inputs(b, cfg), **kwargs)
 
 
+class _MegatronLayoutAttention(gpt.CausalSelfAttention):
+    """Megatron's head-parallel layout of the same fused qkv: view the projection
+    as (b, s, heads, 3 * head_dim) first, then split head_dim. The split no longer
+    cuts the tensor-parallel (head) dim, so the attention core stays sharded."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        d = h // self.heads
+        q, k, v = self.qkv(x).view(b, s, self.heads, 3 * d).split(d, dim=3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.attention_impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            scores = scores.masked_fill(self.future[:s, :s], float("-inf"))
+            y = self.attn_drop(F.softmax(scores, dim=-1)) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(b, s, h))
+
+
+def _megatron_layout(cfg):
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+        for block in model.blocks:
+            block.attn = _MegatronLayoutAttention(cfg)
+    return model
+
+
+MATH_CFG = gpt.GPTConfig(vocab_size=1000, seq_len=256, hidden=256, layers=2, heads=8, dropout=0.1,
+                         attention_impl="math")
+
+
 @pytest.fixture(scope="module")
 def math_gpt():
-    cfg = gpt.GPTConfig(vocab_size=1000, seq_len=256, hidden=256, layers=2, heads=8, dropout=0.1,
-                        attention_impl="math")
-    return cfg, _capture(cfg)[1]
+    return MATH_CFG, _capture(MATH_CFG)[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt():
+    return MATH_CFG, autopar.capture(_megatron_layout(MATH_CFG), lambda b: gpt.example_inputs(b, MATH_CFG))
 
 
 @pytest.fixture(scope="module")
 def sdpa_gpt():
     cfg = gpt.GPTConfig(vocab_size=1000, seq_len=256, hidden=256, layers=2, heads=8, dropout=0.1)
     return cfg, _capture(cfg)[1]
+
+
+@pytest.mark.parametrize("b,s", [(1, 256), (4, 128), (8, 64)])
+def test_megatron_head_parallel_layout_matches_korthikanti_tp_split(megatron_gpt, b, s):
+    cfg, graph = megatron_gpt
+    h, a = cfg.hidden, cfg.heads
+    block = graph.layers[1]
+    assert evaluate(block.activation_bytes, b, s) == pytest.approx(s * b * h * (34 + 5 * a * s / h), rel=0.05)
+    # Megatron's tensor-parallel split: 24sbh + 5as^2b of the 34sbh + 5as^2b are divided by t.
+    assert evaluate(block.activation_bytes_tp_sharded, b, s) == pytest.approx(24 * s * b * h + 5 * a * s * s * b,
+                                                                             rel=0.01)
+    assert block.tp_gather_bytes == 0
+    assert evaluate(block.activation_bytes_selective_tp_sharded, b, s) == evaluate(
+        block.activation_bytes_selective, b, s)
+    assert all(op.tp_sharded for op in block.ops if op.kind in ("attention", "softmax"))
 
 
 @pytest.mark.parametrize("b,s", [(1, 256), (4, 128), (8, 64)])
@@ -37,9 +89,12 @@ def test_activation_bytes_match_korthikanti_with_math_attention(math_gpt, b, s):
     assert evaluate(block.activation_bytes, b, s) == pytest.approx(expected, rel=0.05)
     # The attention core (QK^T, softmax, dropout mask and output): what selective recomputation drops.
     assert evaluate(block.activation_bytes_selective, b, s) == pytest.approx(5 * a * s * s * b, rel=0.01)
-    # Megatron's tensor-parallel split: 24sbh + 5as^2b of the 34sbh + 5as^2b are divided by t.
-    assert evaluate(block.activation_bytes_tp_sharded, b, s) == pytest.approx(24 * s * b * h + 5 * a * s * s * b,
-                                                                             rel=0.01)
+    # GPT's fused qkv split cuts the sharded dim: q, k, v are all-gathered (3h values
+    # per token, bf16) and the attention core, its scores and the out-projection's
+    # input are kept whole on every rank; only the MLP's 16sbh is divided by t.
+    assert evaluate(block.tp_gather_bytes, b, s) == 3 * s * b * h * 2
+    assert evaluate(block.activation_bytes_tp_sharded, b, s) == pytest.approx(16 * s * b * h, rel=0.01)
+    assert evaluate(block.activation_bytes_selective_tp_sharded, b, s) == 0
     # Recomputing the attention core redoes QK^T and scores x V: 4 b s^2 h FLOPs.
     assert evaluate(block.selective_recompute_flops, b, s) == pytest.approx(4 * b * s * s * h, rel=0.01)
 

@@ -26,7 +26,7 @@ def test_plan_prints_tables(capsys):
     code, out, err = run_cli(capsys, "plan", f"{GPT}:gpt2_small", "--gpus", "8", "--device", "a100-80g",
                              "--batch-size", "32")
     assert code == 0, err
-    for words in ("Layout", "Predicted", "Memory per GPU", "Pipeline stages", "Alternatives", "solver: optimal"):
+    for words in ("Layout", "Predicted", "Memory per GPU", "Stages and per-layer choices", "Alternatives", "solver: optimal"):
         assert words in out
     assert "Traceback" not in err
 
@@ -91,3 +91,18 @@ def test_collapsing_helpers():
                                                           for i in range(4)] + [LayerChoice("head", "head")]
     runs = collapse_runs(layers)
     assert [len(group) for group, _ in runs] == [1, 4, 1]
+
+
+def test_cluster_file_and_html_report(capsys, tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("device: h100-sxm\nnodes: 1\ngpus_per_node: 4\nintra_node_link: nvlink4\n"
+                       "inter_node_link: ib-ndr\n")
+    html = tmp_path / "plan.html"
+    code, out, err = run_cli(capsys, "plan", f"{GPT}:gpt_tiny", "--cluster", str(cluster), "--gpus", "8",
+                             "--batch-size", "16", "--json", "--html", str(html))
+    assert code == 0, err
+    plan = Plan.from_json(out)
+    assert plan.cluster["gpus_per_node"] == 4 and plan.cluster["nodes"] == 2 and plan.mesh.world_size == 8
+    assert html.exists() and "<html" in html.read_text().lower()
+    code, _, err = run_cli(capsys, "plan", f"{GPT}:gpt_tiny", "--cluster", str(cluster), "--device", "a100-80g")
+    assert code == 2 and "pass one of them" in err

@@ -220,11 +220,13 @@ def _s2_keys(dicts: list, seqs) -> set:
 def _fit_layer(per_point: dict, grid: PointGrid, what: str):
     values = {f: {p: getattr(m, f) for p, m in per_point.items()}
               for f in ("fwd_flops", "bwd_flops", "activation_bytes", "activation_bytes_tp_sharded",
-                        "input_bytes", "output_bytes")}
+                        "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered")}
     # Selective recomputation drops the saved tensors that grow with s^2 (the
     # attention scores, softmax, dropout mask) and redoes the ops whose FLOPs
     # grow with s^2 (QK^T, scores x V).
     sel_bytes = {p: 0 for p in per_point}
+    sel_sharded = {p: 0 for p in per_point}  # the part of sel_bytes tp divides (not GPT's gathered core)
+    sel_gathered = {p: 0 for p in per_point}  # the part downstream of a tp gather (GPT's core)
     sel_flops = {p: 0 for p in per_point}
     if grid.seqs is not None:
         series = [per_point[(grid.batches[0], s)] for s in grid.seqs]
@@ -235,6 +237,8 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
                 # A tensor not seen in the series: fall back to its shape (two dims of length s).
                 if key in saved_keys or (key not in series[0].saved_entries and list(shape).count(p[1]) >= 2):
                     sel_bytes[p] += nbytes
+                    sel_sharded[p] += nbytes if key in m.saved_tp_sharded else 0
+                    sel_gathered[p] += nbytes if key in m.saved_tp_gathered else 0
             if sel_bytes[p]:
                 sel_flops[p] = sum(f for k, f in m.fwd_op_flops.items() if k in op_keys)
     if not any(sel_bytes.values()):
@@ -242,9 +246,13 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
         # logsumexp): selective then means the op-level policy lowering runs
         # (autopar/checkpoint_policy.py), so measure what that policy drops.
         sel_bytes = {p: m.policy_dropped_bytes for p, m in per_point.items()}
+        sel_sharded = {p: m.policy_dropped_tp_sharded for p, m in per_point.items()}
+        sel_gathered = {p: m.policy_dropped_tp_gathered for p, m in per_point.items()}
         sel_flops = {p: m.policy_recompute_flops for p, m in per_point.items()}
     values["activation_bytes_selective"] = sel_bytes
     values["selective_recompute_flops"] = sel_flops
+    values["activation_bytes_selective_tp_sharded"] = sel_sharded
+    values["activation_bytes_selective_tp_gathered"] = sel_gathered
     fields = {f: fit(v, grid, f"{f} of {what}") for f, v in values.items()}
 
     ops = []
@@ -261,7 +269,8 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
                           bwd_flops=fit(get("bwd_flops"), grid, f"{key} in {what}"),
                           fwd_bytes=fit(get("fwd_bytes"), grid, f"{key} in {what}"),
                           bwd_bytes=fit(get("bwd_bytes"), grid, f"{key} in {what}"),
-                          gemm=gemm, tp_sharded=op["tp_sharded"], count=op["count"],
+                          gemm=gemm, tp_sharded=op["tp_sharded"], tp_replicated=op["tp_replicated"],
+                          count=op["count"],
                           **({"causal": op["causal"]} if op["kind"] == "attention" else {})))
     assert set(fields) >= set(EXPR_FIELDS)
     return fields, ops

@@ -9,7 +9,9 @@ from cost_models.workload import ModelSpec, evaluate
 
 # LayerSpec fields that are expressions in B and S, in the order inspect shows them.
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "activation_bytes", "output_bytes", "input_bytes",
-               "activation_bytes_tp_sharded", "activation_bytes_selective", "selective_recompute_flops")
+               "activation_bytes_tp_sharded", "activation_bytes_selective", "selective_recompute_flops",
+               "activation_bytes_selective_tp_sharded", "tp_gather_bytes", "activation_bytes_tp_gathered",
+               "activation_bytes_selective_tp_gathered")
 
 
 @dataclass
@@ -52,6 +54,7 @@ class ModelGraph(ModelSpec):
                 shared_params=list(layer.shared_params),
                 expressions={name: str(getattr(layer, name)) for name in EXPR_FIELDS},
                 ops=[{"name": op.name, "kind": op.kind, "count": op.count, "tp_sharded": op.tp_sharded,
+                      "tp_replicated": op.tp_replicated,
                       "gemm": [int(self.evaluate(x, batch_size)) for x in op.gemm] if op.gemm else None,
                       "fwd_flops": int(self.evaluate(op.fwd_flops, batch_size)),
                       "bwd_flops": int(self.evaluate(op.bwd_flops, batch_size))} for op in layer.ops],

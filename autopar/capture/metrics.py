@@ -1,12 +1,8 @@
 """Numbers for one layer at one (batch, seq) point, read off a PointTrace.
 
-Tensor-parallel facts come from the forward dataflow, the way Megatron
-shards a transformer: a GEMM with a weight whose activation input is full is
-*column*-parallel (its output is sharded), anything computed from a sharded
-tensor is sharded, and a weight GEMM fed a sharded activation is
-*row*-parallel (its output is full again, after an all-reduce). A column
-region that never reaches a row GEMM (an MoE router) is not a TP region;
-in the head, column regions are vocab-sharded logits and count.
+Tensor-parallel facts (which ops tp divides, the row GEMMs' all-reduces, the
+activations gathered where a model cuts a sharded dim) come from the forward
+dataflow: see tp_dataflow.py.
 """
 from __future__ import annotations
 
@@ -14,10 +10,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from autopar.capture.tp_dataflow import tp_flow
 from autopar.capture.tracer import PointTrace
 from autopar.checkpoint_policy import SAVED_OP_NAMES
 
-_LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
 
 
 @dataclass
@@ -33,11 +29,18 @@ class LayerMetrics:
     # bytes whose storage another op of this layer wrote (they are recomputed),
     # and the forward FLOPs of those recomputed ops.
     policy_dropped_bytes: int = 0
+    policy_dropped_tp_sharded: int = 0  # the part of policy_dropped_bytes tp divides
+    saved_tp_sharded: set = field(default_factory=set)  # saved_entries keys tp divides
+    # Saved bytes downstream of a tp gather: whole on every tp rank, even with sequence parallelism.
+    activation_bytes_tp_gathered: int = 0
+    policy_dropped_tp_gathered: int = 0
+    saved_tp_gathered: set = field(default_factory=set)
     policy_recompute_flops: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
     ops: dict = field(default_factory=dict)  # key -> dict of op numbers
     tp_allreduces: int = 0
+    tp_gather_bytes: int = 0  # activations all-gathered because a sharded dim is cut (tp_dataflow.py)
     attrs: dict = field(default_factory=dict)
     has_attention: bool = False
     has_conv: bool = False
@@ -58,40 +61,16 @@ def _relative(path: str, prefix: str) -> str:
 
 
 def tp_states(fwd: list, is_head: bool):
-    """Per forward record: sharded (bool); and the row GEMMs and column GEMMs."""
-    state, cols, rows, valid = {}, {}, [], set()
-    for r in fwd:
-        act = [state.get(i) for i in r.inputs]
-        if r.kind == "embedding" and r.uses_param:
-            st = None
-        elif r.uses_param and not r.inputs:
-            st = "param"
-        elif r.op in _LINEAR_GEMMS and (r.uses_param or "param" in act):
-            sharded = frozenset().union(*[s for s in act if isinstance(s, frozenset)])
-            if sharded:
-                rows.append(r)
-                valid |= sharded
-                st = None
-            else:
-                cols[r.idx] = r
-                st = frozenset([r.idx])
-        elif r.out_is_int:
-            st = None
-        elif act and all(s == "param" for s in act):
-            st = "param"
-        else:
-            regions = frozenset().union(*[s for s in act if isinstance(s, frozenset)])
-            st = regions or None
-        state[r.idx] = st
-    if is_head:
-        valid |= set(cols)
-    sharded = {idx: isinstance(st, frozenset) and bool(st & valid) for idx, st in state.items()}
-    return sharded, cols, rows, valid, state
+    """Per forward record: sharded (bool); and the row GEMMs and column GEMMs (see tp_dataflow.py)."""
+    flow = tp_flow(fwd, is_head)
+    return flow.sharded, flow.cols, flow.rows, flow.valid, flow.state
 
 
 def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix: str, is_head: bool) -> LayerMetrics:
     m = LayerMetrics()
-    sharded, cols, rows, valid, state = tp_states(fwd, is_head)
+    flow = tp_flow(fwd, is_head)
+    sharded, cols, rows, valid = flow.sharded, flow.cols, flow.rows, flow.valid
+    m.tp_gather_bytes = flow.gather_bytes
     row_ids = {r.idx for r in rows}
     m.fwd_flops = sum(r.flops for r in fwd)
     m.bwd_flops = sum(r.flops for r in bwd)
@@ -116,11 +95,19 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         m.activation_bytes += s.nbytes
         key = op_key.get(s.producer, ("<input>", "", len(m.saved_entries)))
         m.saved_entries[key] = (s.nbytes, s.shape)
-        if s.producer is not None and sharded.get(s.producer, False):
+        is_sharded = s.producer is not None and sharded.get(s.producer, False)
+        if is_sharded:
             m.activation_bytes_tp_sharded += s.nbytes
+            m.saved_tp_sharded.add(key)
+        is_gathered = s.producer is not None and s.producer in flow.replicated
+        if is_gathered:
+            m.activation_bytes_tp_gathered += s.nbytes
+            m.saved_tp_gathered.add(key)
         origin = trace.records[s.origin] if s.origin is not None and s.origin >= 0 else None
         if origin is not None and origin.layer == layer and origin.op not in SAVED_OP_NAMES:
             m.policy_dropped_bytes += s.nbytes
+            m.policy_dropped_tp_sharded += s.nbytes if is_sharded else 0
+            m.policy_dropped_tp_gathered += s.nbytes if is_gathered else 0
 
     # Group ops by (module relative to the layer, op): stable across points.
     by_idx = {}
@@ -130,14 +117,15 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         if op is None:
             op = m.ops[key] = dict(kind=r.kind, fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0,
                                    gemm=r.gemm if r.uses_param or r.kind == "gemm" else None,
-                                   tp_sharded=False, count=0, causal=r.causal)
+                                   tp_sharded=False, tp_replicated=False, count=0, causal=r.causal)
         op["fwd_flops"] += r.flops
         op["fwd_bytes"] += r.nbytes
         op["count"] += 1
         op["tp_sharded"] |= sharded.get(r.idx, False) or r.idx in row_ids or (r.kind == "embedding" and r.uses_param)
+        op["tp_replicated"] |= r.idx in flow.replicated
         by_idx[r.idx] = key
     unattributed = dict(kind="other", fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0, gemm=None,
-                        tp_sharded=False, count=0, causal=None)
+                        tp_sharded=False, tp_replicated=False, count=0, causal=None)
     for r in bwd:
         op = m.ops.get(by_idx.get(r.fwd_ref), unattributed)
         op["bwd_flops"] += r.flops
@@ -154,7 +142,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.has_conv = any(r.op in ("aten.convolution", "aten._convolution") for r in fwd)
     m.has_weight_gemm = bool(cols) or bool(rows)
     m.has_norm = any(r.kind == "norm" for r in fwd)
-    m.attrs = _attrs(trace, layer, fwd, cols, valid, state)
+    m.attrs = _attrs(trace, layer, fwd, cols, valid, flow.regions)
     if is_head and cols:  # the head's column GEMM is the vocabulary projection
         widest = max((c for c in cols.values() if c.gemm), key=lambda c: c.gemm[1], default=None)
         m.attrs.pop("ffn_hidden", None)
@@ -164,7 +152,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     return m
 
 
-def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, state: dict) -> dict:
+def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, regions: dict) -> dict:
     attrs = {}
     float_inputs = [x for x in trace.input_shapes.get(layer, ()) if isinstance(x, tuple) and "float" in x[1]]
     if float_inputs:
@@ -190,8 +178,8 @@ def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, sta
                 attrs.setdefault("head_dim", attrs["hidden"] // heads)
         else:
             continue
-        if isinstance(state.get(r.idx), frozenset):
-            attention_regions |= state[r.idx]
+        # sharded or gathered: GPT's attention core runs on q, k, v gathered from its qkv GEMM
+        attention_regions |= regions.get(r.idx, frozenset())
     if "heads" in attrs and "kv_heads" not in attrs:
         hd = attrs.get("head_dim")
         widths = [c.gemm[1] for cid, c in cols.items() if cid in attention_regions and c.gemm]

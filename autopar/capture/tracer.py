@@ -65,6 +65,9 @@ class OpRecord:
     out_is_int: bool
     fwd_ref: int | None = None  # backward op: index of the forward op it differentiates
     causal: bool | None = None  # attention kernels: is_causal
+    # Forward layout ops (split, slice, transpose, permute...): their dimension
+    # arguments by schema name, so tensor-parallel capture can follow which dim is sharded.
+    dims: dict | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +97,33 @@ class PointTrace:
     called: dict = field(default_factory=dict)  # layer -> module paths called there (outside blocks)
     params_used: dict = field(default_factory=dict)  # layer -> set of parameter names
     topk: dict = field(default_factory=dict)  # layer -> (experts, k)
+
+
+_DIM_NAMES = ("dim", "dim0", "dim1", "dims", "source", "destination")
+
+
+def _dim_args(func, args, kwargs) -> dict | None:
+    """The op's dimension arguments ({'dim': 2}, {'dims': (0, 2, 1, 3)}), defaults filled in."""
+    found = None
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name not in _DIM_NAMES:
+            continue
+        if i < len(args):
+            value = args[i]
+        elif arg.name in kwargs:
+            value = kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = tuple(int(v) for v in value) if all(isinstance(v, int) for v in value) else None
+        elif not isinstance(value, int) or isinstance(value, bool):
+            value = None
+        if value is not None:
+            found = found or {}
+            found[arg.name] = value
+    return found
 
 
 class _CaptureAbort(Exception):
@@ -311,6 +341,8 @@ class Tracer:
             seq_nr=seq_nr, uses_param=bool(params), param_names=tuple(params), inputs=inputs,
             out_is_int=bool(out_flat) and not (out_flat[0].is_floating_point() or out_flat[0].is_complex()),
         )
+        if self.phase == "fwd":
+            rec.dims = _dim_args(func, args, kwargs)
         if rec.kind == "attention" and self.phase == "fwd":
             # flash kernels take (q, k, v, dropout_p, is_causal, ...)
             rec.causal = bool(args[4]) if len(args) > 4 else bool(kwargs.get("is_causal", False))

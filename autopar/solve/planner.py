@@ -143,8 +143,10 @@ def _mesh_key(c: Candidate) -> tuple:
 
 
 def _to_price(result: SearchResult, keep: int) -> list:
-    """The solver's best three, plus the best of each other mesh (up to `keep` meshes)."""
-    out, meshes = list(result.ranked[:3]), set()
+    """Every solved candidate up to 40 (pricing is cheap next to solving, and the
+    cost model's pipeline simulation can reorder close ones), plus the best of
+    each mesh kept exact."""
+    out, meshes = list(result.ranked[:40]), set()
     for r in result.ranked:
         if _mesh_key(r.candidate) not in meshes and len(meshes) < keep:
             meshes.add(_mesh_key(r.candidate))
@@ -200,7 +202,9 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise InfeasibleError(f"global batch size must be a positive integer, got {global_batch_size!r}")
     check_against_cluster(pins, world, global_batch_size)
-    keep = max(3, top_k + 1)
+    # Distinct meshes kept exact by the search (the winner and two runners-up): more
+    # would loosen the pruning cutoff and multiply the solves for little insight.
+    keep = 3 if top_k > 0 else 1
     result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep, time_limit_s,
                                   progress)
     if result.best is None and pins.offload is None:
@@ -311,6 +315,7 @@ def _solver_info(result: SearchResult, winner) -> dict:
         "pruned_by_bound": result.pruned,
         "oom": len(result.oom),
         "unresolved": result.stats.get("unresolved"),
+        "unexplored": result.stats.get("unexplored"),
         "winner_status": sol.status,
         "workers": 1,
         "units": {"time": "1 ns", "memory": "1 KiB"},

@@ -57,7 +57,7 @@ class SearchResult:
 
 def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: Callable | None = None,
            bound: Callable | None = None, time_limit_s: float = 1.0, quick_limit_s: float = 0.2,
-           work_budget: float = 5.0, progress: Callable | None = None, order_key: Callable | None = None,
+           work_budget: float = 5.0, first_pass_budget: float = 15.0, progress: Callable | None = None, order_key: Callable | None = None,
            distinct: Callable | None = None) -> SearchResult:
     """Solve `candidates` (objects with a total order) to the best `keep` of them.
 
@@ -71,6 +71,8 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     appear early and most solves end proven optimal; candidates left
     unproven whose solver bound still beats the k-th best are then re-solved
     with `time_limit_s` each while the deterministic `work_budget` lasts.
+    The first pass stops after `first_pass_budget` work units; candidates it
+    did not reach count in the reported gap with their bounds.
     Limits are CP-SAT work units, so the result does not depend on load.
     progress(phase, done, total, best_s) is called as the search advances.
     distinct(candidate) -> key: `keep` counts distinct keys (e.g. meshes), so
@@ -137,7 +139,15 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
             r.solution.status = "optimal"
         solved.sort(key=lambda x: (x.step_s, order_key(x.candidate)))
 
+    unexplored = []
     for idx, r in enumerate(results):
+        if stats["work"] >= first_pass_budget and cutoff() is not None:
+            # Out of solver budget: what is left stays unexplored, and its best bound is the gap.
+            unexplored = [x for x in results[idx:] if x.lower_bound_s < cutoff()]
+            for rest in results[idx:]:
+                rest.status = "unsolved" if rest in unexplored else "pruned"
+            stats["pruned"] += len(results) - idx - len(unexplored)
+            break
         if cutoff() is not None and r.lower_bound_s >= cutoff():
             for rest in results[idx:]:
                 rest.status = "pruned"
@@ -166,11 +176,12 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
         if stats["work"] >= work_budget or r.lower_bound_s >= (cutoff() or float("inf")):
             continue
         run(r, time_limit_s)
-    unresolved = [r for r in solved if r.solution.status != "optimal"]
+    unresolved = [r for r in solved if r.solution.status != "optimal"] + unexplored
     best = solved[0].step_s if solved else None
     global_lb = min([best] + [r.lower_bound_s for r in unresolved]) if best else None
     max_gap = (best - global_lb) / best if best else 0.0
     return SearchResult(ranked=solved, oom=oom, pruned=stats["pruned"], solved=len(solved), candidates=total,
                         wall_s=time.perf_counter() - t0, solve_wall_s=stats["wall"], max_gap=max(0.0, max_gap),
                         all_optimal=not any(r.lower_bound_s < best for r in unresolved) if best else True,
-                        stats={"cpsat_work_units": round(stats["work"], 3), "unresolved": len(unresolved)})
+                        stats={"cpsat_work_units": round(stats["work"], 3), "unresolved": len(unresolved),
+                               "unexplored": len(unexplored)})

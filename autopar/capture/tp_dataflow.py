@@ -1,0 +1,197 @@
+"""Which forward ops tensor parallelism shards, read off the forward dataflow.
+
+The Megatron rules, as DTensor lowering realises them
+(autopar/lower/tensor_parallel.py):
+- a GEMM with a weight whose activation input is full is *column*-parallel:
+  its output is sharded on its last dim;
+- anything computed from a sharded tensor is sharded;
+- a weight GEMM fed a sharded activation is *row*-parallel (its output is full
+  again, after an all-reduce). A column region that never reaches a row GEMM
+  (an MoE router) is not a TP region; in the head, column regions are
+  vocab-sharded logits and count.
+
+One more rule follows the sharded dimension through layout ops: an op that
+cuts a tensor into pieces *along its sharded dim* (split, chunk, slice,
+narrow, unbind, select) cannot stay sharded (the pieces a rank holds are not
+the pieces the model asked for), so DTensor all-gathers the input there and
+everything downstream runs replicated on every rank. That is GPT's fused
+`q, k, v = qkv(x).split(hidden, dim=2)`: the projections stay split, the
+attention core does not. Reshaping the sharded last dim into (heads,
+head_dim) first (Llama's separate wq/wk/wv, Megatron's view-then-split)
+keeps the shard on the head dim, and a later split of head_dim is harmless.
+A weight GEMM fed a tensor gathered from a region is still that region's
+row-parallel GEMM: its input is sliced locally, no communication.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
+# Ops that cut their input into pieces along `dim`.
+_CUTS = {"aten.split", "aten.split_with_sizes", "aten.unsafe_split", "aten.unsafe_split_with_sizes",
+         "aten.chunk", "aten.unsafe_chunk", "aten.tensor_split", "aten.slice", "aten.narrow",
+         "aten.unbind", "aten.select"}
+_DROPS_DIM = {"aten.unbind", "aten.select"}
+_TRANSPOSES = {"aten.transpose", "aten.t", "aten.permute", "aten.movedim", "aten.swapaxes", "aten.swapdims",
+               "aten.numpy_T", "aten.mT"}
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+             "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass
+class TPFlow:
+    """The tensor-parallel reading of one layer's forward records.
+
+    state: record idx -> "param" | frozenset of column regions it is sharded
+        by | None (full).
+    sharded: record idx -> True if tp divides its work (sharded by a valid region).
+    cols / rows: column GEMM records by idx / row GEMM records.
+    valid: column regions that reach a row GEMM (or, in the head, all of them).
+    regions: record idx -> column regions it derives from, sharded or gathered.
+    gathers: (regions, nbytes) per tensor all-gathered because it was cut on its sharded dim.
+    replicated: records downstream of such a gather: every tp rank computes them in
+        full, even under sequence parallelism (until a row GEMM ends the region).
+    """
+
+    state: dict = field(default_factory=dict)
+    sharded: dict = field(default_factory=dict)
+    cols: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+    valid: set = field(default_factory=set)
+    regions: dict = field(default_factory=dict)
+    gathers: list = field(default_factory=list)
+    replicated: set = field(default_factory=set)
+
+    @property
+    def gather_bytes(self) -> int:
+        return sum(nbytes for regions, nbytes in self.gathers if regions & self.valid)
+
+
+def _union(sets) -> frozenset:
+    return frozenset().union(*[s for s in sets if isinstance(s, frozenset)])
+
+
+def _norm(dim: int, ndim: int) -> int:
+    """A dim as a negative index (counted from the end, as broadcasting aligns)."""
+    return dim - ndim if dim >= 0 else dim
+
+
+def _cut_dim(r) -> int | None:
+    dims = r.dims or {}
+    if "dim" not in dims or not r.in_shapes:
+        return None
+    return _norm(dims["dim"], len(r.in_shapes[0]))
+
+
+def _is_real_cut(r, dim: int) -> bool:
+    """A slice that keeps the whole dim (x[:, :]) cuts nothing."""
+    if r.op in _DROPS_DIM:
+        return True
+    full = r.in_shapes[0][dim]
+    return any(len(o) == len(r.in_shapes[0]) and o[dim] < full for o in r.out_shapes)
+
+
+def _reshaped_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
+    """Where a sharded dim lands after a view/reshape: the output dim that starts the
+    same trailing block of elements (the outermost piece when the dim is split into
+    (heads, head_dim), the merged dim when (heads, head_dim) is flattened). None when
+    the sharded dim is merged with a dim to its left (the layout is lost)."""
+    d = dim + len(in_shape)
+    if not 0 <= d < len(in_shape):
+        return None
+    block = math.prod(in_shape[d:])
+    for j in range(len(out_shape)):
+        if out_shape[j] != 1 and math.prod(out_shape[j:]) == block:
+            return _norm(j, len(out_shape))
+    return None
+
+
+def _follow_dim(r, sd: int | None) -> int | None:
+    """The sharded dim of r's output, given its sharded input's dim `sd` (negative)."""
+    if sd is None or not r.out_shapes or not r.in_shapes:
+        return None
+    in_shape, out_shape = r.in_shapes[0], r.out_shapes[0]
+    n_in, n_out = len(in_shape), len(out_shape)
+    dims = r.dims or {}
+    if r.op in _TRANSPOSES:
+        if r.op == "aten.permute" and "dims" in dims:
+            order = [_norm(d, n_in) for d in dims["dims"]]
+            return _norm(order.index(sd), n_out) if sd in order else None
+        if r.op in ("aten.transpose", "aten.swapaxes", "aten.swapdims") and "dim0" in dims:
+            a, b = _norm(dims["dim0"], n_in), _norm(dims["dim1"], n_in)
+            return b if sd == a else a if sd == b else sd
+        if r.op in ("aten.t", "aten.numpy_T", "aten.mT") and n_in >= 2:
+            return -2 if sd == -1 else -1 if sd == -2 else sd
+        return None  # movedim: rare inside a region; layout unknown
+    if r.op in _DROPS_DIM:
+        cut = _cut_dim(r)
+        return None if cut is None else sd + 1 if sd < cut else sd
+    if n_in == n_out:
+        return sd  # elementwise, expand, contiguous, same-rank views
+    if len([s for s in r.in_shapes if s]) <= 1:
+        return _reshaped_dim(in_shape, out_shape, sd)  # view, reshape, unsqueeze, flatten...
+    return sd if -sd <= n_out else None  # broadcasting keeps dims aligned from the end
+
+
+def _nbytes(shape: tuple, dtype: str) -> int:
+    return math.prod(shape) * _ITEMSIZE.get(dtype, 2)
+
+
+def tp_flow(fwd: list, is_head: bool) -> TPFlow:
+    flow = TPFlow()
+    state, cols, rows, valid = flow.state, flow.cols, flow.rows, flow.valid
+    shard_dim: dict = {}  # idx -> sharded dim of a sharded output (negative), None if unknown
+    gathered: dict = {}  # idx -> regions a full (replicated) tensor was gathered from
+    gathered_inputs = set()
+    for r in fwd:
+        act = [state.get(i) for i in r.inputs]
+        from_gather = _union(gathered.get(i) for i in r.inputs)
+        if r.kind == "embedding" and r.uses_param:
+            st = None
+        elif r.uses_param and not r.inputs:
+            st = "param"
+        elif r.op in _LINEAR_GEMMS and (r.uses_param or "param" in act):
+            sharded = _union(act)
+            if sharded or from_gather:
+                rows.append(r)
+                valid |= sharded
+                st = None
+                # A replicated input is sliced locally for the row GEMM: a real TP region.
+                if not sharded:
+                    valid |= from_gather
+            else:
+                cols[r.idx] = r
+                st = frozenset([r.idx])
+                shard_dim[r.idx] = -1
+            from_gather = frozenset()
+        elif r.out_is_int:
+            st = None
+        elif act and all(s == "param" for s in act):
+            st = "param"
+        else:
+            st = _union(act) or None
+            if st:
+                src = next(i for i in r.inputs if isinstance(state.get(i), frozenset))
+                sd = shard_dim.get(src)
+                cut = _cut_dim(r) if r.op in _CUTS else None
+                if cut is not None and sd is not None and cut == sd and _is_real_cut(r, cut):
+                    # DTensor all-gathers the input before cutting it (once per tensor).
+                    if src not in gathered_inputs:
+                        gathered_inputs.add(src)
+                        flow.gathers.append((st, _nbytes(r.in_shapes[0], r.in_dtypes[0])))
+                    from_gather = from_gather | st
+                    st = None
+                else:
+                    shard_dim[r.idx] = _follow_dim(r, sd)
+        state[r.idx] = st
+        if from_gather and st is None:
+            gathered[r.idx] = from_gather
+        flow.regions[r.idx] = (st if isinstance(st, frozenset) else frozenset()) | gathered.get(r.idx, frozenset())
+    if is_head:
+        valid |= set(cols)
+    flow.sharded = {idx: isinstance(st, frozenset) and bool(st & valid) for idx, st in state.items()}
+    flow.replicated = {idx for idx, regions in gathered.items() if regions & valid}
+    return flow
