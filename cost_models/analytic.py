@@ -143,7 +143,10 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         (act * h, False, False),  # qkv GEMM input (norm output), replicated across tp
         (act * h, False, False),  # mlp norm input
         (act * h, False, False),  # fc1 / w1,w3 input (norm output)
-        (act * h, core_saved, False),  # attention output, input of attn_out GEMM
+        # attention output, input of the (row-parallel) attn_out GEMM. When the core ran
+        # gathered, DTensor slices it locally for the GEMM, which saves that 1/tp slice; but
+        # a flash kernel also saves its (whole) output for its own backward.
+        (act * h, GATHERED if fused_qkv_split and attention == "flash" else True, False),
     ]
     if eager and norm == "rmsnorm":  # eager fp32 RMSNorm keeps x.float() and the bf16 normalised x
         saved += [(2 * 4 * T * h, False, False)]

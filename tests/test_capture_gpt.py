@@ -90,10 +90,13 @@ def test_activation_bytes_match_korthikanti_with_math_attention(math_gpt, b, s):
     # The attention core (QK^T, softmax, dropout mask and output): what selective recomputation drops.
     assert evaluate(block.activation_bytes_selective, b, s) == pytest.approx(5 * a * s * s * b, rel=0.01)
     # GPT's fused qkv split cuts the sharded dim: q, k, v are all-gathered (3h values
-    # per token, bf16) and the attention core, its scores and the out-projection's
-    # input are kept whole on every rank; only the MLP's 16sbh is divided by t.
+    # per token, bf16) and the attention core with its scores is kept whole on every
+    # rank; only the MLP's 16sbh and the out-projection's input (2sbh, sliced locally
+    # for the row-parallel GEMM) are divided by t.
     assert evaluate(block.tp_gather_bytes, b, s) == 3 * s * b * h * 2
-    assert evaluate(block.activation_bytes_tp_sharded, b, s) == pytest.approx(16 * s * b * h, rel=0.01)
+    assert evaluate(block.activation_bytes_tp_sharded, b, s) == pytest.approx(18 * s * b * h, rel=0.01)
+    assert evaluate(block.activation_bytes_tp_gathered, b, s) == pytest.approx(6 * s * b * h + 5 * a * s * s * b,
+                                                                              rel=0.01)
     assert evaluate(block.activation_bytes_selective_tp_sharded, b, s) == 0
     # Recomputing the attention core redoes QK^T and scores x V: 4 b s^2 h FLOPs.
     assert evaluate(block.selective_recompute_flops, b, s) == pytest.approx(4 * b * s * s * h, rel=0.01)

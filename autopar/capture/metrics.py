@@ -95,11 +95,12 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         m.activation_bytes += s.nbytes
         key = op_key.get(s.producer, ("<input>", "", len(m.saved_entries)))
         m.saved_entries[key] = (s.nbytes, s.shape)
-        is_sharded = s.producer is not None and sharded.get(s.producer, False)
+        # A gathered tensor a row GEMM slices locally is saved as that 1/tp slice.
+        is_sharded = s.producer is not None and (sharded.get(s.producer, False) or s.producer in flow.sliced)
         if is_sharded:
             m.activation_bytes_tp_sharded += s.nbytes
             m.saved_tp_sharded.add(key)
-        is_gathered = s.producer is not None and s.producer in flow.replicated
+        is_gathered = s.producer is not None and s.producer in flow.replicated and not is_sharded
         if is_gathered:
             m.activation_bytes_tp_gathered += s.nbytes
             m.saved_tp_gathered.add(key)

@@ -54,6 +54,8 @@ class TPFlow:
     gathers: (regions, nbytes) per tensor all-gathered because it was cut on its sharded dim.
     replicated: records downstream of such a gather: every tp rank computes them in
         full, even under sequence parallelism (until a row GEMM ends the region).
+    sliced: gathered records that feed a row GEMM: DTensor slices them locally for
+        it, so the copy autograd saves for that GEMM's backward is the 1/tp slice.
     """
 
     state: dict = field(default_factory=dict)
@@ -64,6 +66,7 @@ class TPFlow:
     regions: dict = field(default_factory=dict)
     gathers: list = field(default_factory=list)
     replicated: set = field(default_factory=set)
+    sliced: set = field(default_factory=set)
 
     @property
     def gather_bytes(self) -> int:
@@ -162,6 +165,7 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                 # A replicated input is sliced locally for the row GEMM: a real TP region.
                 if not sharded:
                     valid |= from_gather
+                    flow.sliced |= {i for i in r.inputs if i in gathered}
             else:
                 cols[r.idx] = r
                 st = frozenset([r.idx])

@@ -13,8 +13,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-import time
 
 from cost_models.errors import CostModelError
 from cost_models.estimate import estimate
@@ -24,8 +24,9 @@ from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import LayerChoice, Mesh, Plan, Predicted, Stage
 from autopar.solve.constraints import Constraints, check_against_cluster, parse_constraints
 from autopar.solve.layout import assignment_layout
-from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound
-from autopar.solve.search import SearchResult, search
+from autopar.solve.cpsat import solve_cpsat
+from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
+from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import Candidate, enumerate_candidates
 from autopar.solve.table import TableBuilder
 
@@ -114,6 +115,45 @@ def _price(model, cluster, result, precision, optimizer):
     return layout, estimate(model, layout, cluster)
 
 
+def _repair(spec, cluster, r, est, precision, optimizer, time_limit_s, rounds: int = 2):
+    """Re-solve a candidate whose priced layout overflows memory, with each
+    overflowing rank's capacity lowered by its overshoot (the solver's
+    closed-form in-flight counts can undercount what the cost model's
+    pipeline simulation keeps alive, notably with interleaving). Returns a
+    priced (result, layout, estimate) that fits, or None."""
+    problem = r.problem
+    for _ in range(rounds):
+        cap = est.memory_breakdown[0].get("capacity", cluster.device_profile.usable_memory_bytes)
+        over = [max(0.0, peak - cap) for peak in est.peak_memory_bytes]
+        if not any(over) or len(over) != problem.pp:
+            return None
+        problem = dataclasses.replace(problem, capacity=[c - to_mem_units(1.02 * o + 2**20) if o else c
+                                                         for c, o in zip(problem.capacity, over)])
+        sol = solve_cpsat(problem, time_limit_s=min(0.3, time_limit_s))
+        if sol.objective is None:
+            return None
+        fixed = CandidateResult(r.candidate, problem, r.lower_bound_s, solution=sol, status="ok")
+        layout, est = _price(spec, cluster, fixed, precision, optimizer)
+        if est.fits:
+            return fixed, layout, est
+    return None
+
+
+def _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, limit: int = 2):
+    """Priced layouts, the first `limit` overflowing ones replaced by their repair when it fits."""
+    out, tried = [], 0
+    best_fit = min((x[2].step_time_s for x in priced if x[2].fits), default=float("inf"))
+    for x in priced:
+        # only worth it when the solver thought it faster than the best layout that already fits
+        if not x[2].fits and tried < limit and x[0].step_s < best_fit:
+            tried += 1
+            fixed = _repair(spec, cluster, x[0], x[2], precision, optimizer, time_limit_s)
+            if fixed is not None:
+                x = fixed
+        out.append(x)
+    return out
+
+
 def _run_search(model, cluster, constraints, global_batch_size, precision, optimizer, keep, time_limit_s,
                 progress=None, offload=False):
     world = cluster.world_size
@@ -143,10 +183,9 @@ def _mesh_key(c: Candidate) -> tuple:
 
 
 def _to_price(result: SearchResult, keep: int) -> list:
-    """Every solved candidate up to 40 (pricing is cheap next to solving, and the
-    cost model's pipeline simulation can reorder close ones), plus the best of
-    each mesh kept exact."""
-    out, meshes = list(result.ranked[:40]), set()
+    """The solver's best eight (the cost model's pipeline simulation can reorder
+    close ones), plus the best of each mesh kept exact."""
+    out, meshes = list(result.ranked[:8]), set()
     for r in result.ranked:
         if _mesh_key(r.candidate) not in meshes and len(meshes) < keep:
             meshes.add(_mesh_key(r.candidate))
@@ -215,6 +254,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     first, first_builder = result, builder
     priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in _to_price(result, keep)]
     first_peaks = [max(x[2].peak_memory_bytes) + device.reserve_bytes for x in priced]
+    priced = _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s)
     fitting = [x for x in priced if x[2].fits]
     if not fitting and not pins.offload and result.ranked and not any(
             o != "none" for _, _, o in builder.options):
@@ -222,6 +262,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
                                       time_limit_s, progress, offload=True)
         priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in _to_price(result, keep)]
+        priced = _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s)
         fitting = [x for x in priced if x[2].fits]
     _fill_problems(result, builder)
     if not fitting:
