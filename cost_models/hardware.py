@@ -326,6 +326,7 @@ class ClusterSpec:
     def with_nodes(self, nodes: int) -> "ClusterSpec":
         d = self.to_dict()
         d["nodes"] = nodes
+        d.pop("world_size", None)  # derived: from_dict would check the old one against the new node count
         return ClusterSpec.from_dict(d, file=self.source)
 
     # -- plain data ---------------------------------------------------------

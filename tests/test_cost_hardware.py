@@ -125,3 +125,12 @@ def test_sustained_clocks_follow_the_published_msmf_measurements():
     # the spread of sustained speed across GPUs, 1.04% measured on H200 (4.5% range over 40 samples)
     assert get_device("h200").clock_spread == pytest.approx(0.045 / 2 / 2.161, abs=2e-4)
     assert get_device("cpu").clock_spread == 0.0
+
+
+def test_with_nodes_rescales_the_cluster():
+    from cost_models.hardware import ClusterSpec
+
+    cluster = ClusterSpec.resolve("dgx-a100:4")
+    bigger = cluster.with_nodes(16)
+    assert (bigger.nodes, bigger.world_size) == (16, 16 * cluster.gpus_per_node)
+    assert bigger.device == cluster.device and bigger.inter_node_link == cluster.inter_node_link
