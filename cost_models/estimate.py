@@ -96,6 +96,11 @@ def _tp_for(layer: LayerSpec, tp: int) -> int:
 def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: int, sp: bool, byte_scale: float):
     parts = {"fwd": 0.0, "bwd": 0.0, "core_fwd": 0.0, "core_flops": 0.0, "cheap_fwd": 0.0, "gemm_fwd": 0.0,
              "gemm_flops": 0.0}
+    # memory-bound ops (what fused kernels shrink): unsharded bytes, local byte time, time above launch floor
+    mb = {"fwd_bytes": 0.0, "bwd_bytes": 0.0, "fwd_bytes_s": 0.0, "bwd_bytes_s": 0.0, "fwd_room": 0.0,
+          "bwd_room": 0.0}
+    parts["memory_bound"] = mb
+    hbm = device.memory_bandwidth * device.memory_efficiency
     if not layer.ops:  # a layer without an op breakdown: one GEMM-like block at the large-GEMM rate
         f = fast(layer.fwd_flops)(batch, seq or 1) / tp
         b = fast(layer.bwd_flops)(batch, seq or 1) / tp
@@ -117,7 +122,34 @@ def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: in
             parts["gemm_flops"] += fast(op.fwd_flops)(batch, seq or 1) / divisor
         elif op.kind != "attention":
             parts["cheap_fwd"] += f
+        if op.kind not in ("gemm", "attention", "embedding"):
+            launch = device.kernel_launch_s * max(1, op.count)
+            for phase, t, expr in (("fwd", f, op.fwd_bytes), ("bwd", b, op.bwd_bytes)):
+                nbytes = fast(expr)(batch, seq or 1)
+                mb[phase + "_bytes"] += nbytes
+                mb[phase + "_bytes_s"] += nbytes * byte_scale / divisor / hbm
+                mb[phase + "_room"] += max(0.0, t - launch)
     return parts
+
+
+def _fused_savings_s(layer: LayerSpec, parts: dict, batch: int, seq: int) -> tuple[float, float]:
+    """(forward, backward) seconds the plan's fused kernels take off this layer.
+
+    The saved bytes (LayerSpec.fused_bytes_saved_*, unsharded) are a share of
+    the layer's memory-bound op bytes; that share of those ops' local byte
+    time goes, so tensor/sequence parallelism divides it as it divides the
+    ops. Capped by the time those ops spend above their launch floor: a
+    fused kernel still launches, and it cannot save what is not there."""
+    out = []
+    mb = parts["memory_bound"]
+    for phase, expr in (("fwd", layer.fused_bytes_saved_fwd), ("bwd", layer.fused_bytes_saved_bwd)):
+        saved = fast(expr)(batch, seq) if expr is not None else 0.0
+        total = mb[phase + "_bytes"]
+        if saved <= 0 or total <= 0:
+            out.append(0.0)
+            continue
+        out.append(min(mb[phase + "_room"], mb[phase + "_bytes_s"] * min(1.0, saved / total)))
+    return out[0], out[1]
 
 
 _LAYER_CACHE: dict = {}
@@ -132,7 +164,7 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: Clus
     key = (layer.signature or f"id{id(layer)}", layer.params, model.seq_len, model.dtype_bytes, layout.tp, layout.dp,
            layout.pp, layout.micro_batch_size, layout.num_micro_batches, layout.sequence_parallel, layout.precision,
            layout.optimizer, zero, checkpoint, offload, layout.main_grads, layout.p2p_blocking, layout.pp > 1,
-           cluster.cache_key())
+           cluster.cache_key(), layer.fused_bytes_saved_fwd, layer.fused_bytes_saved_bwd)
     hit = _LAYER_CACHE.get(key)
     if hit is not None:
         return hit
@@ -156,6 +188,11 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     m = layout.num_micro_batches
 
     parts = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
+    if layer.ops:
+        save_fwd, save_bwd = _fused_savings_s(layer, parts, b, s1)
+        parts["fwd"] -= save_fwd
+        parts["bwd"] -= save_bwd
+        parts["cheap_fwd"] = max(0.0, parts["cheap_fwd"] - save_fwd)
     fwd_s, bwd_s = parts["fwd"], parts["bwd"]
     hbm = device.memory_bandwidth * device.memory_efficiency
     fp32_main = layout.main_grads != "same" and layout.precision != "fp32"

@@ -116,10 +116,19 @@ def recompute_working_bytes(layer: LayerSpec, batch: int, seq: int | None, *, tp
 
 def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int, pp_rank: int = 0,
                             virtual_stages: int = 1) -> float:
-    """Closed forms (the pipeline simulation must agree with these):
-    GPipe keeps all m; 1F1B keeps min(m, pp - rank); interleaved 1F1B keeps
-    (pp - rank - 1) * 2 + (V - 1) * pp + 1 chunks of 1/V of the stage, i.e.
-    pp (1 + (pp-1)/(pp V)) micro-batches on the first rank (Korthikanti)."""
+    """Closed forms (the pipeline simulation agrees with these, tested against
+    torch.distributed.pipelining's own action lists in tests/test_cost_pipeline.py):
+    GPipe keeps all m; 1F1B keeps min(m, pp - rank) (Schedule1F1B's warm-up is
+    pp - rank forwards); interleaved 1F1B keeps min(m V, (pp - rank - 1) * 2 +
+    (V - 1) * pp + 1) chunks of 1/V of the stage (ScheduleInterleaved1F1B's
+    warm-up plus the forward that opens each 1F1B step), i.e.
+    pp (1 + (pp-1)/(pp V)) micro-batches on the first rank (Korthikanti).
+
+    The count is exact; turning it into bytes as count x (the rank's bytes per
+    micro-batch) is exact only when a rank's V chunks hold equal activations.
+    They do not when chunks differ in layers or checkpointing: chunk 0 is held
+    by the warm-up's extra 2 (pp - rank - 1) + 1 forwards, the others pp times
+    each. `peak_chunk_bytes` gives the exact peak for unequal chunks."""
     m = num_micro_batches
     if pp == 1:  # plain gradient accumulation: one micro-batch at a time
         return 1.0
@@ -129,6 +138,39 @@ def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int, pp_r
         return float(min(m, pp - pp_rank))
     chunks = min(m * virtual_stages, (pp - pp_rank - 1) * 2 + (virtual_stages - 1) * pp + 1)
     return chunks / virtual_stages
+
+
+def in_flight_chunk_counts(schedule: str, pp: int, num_micro_batches: int, pp_rank: int = 0,
+                           virtual_stages: int = 1) -> list[tuple[int, ...]]:
+    """How many micro-batches of each local chunk (chunk k = stage k * pp + rank)
+    a pp rank holds, at every moment that could be its activation peak: the
+    vectors after each forward, with dominated ones dropped (another vector
+    holds at least as many of every chunk). Follows the rank's op order, which
+    for m % pp == 0 is ScheduleInterleaved1F1B's (and Schedule1F1B's, GPipe's)."""
+    from cost_models.pipeline import rank_order  # the schedule's order lives with the simulation
+
+    v = virtual_stages if schedule == "interleaved" and pp > 1 else 1
+    if pp == 1:
+        return [tuple([1] * v)]
+    counts = [0] * v
+    seen: list[tuple[int, ...]] = []
+    for phase, _, chunk in rank_order(schedule, pp_rank, pp, num_micro_batches, v):
+        counts[chunk] += 1 if phase == "fwd" else -1
+        if phase == "fwd":
+            seen.append(tuple(counts))
+    peaks = []
+    for c in sorted(set(seen), reverse=True):
+        if not any(all(a >= b for a, b in zip(o, c)) for o in peaks):
+            peaks.append(c)
+    return sorted(peaks)
+
+
+def peak_chunk_bytes(schedule: str, pp: int, num_micro_batches: int, chunk_bytes: list, pp_rank: int = 0) -> float:
+    """Exact peak activation bytes of a pp rank whose chunk k keeps chunk_bytes[k]
+    per micro-batch (len V; V = 1 for GPipe / 1F1B)."""
+    v = len(chunk_bytes)
+    vectors = in_flight_chunk_counts(schedule, pp, num_micro_batches, pp_rank, v)
+    return max(sum(c * b for c, b in zip(vec, chunk_bytes)) for vec in vectors)
 
 
 def activation_expr(layer: LayerSpec, *, tp: int = 1, sequence_parallel: bool = False, checkpoint: str = "none"):

@@ -12,6 +12,14 @@ using (p-1)/m catches unequal stages, p2p latency and the warm-up shape
 of interleaving, and it yields the peak number of micro-batches whose
 activations each rank holds at once.
 
+The orders are torch.distributed.pipelining's, which autopar lowers onto:
+for m % pp == 0, ScheduleInterleaved1F1B's action list is exactly Megatron's
+order below (tested op for op), and Schedule1F1B's pp - rank warm-up forwards
+hold the same peak as the pp - rank - 1 here plus the forward of the first
+1F1B step. The peak count equals memory.in_flight_micro_batches; the peak
+*bytes* (`peak_activation_bytes`) count each chunk's own size, which matters
+when a rank's chunks differ (the first chunk is held longest).
+
 `timeline(...)` exposes the events for the report (docs/INTERFACES.md s.8).
 """
 from __future__ import annotations

@@ -119,6 +119,14 @@ class LayerSpec:
           solver shares variables between them).
     shared_params: names of parameters this layer uses but another layer
           owns (tied weights); they are counted once, at the owner.
+    fused_bytes_saved_fwd / fused_bytes_saved_bwd: bytes of HBM traffic
+          per micro-batch (unsharded, at the captured dtype, like OpSpec
+          bytes) that the plan's fused kernels remove from this layer's
+          memory-bound ops (bias+GELU, add+norm, ...) in forward / backward.
+          0 = the eager op chain (capture measures eager traffic; a planner
+          that fuses sets these, see autopar.kernels.fusion). The cost model
+          takes them off the byte time of the layer's non-GEMM ops, never
+          below those ops' launch floor.
     """
 
     name: str
@@ -149,6 +157,8 @@ class LayerSpec:
     signature: str = ""
     module_paths: list = field(default_factory=list)
     shared_params: list = field(default_factory=list)
+    fused_bytes_saved_fwd: Expr = 0  # see the class docstring
+    fused_bytes_saved_bwd: Expr = 0
 
     def eval(self, name: str, batch: int = 1, seq: int | None = None) -> float:
         """Numeric value of field `name` at a micro-batch of `batch` samples."""

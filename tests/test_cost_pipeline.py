@@ -73,3 +73,97 @@ def test_blocking_p2p_never_beats_async(schedule, v):
     free = (schedule, p, m, [1.0 / v] * (p * v), [3.0 / v] * (p * v), [0.0] * (p * v))
     assert simulate(*free, virtual_stages=v, blocking_p2p=True).step_time_s == pytest.approx(
         simulate(*free, virtual_stages=v).step_time_s)
+
+
+# -- in-flight micro-batches: simulation, closed form and torch's own schedule agree ----------
+
+PVM = [(2, 1, 2), (4, 1, 4), (4, 1, 16), (8, 1, 8), (2, 2, 4), (4, 2, 8), (4, 3, 12), (4, 2, 4), (8, 2, 16),
+       (8, 4, 32), (16, 4, 32)]
+
+
+def _torch_order(pp, v, m, rank):
+    """(phase, micro-batch, local chunk) as torch.distributed.pipelining runs them on `rank`
+    (what autopar lowers onto), built without a process group."""
+    sched = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if v == 1:  # Schedule1F1B: pp - rank warm-up forwards, then one backward and one forward
+        warm = min(m, pp - rank)
+        order = [("fwd", i, 0) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("bwd", i, 0), ("fwd", warm + i, 0)]
+        return order + [("bwd", i, 0) for i in range(m - warm, m)]
+    s = sched.ScheduleInterleaved1F1B.__new__(sched.ScheduleInterleaved1F1B)
+    s.pp_group_size, s.n_local_stages, s._n_microbatches = pp, v, m
+    s.number_of_rounds = max(1, m // pp)
+    s.microbatches_per_round = m // s.number_of_rounds
+    out = []
+    for a in s._calculate_single_rank_operations(rank):
+        if a is not None:
+            phase = "fwd" if a.computation_type == sched._ComputationType.FORWARD else "bwd"
+            out.append((phase, a.microbatch_index, a.stage_index // pp))
+    return out
+
+
+def _peak_chunks(order):
+    live = peak = 0
+    for phase, _, _ in order:
+        live += 1 if phase == "fwd" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("p, v, m", PVM)
+def test_peak_in_flight_is_closed_form_and_torchs_count(p, v, m):
+    from cost_models.memory import in_flight_micro_batches
+    schedule = "interleaved" if v > 1 else "1f1b"
+    res = simulate(schedule, p, m, [1.0] * (p * v), [2.0] * (p * v), [0.05] * (p * v), virtual_stages=v)
+    for r in range(p):
+        torch_peak = _peak_chunks(_torch_order(p, v, m, r)) / v
+        assert res.peak_in_flight[r] == pytest.approx(torch_peak)
+        assert in_flight_micro_batches(schedule, p, m, r, v) == pytest.approx(torch_peak)
+    if v > 1 and (v + 1) * p - 1 <= m * v:  # Korthikanti's factor on rank 0 once m allows the full warm-up
+        assert res.peak_in_flight[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+@pytest.mark.parametrize("p, v, m", [pv for pv in PVM if pv[1] > 1])
+def test_simulated_order_is_torchs_interleaved_order(p, v, m):
+    from cost_models.pipeline import rank_order
+    for r in range(p):
+        assert rank_order("interleaved", r, p, m, v) == _torch_order(p, v, m, r)
+
+
+def test_gpipe_keeps_every_micro_batch():
+    res = simulate("gpipe", 4, 6, [1.0] * 4, [2.0] * 4)
+    assert res.peak_in_flight == [6.0] * 4
+
+
+@pytest.mark.parametrize("p, v, m", [(4, 2, 8), (8, 4, 32), (16, 4, 32)])
+def test_peak_bytes_with_unequal_chunks(p, v, m):
+    """Chunks with different activation sizes: the simulation's byte peak is the exact
+    per-chunk count (`peak_chunk_bytes`), not count x average, which the first chunk
+    (held by the whole warm-up) can exceed by a wide margin."""
+    from cost_models.memory import in_flight_micro_batches, peak_chunk_bytes
+    import random
+    rng = random.Random(p * 100 + v * 10 + m)
+    act = [rng.choice([1.0, 3.0, 10.0]) for _ in range(p * v)]
+    res = simulate("interleaved", p, m, [1.0] * (p * v), [2.0] * (p * v), virtual_stages=v, activation_bytes=act)
+    for r in range(p):
+        chunk_bytes = [act[k * p + r] for k in range(v)]
+        assert res.peak_activation_bytes[r] == pytest.approx(peak_chunk_bytes("interleaved", p, m, chunk_bytes, r))
+    heavy_first = [10.0] + [1.0] * (v - 1)  # e.g. no checkpointing in chunk 0, full in the others
+    exact = peak_chunk_bytes("interleaved", p, m, heavy_first, 1)
+    averaged = in_flight_micro_batches("interleaved", p, m, 1, v) * sum(heavy_first)
+    assert exact > averaged
+
+
+@pytest.mark.parametrize("schedule, p, v, m", [("gpipe", 4, 1, 6), ("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8),
+                                               ("interleaved", 16, 4, 32)])
+def test_planner_table_in_flight_matches_simulated_bytes_for_equal_chunks(schedule, p, v, m):
+    """The stage solver charges in_flight_num[r] / V x (rank's activation bytes per
+    micro-batch); with equal chunks that is exactly the simulation's byte peak."""
+    from autopar.solve.problem import in_flight_numerators
+    per_chunk = 3.0
+    res = simulate(schedule, p, m, [1.0] * (p * v), [2.0] * (p * v), virtual_stages=v,
+                   activation_bytes=[per_chunk] * (p * v))
+    nums = in_flight_numerators(schedule, p, v, m)
+    for r in range(p):
+        assert res.peak_activation_bytes[r] == pytest.approx(nums[r] / v * per_chunk * v)

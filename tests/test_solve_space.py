@@ -90,3 +90,52 @@ def test_parse_schedule_forms():
     assert parse_schedule("1F1B") == ("1f1b", None)
     assert parse_schedule("interleaved") == ("interleaved", None)
     assert parse_schedule("interleaved:4") == ("interleaved", 4)
+
+
+def test_1f1b_and_interleaving_need_at_least_pp_micro_batches():
+    """torch's Schedule1F1B raises with fewer micro-batches than stages (lowering would
+    silently fall back to GPipe), so such candidates are GPipe only."""
+    cands, _ = enumerate_candidates(8, 8, 16, (1,))
+    assert cands
+    for c in cands:
+        if c.pp > 1 and c.schedule in ("1f1b", "interleaved"):
+            assert c.num_micro_batches >= c.pp
+        if c.schedule == "interleaved":
+            assert c.num_micro_batches % c.pp == 0
+    few = [c for c in cands if c.pp > 1 and c.num_micro_batches < c.pp]
+    assert few and {c.schedule for c in few} == {"gpipe"}
+    # and with enough micro-batches all three are offered
+    enough = {c.schedule for c in cands if c.pp == 2 and c.num_micro_batches >= 2}
+    assert enough == {"gpipe", "1f1b", "interleaved"}
+
+
+def test_pinned_1f1b_with_too_few_micro_batches_reports_why():
+    pins = parse_constraints({"schedule": "1f1b"})
+    cands, report = enumerate_candidates(8, 4, 16, (1,), pins)
+    assert all(c.num_micro_batches >= c.pp for c in cands if c.pp > 1)
+    assert "1f1b needs the micro-batch count to be at least pp" in report.summary()
+
+
+@pytest.mark.parametrize("raw, batch, words", [
+    ({"pp": 4, "schedule": "1f1b"}, 2, "--schedule 1f1b with --pp 4 needs at least 4 micro-batches"),
+    ({"pp": 4, "dp": 2, "schedule": "1f1b"}, 4, "allows at most 2"),
+    ({"pp": 2, "micro_batch": 2, "schedule": "interleaved"}, 2, "needs at least 2 micro-batches"),
+])
+def test_pinned_pipeline_schedule_with_too_few_micro_batches_is_an_error(raw, batch, words):
+    with pytest.raises(ConstraintError, match=words) as exc:
+        check_against_cluster(parse_constraints(raw), 8, batch)
+    assert exc.value.exit_code == 2
+    check_against_cluster(parse_constraints({**raw, "schedule": "gpipe"}), 8, batch)  # GPipe is fine
+
+
+def test_cli_pinned_1f1b_with_too_few_micro_batches_exits_2(capsys):
+    pytest.importorskip("cost_models.estimate")
+    from pathlib import Path
+
+    from autopar.cli import main
+    gpt = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    code = main(["plan", f"{gpt}:gpt_tiny", "--device", "cpu", "--gpus", "4", "--pp", "4", "--schedule", "1f1b",
+                 "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "needs at least 4 micro-batches" in err and "Traceback" not in err

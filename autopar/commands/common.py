@@ -38,6 +38,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pin.add_argument("--schedule", default=None, metavar="NAME", help="gpipe, 1f1b, interleaved or interleaved:V")
     pin.add_argument("--sequence-parallel", dest="sequence_parallel", action=argparse.BooleanOptionalAction,
                      default=None, help="pin sequence parallelism on or off")
+    parser.add_argument("--fusion", dest="fusion", action=argparse.BooleanOptionalAction, default=True,
+                        help="record the fusable op chains (bias+GELU, add+norm, ...) in the plan and charge "
+                             "their saved HBM traffic on GPU devices (default: on)")
     parser.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                         help="CP-SAT deterministic time limit (work units, about seconds) per candidate left "
                              "unproven by the first pass (default 1)")
@@ -100,7 +103,8 @@ def plan_from_args(args, progress=None):
     graph, loaded = load_graph(args)
     result = plan(graph, cluster, global_batch_size=args.batch_size, constraints=constraints_from_args(args),
                   seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5) or 5,
-                  time_limit_s=args.time_limit, progress=progress, source=args.model)
+                  time_limit_s=args.time_limit, progress=progress, source=args.model,
+                  fusion=getattr(args, "fusion", True), module=loaded.model)
     return result, graph
 
 

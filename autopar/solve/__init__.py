@@ -5,7 +5,8 @@ One file per concern: `constraints.py` (what the user pinned),
 cost tables from the cost model), `problem.py` (the stage problem and its
 bounds), `cpsat.py` (the CP-SAT model), `brute_force.py` (the reference),
 `search.py` (branch and bound over candidates), `planner.py` (the Plan),
-`layout.py` (Plan -> cost_models Layout). See docs/planner.md.
+`layout.py` (Plan -> cost_models Layout), `fusion_costs.py` (fused kernels
+in the Plan and their bytes in the cost model). See docs/planner.md.
 """
 from __future__ import annotations
 

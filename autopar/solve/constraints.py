@@ -177,3 +177,21 @@ def check_against_cluster(c: Constraints, world_size: int, global_batch_size: in
                 f"global batch {global_batch_size} is not divisible by --dp {c.dp} x --micro-batch {c.micro_batch}"
                 f" = {c.dp * c.micro_batch}",
                 hint="global batch = dp x micro-batch x number of micro-batches")
+    _check_pipeline_schedule(c, global_batch_size)
+
+
+def _check_pipeline_schedule(c: Constraints, global_batch_size: int) -> None:
+    """A pinned 1F1B / interleaved schedule needs at least pp micro-batches:
+    torch's Schedule1F1B raises below that (each rank's warm-up is pp - rank
+    forwards) and interleaving needs a multiple of pp. The most micro-batches
+    the pins allow is global batch / (dp x micro-batch), with unpinned ones at 1."""
+    if c.schedule not in ("1f1b", "interleaved") or c.pp is None or c.pp == 1:
+        return
+    most = global_batch_size // ((c.dp or 1) * (c.micro_batch or 1))
+    if most >= c.pp:
+        return
+    pins = " x ".join(f"{FLAG[k]} {getattr(c, k)}" for k in ("dp", "micro_batch") if getattr(c, k) is not None)
+    raise ConstraintError(
+        f"--schedule {c.schedule} with --pp {c.pp} needs at least {c.pp} micro-batches per step, but global batch "
+        f"{global_batch_size}" + (f" / ({pins})" if pins else "") + f" allows at most {most}",
+        hint="use --schedule gpipe, a larger global batch, a smaller --micro-batch or --dp, or fewer --pp stages")

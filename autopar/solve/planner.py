@@ -25,6 +25,7 @@ from autopar.plan import LayerChoice, Mesh, Plan, Predicted, Stage
 from autopar.solve.constraints import Constraints, check_against_cluster, parse_constraints
 from autopar.solve.layout import assignment_layout
 from autopar.solve.cpsat import solve_cpsat
+from autopar.solve.fusion_costs import charge_fusions, plan_fusions
 from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
 from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import Candidate, enumerate_candidates
@@ -223,17 +224,28 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
 
 def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None = None, constraints=None,
          seq_len: int | None = None, precision: str = "bf16", top_k: int = 5, *, optimizer: str = "adam",
-         time_limit_s: float = 1.0, progress=None, name: str | None = None, source: str | None = None) -> Plan:
+         time_limit_s: float = 1.0, progress=None, name: str | None = None, source: str | None = None,
+         fusion: bool = True, module=None) -> Plan:
     """Search the best parallel layout of `model` on `cluster_spec` and return it as a Plan.
 
     model: an nn.Module (captured with example_inputs) or a ModelSpec/ModelGraph.
     cluster_spec: a ClusterSpec, preset name ('dgx-h100:4'), device name or file path.
     constraints: dict with any of tp, pp, dp, micro_batch, zero, checkpoint,
     schedule ('gpipe' | '1f1b' | 'interleaved[:V]'), sequence_parallel, offload.
+    fusion: run the fusion pass and record its chains in `Plan.fusions`; on a
+    GPU device profile the cost model then charges the fused kernels' bytes.
+    module: the nn.Module behind `model` when `model` is an already captured
+    ModelGraph (the fusion pass traces modules, not the graph).
     """
     cluster = resolve_cluster(cluster_spec)
     pins = parse_constraints(constraints)
     spec = model_spec(model, example_inputs, seq_len=seq_len, name=name)
+    fusions, no_fusion_why = [], "turned off (fusion=False)"
+    if fusion:
+        is_module = callable(getattr(model, "forward", None))  # as model_spec decides
+        torch_module = module if module is not None else (model if is_module else None)
+        fusions, no_fusion_why = plan_fusions(torch_module, spec)
+    unfused_spec, spec = spec, charge_fusions(spec, fusions, cluster.device_profile)
     world = cluster.world_size
     batch_assumed = global_batch_size is None
     if batch_assumed:
@@ -294,6 +306,11 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     plan_obj = _build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, result)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
     plan_obj.alternatives = _alternatives(winner, [x for x in priced if x is not winner], result, top_k)
+    plan_obj.fusions = fusions
+    plan_obj.assumptions["fusion"] = {
+        "enabled": bool(fusion), "chains": len(fusions),
+        "charged": spec is not unfused_spec,  # False on a cpu profile (torch fallback) or with nothing fused
+        **({"why_none": no_fusion_why} if not fusions and no_fusion_why else {})}
     if batch_assumed:
         plan_obj.assumptions["global_batch_size"] = f"{world} (one sample per GPU; none was given)"
     # No wall-clock times in the Plan: the same inputs must give the same JSON.

@@ -14,9 +14,13 @@ left to the stage solver (`cpsat.py`). Enumeration rules, and why:
 - dp divides the global batch; the micro-batch size divides the per-replica
   batch; the number of micro-batches follows.
 - pp = 1: one schedule (gradient accumulation over the micro-batches).
-  pp > 1: GPipe, 1F1B, and interleaved 1F1B with V virtual stages per rank
-  when pp*V <= layers and the micro-batch count is a multiple of pp (the
-  Megatron / torch.distributed.pipelining looped-schedule requirement).
+  pp > 1: GPipe always; 1F1B only with at least pp micro-batches (torch's
+  Schedule1F1B raises "Number of microbatches must be greater than or equal
+  to the number of stages" otherwise); interleaved 1F1B with V virtual stages
+  per rank when pp*V <= layers and the micro-batch count is a multiple of pp
+  (Megatron's rule; torch's ScheduleInterleaved1F1B accepts any multiple of
+  max(1, m // pp) rounds, but only m % pp == 0 gives its order the shape the
+  cost model simulates, and it implies m >= pp).
 - sequence parallelism only with tp > 1.
 """
 from __future__ import annotations
@@ -111,14 +115,15 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                 if max_micro_batch is not None and c.micro_batch is None and mbs > max_micro_batch:
                     continue
                 m = per_replica // mbs
-                for schedule, v in _schedules(pp, m, num_layers, c, interleave_choices):
+                for schedule, v in _schedules(pp, m, num_layers, c, interleave_choices, report,
+                                              f"{mesh} with {m} micro-batches"):
                     for sp in _sequence_parallel(tp, c):
                         out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
                                              schedule=schedule, virtual_stages=v, sequence_parallel=sp))
     return out, report
 
 
-def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choices):
+def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choices, report=None, what=""):
     if pp == 1:
         # No pipeline: micro-batches are plain gradient accumulation. A pinned
         # gpipe/1f1b is accepted (they coincide); interleaving needs pp > 1.
@@ -128,12 +133,22 @@ def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choi
     for schedule in ("gpipe", "1f1b", "interleaved"):
         if c.schedule is not None and schedule != c.schedule:
             continue
-        if schedule != "interleaved":
+        if schedule == "gpipe":
+            yield schedule, 1
+            continue
+        if m < pp or (schedule == "interleaved" and m % pp):
+            # torch.distributed.pipelining would refuse (1F1B) or reorder (interleaved) these;
+            # only a pinned schedule is worth a reason, an unpinned one still has GPipe.
+            if c.schedule is not None and report is not None:
+                report.add(f"{schedule} needs the micro-batch count to be "
+                           + ("a multiple of pp" if schedule == "interleaved" else "at least pp"), what)
+            continue
+        if schedule == "1f1b":
             yield schedule, 1
             continue
         choices = (c.virtual_stages,) if c.virtual_stages else interleave_choices
         for v in choices:
-            if pp * v <= num_layers and m % pp == 0:
+            if pp * v <= num_layers:
                 yield schedule, v
 
 
