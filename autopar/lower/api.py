@@ -78,8 +78,10 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     if global_batch_size is not None and global_batch_size != plan.global_batch_size:
         raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "
                                 f"{plan.global_batch_size}")
-    if fusion and plan.fusions:
-        from autopar.kernels.fusion import apply_fusions
-        model = apply_fusions(model, plan.fusions)
+    if fusion:
+        from autopar.kernels.fusion import apply_fusions, find_fusions
+        # A hand-written plan (or one saved with --no-fusion) lists no chains:
+        # find them on the model itself, as the planner would have.
+        model = apply_fusions(model, plan.fusions or find_fusions(model))
     return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                  optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch)
