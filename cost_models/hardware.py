@@ -234,26 +234,24 @@ def shipped_clusters() -> dict[str, dict]:
     return dict(_mapping(_load_yaml(path).get("clusters"), "clusters", str(path)))
 
 
-def get_device(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "device") -> DeviceProfile:
-    """A device profile by name (`extra` holds user-defined ones, checked first)."""
+def _lookup(kind: str, name: str, shipped: dict, extra: dict | None, file: str | None, field: str):
+    # User-defined profiles (from a cluster file) shadow the shipped ones.
     if extra and name in extra:
         return extra[name]
-    devices = shipped_devices()
-    if name not in devices:
-        known = ", ".join(sorted(devices) + sorted(extra or {}))
-        raise ProfileError(f"unknown device '{name}' (known: {known})", field=field, file=file)
-    return devices[name]
+    if name not in shipped:
+        known = ", ".join(sorted(shipped) + sorted(extra or {}))
+        raise ProfileError(f"unknown {kind} '{name}' (known: {known})", field=field, file=file)
+    return shipped[name]
+
+
+def get_device(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "device") -> DeviceProfile:
+    """A device profile by name (`extra` holds user-defined ones, checked first)."""
+    return _lookup("device", name, shipped_devices(), extra, file, field)
 
 
 def get_link(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "link") -> LinkProfile:
     """A link profile by name (`extra` holds user-defined ones, checked first)."""
-    if extra and name in extra:
-        return extra[name]
-    links = shipped_links()
-    if name not in links:
-        known = ", ".join(sorted(links) + sorted(extra or {}))
-        raise ProfileError(f"unknown link '{name}' (known: {known})", field=field, file=file)
-    return links[name]
+    return _lookup("link", name, shipped_links(), extra, file, field)
 
 
 @dataclass
