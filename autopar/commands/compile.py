@@ -7,6 +7,8 @@ autopar/lower/emit.py and docs/lowering.md.
 """
 from __future__ import annotations
 
+import os
+
 import sys
 
 from autopar.errors import PlanMismatchError
@@ -46,6 +48,7 @@ def run(args) -> int:
           file=sys.stderr)
     for f in files:
         print(f)
-    print(f"run: {args.output}/launch.sh   (or torchrun --nproc_per_node {m.world_size} {args.output}/train.py)",
+    out = os.path.normpath(args.output)  # "build/" and "build" print the same paths
+    print(f"run: {out}/launch.sh   (or torchrun --nproc_per_node {m.world_size} {out}/train.py)",
           file=sys.stderr)
     return 0
