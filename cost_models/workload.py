@@ -44,8 +44,10 @@ def evaluate(expr: Expr, batch: int, seq: int | None = None) -> float:
 
 
 @lru_cache(maxsize=None)
-def _lambdify(expr_str: str) -> Callable[[float, float], float]:
-    return sympy.lambdify((B, S), sympy.sympify(expr_str, locals={"b": B, "s": S}), "math")
+def _lambdify(expr) -> Callable[[float, float], float]:
+    # Keyed by the expression itself (sympy expressions hash structurally):
+    # printing it to a string for the key cost more than the lookup saved.
+    return sympy.lambdify((B, S), sympy.sympify(expr, locals={"b": B, "s": S}), "math")
 
 
 def fast(expr: Expr) -> Callable[[float, float], float]:
@@ -53,7 +55,7 @@ def fast(expr: Expr) -> Callable[[float, float], float]:
     if isinstance(expr, (int, float)):
         value = float(expr)
         return lambda b, s: value
-    return _lambdify(str(expr))
+    return _lambdify(expr)
 
 
 @dataclass
