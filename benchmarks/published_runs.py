@@ -8,10 +8,13 @@ matching cluster preset, and writes benchmarks/results/published_runs.md and
 TFLOP/s per GPU incl. recomputation for BLOOM and MT-NLG, model TFLOP/s for
 Llama 3, tokens/s per GPU for torchtitan).
 
-What a row leaves unstated (micro-batch size, virtual stages, ZeRO level,
-checkpointing, FlashAttention or not) is filled with the documented practice
-of that code base at the time and listed in the `assumed` column: nothing is
-tuned to make a row match.
+What a row leaves unstated (virtual stages, ZeRO level, checkpointing,
+FlashAttention or not) is filled with the documented practice of that code
+base at the time and listed in the `assumed` column: nothing is tuned to make
+a row match. One unstated number is read from the published figures
+themselves: where several rows run one model and layout at different dp with
+their step times published (MT-NLG), the step times identify the micro-batch
+size (`identify_micro_batch`), with no cost-model constant involved.
 
     python3 benchmarks/published_runs.py [--csv PATH] [--out benchmarks/results]
 """
@@ -48,6 +51,9 @@ class Run:
     metric: str  # 'hardware_tflops' | 'model_tflops' | 'tokens_per_s_per_gpu'
     published_column: str
     assumed: str
+    # Rows with the same key publish step times of one model and layout at several dp:
+    # their micro-batch size is identified from those step times (identify_micro_batch).
+    micro_batch_from_step_times: str | None = None
 
 
 def _bloom():
@@ -84,9 +90,9 @@ for gpus, dp in ((2240, 8), (2800, 10), (3360, 12)):
                            zero=1, checkpoint="full", stage_layers=[4] + [3] * 33 + [4], p2p_blocking=True,
                            main_grads="fp32-unfused"),
                     f"dgx-a100:{gpus // 8}", "hardware_tflops", "tflops_per_gpu",
-                    "micro-batch 1, ZeRO-1, DeepSpeed 1F1B, 3 blocks per stage (+ embedding / head at the ends); "
+                    "ZeRO-1, DeepSpeed 1F1B, 3 blocks per stage (+ embedding / head at the ends); "
                     "bf16 with fp32 gradients accumulated after every micro-batch (DeepSpeed engine, no GEMM-fused "
-                    "accumulation in 2021), reduced after the flush"))
+                    "accumulation in 2021), reduced after the flush", micro_batch_from_step_times="MT-NLG-530B"))
 for gpus, dp in ((8192, 64), (16384, 128)):
     RUNS.append(Run(f"Llama3-405B, {gpus} H100 (tp8 pp16 dp{dp})", {"model": "Llama3-405B", "gpus": str(gpus)},
                     _llama("Llama3-405B", 16384, 128, 126, 53248),
@@ -130,21 +136,79 @@ def _published(row: dict, column: str) -> float:
     return float(text.split()[0].lstrip("~"))
 
 
+def identify_micro_batch(points: list[tuple[float, float]], pp: int, per_replica_batches: list[int]) -> dict:
+    """The micro-batch size that published step times of one model and layout at
+    several data-parallel sizes reveal.
+
+    points: (samples per pipeline replica per step, published step time s). A
+    1F1B step is (m + pp - 1) slots of one micro-batch each, plus work outside
+    the pipeline (DP reduction, optimizer): with b samples per micro-batch and
+    a per-sample slot tau, step = (B/dp) tau + (pp - 1) b tau + c, c >= 0. A
+    least-squares line through the points gives tau (slope) and the intercept;
+    intercept / ((pp - 1) tau) = b + c / ((pp - 1) tau) is b plus a small
+    non-negative term. The nearest micro-batch size that divides every row's
+    per-replica batch is taken. Only published numbers enter: no cost-model
+    constant, so this identifies the layout, it does not tune the prediction.
+    """
+    if len(points) < 2:
+        raise ValueError("need step times at two or more data-parallel sizes")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    ratio = intercept / ((pp - 1) * slope)
+    sizes = [d for d in range(1, min(per_replica_batches) + 1) if all(n % d == 0 for n in per_replica_batches)]
+    best = min(sizes, key=lambda d: (abs(d - ratio), d))
+    return {"micro_batch_size": best, "slot_per_sample_s": slope, "intercept_s": intercept, "ratio": ratio}
+
+
+def _csv_row(rows: list[dict], spec: Run) -> dict:
+    matches = [r for r in rows if all(r[k].strip() == v for k, v in spec.csv_match.items())]
+    if len(matches) != 1:
+        raise SystemExit(f"{spec.label}: {len(matches)} CSV rows match {spec.csv_match}")
+    return matches[0]
+
+
+def _identified_micro_batches(rows: list[dict]) -> dict:
+    """{group key: identify_micro_batch(...)} for the RUNS that ask for it."""
+    groups: dict[str, list[Run]] = {}
+    for spec in RUNS:
+        if spec.micro_batch_from_step_times:
+            groups.setdefault(spec.micro_batch_from_step_times, []).append(spec)
+    found = {}
+    for key, specs in groups.items():
+        per_replica = [s.layout.micro_batch_size * s.layout.num_micro_batches for s in specs]
+        points = [(n, float(_csv_row(rows, s)["step_time_s"])) for n, s in zip(per_replica, specs)]
+        found[key] = identify_micro_batch(points, specs[0].layout.pp, per_replica)
+    return found
+
+
+def _group_of(spec: Run) -> list[Run]:
+    return [s for s in RUNS if s.micro_batch_from_step_times == spec.micro_batch_from_step_times]
+
+
 def run(csv_path: Path) -> list[dict]:
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
+    identified = _identified_micro_batches(rows)
     results = []
     for spec in RUNS:
-        matches = [r for r in rows if all(r[k].strip() == v for k, v in spec.csv_match.items())]
-        if len(matches) != 1:
-            raise SystemExit(f"{spec.label}: {len(matches)} CSV rows match {spec.csv_match}")
-        row = matches[0]
+        row = _csv_row(rows, spec)
         model = spec.model()
         cluster = ClusterSpec.resolve(spec.cluster)
-        layout = spec.layout
+        layout, assumed = spec.layout, spec.assumed
+        if spec.micro_batch_from_step_times:
+            ident = identified[spec.micro_batch_from_step_times]
+            per_replica = layout.micro_batch_size * layout.num_micro_batches
+            b = ident["micro_batch_size"]
+            layout = Layout(**{**layout.to_dict(), "micro_batch_size": b, "num_micro_batches": per_replica // b})
+            assumed = (f"micro-batch {b}, identified from the published step times of the "
+                       f"{len(_group_of(spec))} rows (slope {ident['slot_per_sample_s'] * 1e3:.0f} ms per sample, "
+                       f"intercept {ident['intercept_s']:.1f} s = {ident['ratio']:.2f} x (pp-1) slots); " + assumed)
         if layout.checkpoint is None:  # unstated: what a practitioner (and our planner) picks
+            base = layout
             for mode in ("none", "selective", "full"):
-                layout = Layout(**{**spec.layout.to_dict(), "checkpoint": mode})
+                layout = Layout(**{**base.to_dict(), "checkpoint": mode})
                 est = estimate(model, layout, cluster)
                 if est.fits:
                     break
@@ -163,7 +227,7 @@ def run(csv_path: Path) -> list[dict]:
             "published_step_time_s": float(row["step_time_s"]) if row["step_time_s"].strip() else None,
             "peak_memory_gib": max(est.peak_memory_bytes) / 2**30, "fits": est.fits,
             "layout": {k: v for k, v in layout.to_dict().items() if v not in (None, {}, False)},
-            "cluster": spec.cluster, "assumed": spec.assumed, "source": row["source"],
+            "cluster": spec.cluster, "assumed": assumed, "source": row["source"],
             "time_breakdown": est.time_breakdown,
         })
     return results

@@ -118,9 +118,39 @@ def pp_neighbours_same_node(tp: int, dp: int, cluster: ClusterSpec) -> bool:
 # TP all-reduces sit on the critical path between dependent GEMMs: none hidden.
 TP_OVERLAP = 0.0
 # DDP / ZeRO-1/2 gradient buckets reduce while backward continues on earlier
-# layers; the last bucket cannot hide and NCCL kernels slow the GEMMs they
-# share SMs with, so 80% of the backward window is usable.
+# layers; the last bucket (the first layers' gradients, computed last) cannot
+# hide, so 80% of the backward window is usable.
 GRAD_REDUCE_OVERLAP = 0.8
 # FSDP prefetches the next layer's all-gather during this layer's compute;
 # the first layer's gather is exposed (added separately).
 FSDP_PREFETCH_OVERLAP = 0.9
+
+
+# What a hidden collective still costs: NCCL runs one thread block (CTA) per
+# channel, and a channel's CTA holds its SM for the whole collective, never
+# sharing it with compute kernels (NCCL maintainers, NVIDIA/nccl#689). NCCL
+# opens the fewest channels that reach the platform's bandwidth: 2 per NIC
+# (NVIDIA/nccl#438), 16 SMs on a DGX with 8 NICs at ~190 GB/s (#689), i.e.
+# about one SM per 12 GB/s of bus bandwidth, and never more than 32
+# (NCCL_MAX_NCHANNELS' default). Compute that overlaps the collective runs on
+# the remaining SMs. Gloo (the cpu profile) runs on host threads: no SMs taken.
+NCCL_BUS_BYTES_PER_SM = 12e9
+NCCL_MIN_CHANNELS = 2
+NCCL_MAX_CHANNELS = 32
+
+
+def nccl_sm_fraction(place: GroupPlacement, cluster: ClusterSpec) -> float:
+    """Share of a GPU's SMs NCCL holds while a collective over `place` runs."""
+    device = cluster.device_profile
+    if place.size <= 1 or device.vendor == "cpu" or device.num_sms <= 0:
+        return 0.0
+    bw, _ = bus_bandwidth(place, cluster)
+    channels = min(NCCL_MAX_CHANNELS, max(NCCL_MIN_CHANNELS, math.ceil(bw / NCCL_BUS_BYTES_PER_SM)))
+    return min(channels / device.num_sms, 0.5)
+
+
+def contention_s(hidden_s: float, place: GroupPlacement, cluster: ClusterSpec) -> float:
+    """Extra compute time caused by `hidden_s` seconds of collective running under
+    compute: for that long, compute-bound kernels have (1 - f) of the SMs, so
+    the compute it overlaps finishes f x hidden_s later (first order in f)."""
+    return max(0.0, hidden_s) * nccl_sm_fraction(place, cluster)

@@ -46,6 +46,9 @@ class LayerCost:
     dp_fwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by forward
     dp_bwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by backward
     dp_step_exposed_s: float = 0.0  # per step, gradient reduction etc. at the end of the step
+    # per step, included in the exposed times above: compute slowed while hidden collectives
+    # hold SMs (cost_models.comm.contention_s)
+    nccl_contention_s: float = 0.0
     optimizer_s: float = 0.0  # per step
     working_bytes: float = 0.0  # transient: recomputed activations of this one layer in backward
     host_bytes: float = 0.0  # offloaded to CPU memory
@@ -263,18 +266,23 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     bwd_window = bwd_s + recompute_s
     colls = []
     fwd_exp = bwd_exp = step_exp = 0.0
+    contention = 0.0  # per step: compute slowed by the SMs hidden collectives hold (comm.contention_s)
     if layout.dp > 1 and params_local > 0:
         if zero == 0:
             ar = C.collective_time("all_reduce", full_grads, dp_place, cluster)
             colls.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
-            step_exp = max(0.0, ar - overlap * bwd_window)
+            ar_exp = max(0.0, ar - overlap * bwd_window)
+            contention = C.contention_s(ar - ar_exp, dp_place, cluster)
+            step_exp = ar_exp + contention
         elif zero in (1, 2):
             rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
             ag = C.collective_time("all_gather", full_params, dp_place, cluster)
             frac = (layout.dp - 1) / layout.dp
             colls += [("reduce_scatter", full_grads * frac, rs), ("all_gather", full_params * frac, ag)]
             # grads reduce under the last backward; updated params gather under the next forward
-            step_exp = max(0.0, rs - overlap * bwd_window) + max(0.0, ag - overlap * fwd_s)
+            rs_exp, ag_exp = max(0.0, rs - overlap * bwd_window), max(0.0, ag - overlap * fwd_s)
+            contention = C.contention_s(rs - rs_exp + ag - ag_exp, dp_place, cluster)
+            step_exp = rs_exp + ag_exp + contention
         else:
             ag = C.collective_time("all_gather", full_params, dp_place, cluster)
             rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
@@ -284,6 +292,13 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             bwd_exp = max(0.0, ag - C.FSDP_PREFETCH_OVERLAP * bwd_window)
             # the reduce-scatter shares the last backward's window with the all-gather
             step_exp = max(0.0, ag + rs - C.FSDP_PREFETCH_OVERLAP * bwd_window) - bwd_exp
+            # every micro-batch's prefetched gathers slow the forward / backward they hide under;
+            # the step's one reduce-scatter slows the last backward
+            fwd_cont = C.contention_s(ag - fwd_exp, dp_place, cluster)
+            bwd_cont = C.contention_s(ag - bwd_exp, dp_place, cluster)
+            rs_cont = C.contention_s(rs - step_exp, dp_place, cluster)
+            fwd_exp, bwd_exp, step_exp = fwd_exp + fwd_cont, bwd_exp + bwd_cont, step_exp + rs_cont
+            contention = m * (fwd_cont + bwd_cont) + rs_cont
 
     # Offload: state moves over the host link, the optimizer runs on the CPU.
     host_link = cluster.host_link_profile
@@ -308,6 +323,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         param_bytes=states.params, grad_bytes=states.grads, optimizer_bytes=states.optimizer,
         activation_bytes=act, dp_comm_s=dp_total, dp_comm_exposed_s=m * (fwd_exp + bwd_exp) + step_exp,
         tp_comm_fwd_s=tp_fwd, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
+        nccl_contention_s=contention,
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
         model_flops=model_flops, recompute_flops=recompute_flops, dp_collectives=tuple(colls),
         tier={"tp": tp_place.tier, "dp": dp_place.tier},
@@ -524,6 +540,8 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         "pp_comm_s": m * p2p_rank,
         "dp_comm_s": sum(costs[j].dp_comm_s for j in idx),
         "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx),
+        # part of dp_comm_exposed_s: compute slowed by the SMs hidden DP collectives hold
+        "nccl_contention_s": sum(costs[j].nccl_contention_s for j in idx),
         "bubble_s": sim.bubble_s[crit],
         "optimizer_s": sum(costs[j].optimizer_s for j in idx),
         "straggler_s": straggler_s,

@@ -87,7 +87,7 @@ TIME_PARTS = (
     ("recompute_s", "recomputation (checkpointing)"),
     ("tp_comm_s", "tensor-parallel collectives"),
     ("pp_comm_s", "pipeline p2p"),
-    ("dp_comm_exposed_s", "data-parallel comm, exposed"),
+    ("dp_comm_exposed_s", "data-parallel comm, exposed (incl. SMs NCCL holds under compute)"),
     ("bubble_s", "pipeline bubble"),
     ("optimizer_s", "optimizer step"),
     ("straggler_s", "slowest GPU of the job (clock spread)"),
@@ -105,6 +105,9 @@ def time_rows(plan) -> list[dict]:
     if "dp_comm_s" in tb:  # total DP traffic time, most of it hidden under backward
         rows.append({"key": "dp_comm_s", "label": "data-parallel comm, total (overlapped)",
                      "time": seconds(tb["dp_comm_s"]), "share": "not additive"})
+    if tb.get("nccl_contention_s"):  # already inside the exposed DP time above
+        rows.append({"key": "nccl_contention_s", "label": "of which: compute slowed by SMs NCCL holds",
+                     "time": seconds(tb["nccl_contention_s"]), "share": "included above"})
     return rows
 
 
