@@ -498,10 +498,14 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     idx = ranks[crit]
     p2p_rank = sum(p2p[i] for i in range(n_stages) if i % pp == crit) + sum(
         p2p[i - 1] for i in range(1, n_stages) if i % pp == crit)
+    # The simulation's idle time (finish - busy) holds both waiting for transfers and the
+    # bubble proper: report the transfers as pipeline communication, what is left as bubble,
+    # so the parts of the breakdown add up to the step.
+    pp_exposed = min(m * p2p_rank, sim.bubble_s[crit])
     # The slowest GPU of the job paces every synchronous step (stragglers.py): the
     # compute-paced part of the step (compute, recompute, bubble, optimizer) stretches;
     # communication time does not depend on SM clocks.
-    comm_exposed = (m * sum(costs[j].tp_comm_s for j in idx) + m * p2p_rank
+    comm_exposed = (m * sum(costs[j].tp_comm_s for j in idx) + pp_exposed
                     + sum(costs[j].dp_comm_exposed_s for j in idx))
     straggler_s = max(0.0, step - comm_exposed) * (
         slowest_gpu_slowdown(layout.world_size, device.clock_spread) - 1.0)
@@ -537,12 +541,12 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         "compute_s": m * sum(costs[j].fwd_s + costs[j].bwd_s for j in idx),
         "recompute_s": m * sum(costs[j].recompute_s for j in idx),
         "tp_comm_s": m * sum(costs[j].tp_comm_s for j in idx),
-        "pp_comm_s": m * p2p_rank,
+        "pp_comm_s": pp_exposed,
         "dp_comm_s": sum(costs[j].dp_comm_s for j in idx),
         "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx),
         # part of dp_comm_exposed_s: compute slowed by the SMs hidden DP collectives hold
         "nccl_contention_s": sum(costs[j].nccl_contention_s for j in idx),
-        "bubble_s": sim.bubble_s[crit],
+        "bubble_s": sim.bubble_s[crit] - pp_exposed,
         "optimizer_s": sum(costs[j].optimizer_s for j in idx),
         "straggler_s": straggler_s,
         "step_time_s": step,
@@ -572,7 +576,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         nbytes = 2 * m * sum(fast(layers[bounds[i + 1] - 1].output_bytes)(b, s1) * byte_scale
                              for i in range(n_stages - 1) if i % pp == crit)
         comm.append({"axis": "pp", "collective": "p2p", "bytes": nbytes, "time_s": m * p2p_rank,
-                     "exposed_s": m * p2p_rank, "tier": "intra_node" if same_node else pp_place.tier})
+                     "exposed_s": pp_exposed, "tier": "intra_node" if same_node else pp_place.tier})
 
     per_stage = []
     for i in range(n_stages):
