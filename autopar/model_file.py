@@ -8,6 +8,11 @@ factory returns `(model, example_inputs_fn)` or the model alone (then the
 file's `example_inputs` is used). An optional `loss_fn(output, target)` is
 picked up for `autopar compile`.
 
+A file that only builds the model (a Hugging Face `...ForCausalLM(config)`, a
+nanoGPT `GPT(GPTConfig())`) needs no example_inputs for the common cases:
+they are inferred from the model (autopar/capture/auto_inputs.py) and
+`LoadedModel.inputs_note` says what was assumed, for the CLI to print.
+
 The model is built under `torch.device("meta")` unless asked otherwise, so a
 175B-parameter model costs no memory to load.
 """
@@ -22,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from autopar.capture.auto_inputs import infer_example_inputs
 from autopar.errors import ModelFileError
 
 
@@ -32,6 +38,13 @@ class LoadedModel:
     loss_fn: Callable | None
     source: str  # "file.py:factory" as given
     name: str  # factory name, used in plan and report titles
+    inputs_note: str | None = None  # set when example_inputs were inferred: what was assumed
+
+
+def _prints_to_stderr():
+    """Model code prints while it builds (nanoGPT: "number of parameters: ...");
+    stdout belongs to autopar's output (`inspect --json`, `plan --json`)."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
@@ -51,13 +64,19 @@ def import_model_file(path: str):
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up
     try:
-        module_spec.loader.exec_module(module)
+        with _prints_to_stderr():
+            module_spec.loader.exec_module(module)
     except Exception as exc:  # the user's file failed: say where, keep it short
         raise ModelFileError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
     return module
 
 
-def load_model(spec: str, device: str | torch.device = "meta") -> LoadedModel:
+def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int | None = None) -> LoadedModel:
+    """Import the file, build the model (on `device`) and find its example inputs.
+
+    seq_len: the sequence length for inferred inputs (the CLI's --seq-len);
+    a file's own example_inputs keep theirs.
+    """
     path, factory_name = split_spec(spec)
     module = import_model_file(path)
     factory_name = factory_name or "build_model"
@@ -73,7 +92,7 @@ def load_model(spec: str, device: str | torch.device = "meta") -> LoadedModel:
         )
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     try:
-        with ctx:
+        with ctx, _prints_to_stderr():
             built = factory()
     except ModelFileError:
         raise
@@ -87,9 +106,17 @@ def load_model(spec: str, device: str | torch.device = "meta") -> LoadedModel:
     if not isinstance(built, torch.nn.Module):
         raise ModelFileError(f"{path}:{factory_name}() returned {type(built).__name__}, not an nn.Module")
     inputs_fn = inputs_fn or getattr(module, "example_inputs", None)
+    note = None
     if inputs_fn is None:
-        raise ModelFileError(f"{path} defines no example_inputs(batch_size)",
-                             hint="add `def example_inputs(batch_size): return (tensor, ...)` returning one batch of model inputs")
+        inferred = infer_example_inputs(built, seq_len)
+        if inferred is None:
+            raise ModelFileError(
+                f"{path} defines no example_inputs(batch_size), and they cannot be inferred for "
+                f"{type(built).__name__}",
+                hint="add `def example_inputs(batch_size): return (tensor, ...)` returning one batch of model "
+                     "inputs (inferred only for Hugging Face models and modules whose first layer is an "
+                     "nn.Embedding or nn.Conv2d)")
+        inputs_fn, note = inferred, f"example inputs inferred: {inferred.description}"
     return LoadedModel(model=built, example_inputs=inputs_fn, loss_fn=getattr(module, "loss_fn", None),
                        source=spec, name=factory_name if factory_name != "build_model" else
-                       os.path.splitext(os.path.basename(path))[0])
+                       os.path.splitext(os.path.basename(path))[0], inputs_note=note)

@@ -215,26 +215,36 @@ class FixedPositions(nn.Module):
 def test_model_fixed_to_its_sequence_length_falls_back_to_batch_only():
     graph = autopar.capture(FixedPositions(), lambda b: (torch.randint(0, 32, (b, 16)),))
     assert graph.seq_len == 16 and graph.notes and "sequence length fixed at 16" in graph.notes[0]
+    assert graph.seq_fit == "none"
     block = graph.layers[1]
     assert S not in block.fwd_flops.free_symbols
     assert evaluate(block.fwd_flops, 3, 16) == 2 * 3 * 16 * 16 * 16
 
 
-class Indexed(nn.Module):
-    def __init__(self, index):
+class Windowed(nn.Module):
+    def __init__(self, window, layer_idx):
         super().__init__()
-        self.layer_index = index  # a per-layer config value: blocks are not interchangeable
+        self.window = window  # a per-layer config value: blocks are not interchangeable
+        self.layer_idx = layer_idx  # the block's position (HF keeps it for the KV cache): says nothing
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.fc(x) * (1 + self.layer_index)
+        y = self.fc(x)[..., : self.window]
+        return torch.nn.functional.pad(y, (0, 8 - self.window))
 
 
 def test_blocks_with_different_config_attributes_are_measured_separately():
-    model = nn.Sequential(Indexed(0), Indexed(1), Indexed(1))
+    model = nn.Sequential(Windowed(8, 0), Windowed(4, 1), Windowed(4, 2))
     graph = autopar.capture(model, (torch.randn(2, 8),))
     sigs = [layer.signature for layer in graph.layers]
     assert sigs[0] != sigs[1] and sigs[1] == sigs[2]
+
+
+def test_layer_index_alone_does_not_make_blocks_differ():
+    from autopar.capture.module_tree import static_signature
+
+    assert static_signature(Windowed(4, 1)) == static_signature(Windowed(4, 7))
+    assert static_signature(Windowed(4, 1)) != static_signature(Windowed(2, 1))
 
 
 def test_multihead_attention_runs_as_non_causal_flash(captured):
@@ -258,3 +268,37 @@ def test_model_built_under_fake_tensor_mode_and_seq_dim_none():
     assert S not in graph.layers[1].fwd_flops.free_symbols
     real = autopar.capture(*gpt.gpt_tiny())
     assert evaluate(graph.layers[1].fwd_flops, 3) == evaluate(real.layers[1].fwd_flops, 3, 16)
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.attn_norm, self.wq = nn.RMSNorm(d), nn.Linear(d, d, bias=False)
+        self.w1, self.w2 = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.wq(self.attn_norm(x))
+        return x + self.w2(torch.nn.functional.silu(self.w1(x)))
+
+
+class TitanStyle(nn.Module):
+    """torchtitan keeps its blocks in an nn.ModuleDict keyed by layer id."""
+
+    def __init__(self, n=3, d=32, vocab=64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(d) for i in range(n)})
+        self.norm, self.output = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def test_blocks_in_a_module_dict_are_layers():
+    graph = autopar.capture(TitanStyle(), lambda b: (torch.randint(0, 64, (b, 16)),))
+    assert [l.name for l in graph.layers] == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "head"]
+    assert graph.layers[-1].module_paths == ["norm", "output"]
+    assert len({l.signature for l in graph.layers[1:4]}) == 1

@@ -14,6 +14,7 @@ from fractions import Fraction
 import torch
 import torch.nn as nn
 
+from autopar.capture.auto_inputs import infer_example_inputs
 from autopar.capture.fit import PointGrid, fit
 from autopar.capture.graph import EXPR_FIELDS, ModelGraph
 from autopar.capture.inputs import template_from
@@ -25,13 +26,14 @@ from autopar.errors import CaptureError
 from cost_models.workload import LayerSpec, OpSpec
 
 
-def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
+def capture(model: nn.Module, example_inputs=None, *, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
             seq_dim="auto", loss_fn=None) -> ModelGraph:
     """Capture `model` into a ModelGraph.
 
     example_inputs: a tuple of tensors (any device; only shapes and dtypes are
         used; a trailing dict is passed as keyword arguments) or a callable
-        `batch_size -> tuple`.
+        `batch_size -> tuple`; None infers them for Hugging Face models and
+        token/image models (auto_inputs.py; said in graph.notes).
     dtype: the training compute dtype; floating parameters and activations are
         measured in it.
     seq_dim: "auto" (dim 1 of 2-D integer / 3-D float inputs), an int, or None
@@ -43,36 +45,52 @@ def capture(model: nn.Module, example_inputs, *, dtype: torch.dtype = torch.bflo
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture expects an nn.Module, got {type(model).__name__}")
     start = time.perf_counter()
+    notes = []
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        # torch.compile(model): layer names and module_paths are the user's module's, not `_orig_mod.*`.
+        model = model._orig_mod
+        notes.append("captured the module torch.compile wraps (eager costs: the plan prices its own kernels)")
+    if example_inputs is None:
+        inferred = infer_example_inputs(model)
+        if inferred is None:
+            raise CaptureError(f"no example_inputs given and none can be inferred for {type(model).__name__}",
+                               hint="pass a tuple of input tensors or a callable batch_size -> tuple")
+        example_inputs = inferred
+        notes.append(f"example inputs inferred: {inferred.description}")
     template = template_from(example_inputs, seq_dim)
     meta = meta_copy(model, dtype)
     blocks = find_blocks(meta)
     tracer = Tracer(meta, blocks, [static_signature(m) for _, m in blocks], loss_fn)
-    notes = []
 
-    grid = PointGrid(template.seq)
-    traces = {}
-    try:
-        for point in grid.all_points:
-            args, kwargs = template.make(*point, dtype)
-            traces[point] = tracer.run(point[0], point[1], args, kwargs)
-    except CaptureError as exc:
-        if grid.seqs is None or not traces:
-            raise
-        # The model runs at its own length but not at shorter ones: fit in b only.
-        notes.append(f"sequence length fixed at {template.seq}: the model failed at a shorter one ({exc.message})")
-        grid = PointGrid(None)
+    grids = PointGrid.fallbacks(template.seq)
+    for attempt, grid in enumerate(grids):
         traces = {}
-        for point in grid.all_points:
-            args, kwargs = template.make(point[0], template.seq, dtype)
-            traces[point] = tracer.run(point[0], template.seq, args, kwargs)
+        try:
+            for point in grid.all_points:
+                args, kwargs = template.make(point[0], point[1] or template.seq, dtype)
+                traces[point] = tracer.run(point[0], point[1] or template.seq, args, kwargs)
+            layers, indices, base = _build_layers(meta, blocks, traces, grid, template.seq, loss_fn)
+            break
+        except CaptureError as exc:
+            # The base point is the model's own input: a failure there is the model's.
+            if attempt == len(grids) - 1 or (not traces and attempt == 0):
+                raise
+            nxt = grids[attempt + 1]
+            how = (f"fitted in s near {template.seq} only (lengths {', '.join(map(str, nxt.seqs))}), valid "
+                   "for lengths on the same side of any threshold") if nxt.seqs else \
+                f"sequence length fixed at {template.seq}: costs fitted in batch only"
+            notes.append(f"{how}; the wider fit failed: {exc.message}")
 
-    layers, indices, base = _build_layers(meta, blocks, traces, grid, template.seq, loss_fn)
+    if base.own_checkpointing:
+        notes.append("the model checkpoints its own activations (torch.utils.checkpoint); capture measured it "
+                     "without, because the plan chooses checkpointing per layer")
     seq_len = template.seq
+    seq_fit = "none" if grid.seqs is None else "local" if grid.local else "wide"
     graph = ModelGraph(
         name=name or type(model).__name__, layers=layers, seq_len=seq_len,
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         tokens_per_sample=seq_len or 1, batch_size=base.batch, dtype=str(dtype).removeprefix("torch."),
-        notes=notes,
+        notes=notes, seq_fit=seq_fit if seq_len is not None else "none",
     )
     graph.graph = build_op_graph(base, list(zip(indices, (l.name for l in layers))),
                                   {i + 1: path for i, (path, _) in enumerate(blocks)})
@@ -124,6 +142,7 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
         if layer in (0, n - 1) and not (params or m0.fwd_flops or m0.activation_bytes or called):
             continue  # nothing runs before the first / after the last block
         kind, lname, paths = _name_and_kind(layer, n, prefix, m0, called, block_kinds)
+        paths = paths + _loose_params(owned, paths)
         what = f"layer {lname}"
         if reps not in exprs_cache:
             exprs_cache[reps] = _fit_layer(per_point, grid, what)
@@ -145,6 +164,14 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
             module_paths=paths, shared_params=sorted(shared.get(layer, ())),
         ))
     return layers, indices, base
+
+
+def _loose_params(owned: list, paths: list) -> list:
+    """Owned parameters outside every module of the layer: held directly by the
+    root or by a container (ViT's `class_token`, `pos_embedding`). They are
+    listed by their parameter path so every parameter belongs to some layer's
+    `module_paths`."""
+    return sorted(k for k in owned if not any(p == "" or k.startswith(p + ".") for p in paths))
 
 
 def _top_level(paths: list) -> list:

@@ -35,16 +35,30 @@ def _quadratic(xs, ys) -> list[Fraction]:
 class PointGrid:
     """The (batch, seq) points capture measures at, and the check point."""
 
-    def __init__(self, seq: int | None):
+    def __init__(self, seq: int | None, local: bool = False):
         self.batches = (2, 3)
+        self.local = local and seq is not None
         if seq is None:
             self.seqs = None
             self.points = [(2, None), (3, None)]
             self.check = (4, None)
         else:
-            self.seqs = sequence_points(seq)
+            self.seqs = local_points(seq) if local else sequence_points(seq)
             self.points = [(b, s) for b in self.batches for s in self.seqs]
-            self.check = (4, check_seq(seq, self.seqs))
+            self.check = (4, self.seqs[3] if local else check_seq(seq, self.seqs))
+            self.seqs = self.seqs[:3]
+
+    @classmethod
+    def fallbacks(cls, seq: int | None) -> list:
+        """The grids to try in order: wide (s, s/2, s/4); local (s, s-8, s-16),
+        for costs that are polynomial only piecewise (a sliding window that
+        switches a mask on past its width); batch only, at s."""
+        if seq is None:
+            return [cls(None)]
+        grids = [cls(seq)]
+        if seq >= 8 * LOCAL_STEP:
+            grids.append(cls(seq, local=True))
+        return grids + [cls(None)]
 
     @property
     def all_points(self):
@@ -60,6 +74,14 @@ def sequence_points(seq: int) -> tuple:
         return (seq, seq - 1, seq - 2)
     raise CaptureError(f"sequence length {seq} is too short to fit costs in s",
                        hint="use example inputs with a sequence length of at least 8")
+
+
+LOCAL_STEP = 8  # a multiple of 4 and of common expert counts: balanced routing stays exact
+
+
+def local_points(seq: int) -> tuple:
+    """Three lengths just below seq and the check length, LOCAL_STEP apart."""
+    return tuple(seq - i * LOCAL_STEP for i in range(4))
 
 
 def check_seq(seq: int, seqs: tuple) -> int:

@@ -24,24 +24,68 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+
+
+def _as_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """A (..., heads, s, d) view of grouped k/v with no copy. Meta tensors hold
+    no values, so which kv head a query head reads does not matter; what
+    matters is that no expanded copy exists (the GPU kernel reads the kv
+    heads in place) and that the view keeps k/v's dataflow for capture."""
+    size = (*t.shape[:-3], heads, *t.shape[-2:])
+    stride = (*t.stride()[:-3], 0, *t.stride()[-2:])
+    return t.as_strided(size, stride, t.storage_offset())
+
+
+class _GroupedQueryFlash(torch.autograd.Function):
+    """Flash attention over grouped k/v, as the CUDA kernel runs it
+    (`enable_gqa=True`): it saves q, the kvh-head k and v, the output and the
+    logsumexp; the backward sums the per-query-head k/v gradients of each group."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale):
+        heads = query.shape[-3]
+        out, lse = _flash(query, _as_heads(key, heads), _as_heads(value, heads), dropout_p, is_causal,
+                          attn_mask=attn_mask, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask)
+        ctx.args = (dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, attn_mask = ctx.saved_tensors
+        dropout_p, is_causal, scale = ctx.args
+        heads, kv_heads = query.shape[-3], key.shape[-3]
+        gq, gk, gv = _flash_backward(grad_out.contiguous(), query, _as_heads(key, heads), _as_heads(value, heads),
+                                     out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        group = (kv_heads, heads // kv_heads)
+        gk = gk.unflatten(-3, group).sum(-3)
+        gv = gv.unflatten(-3, group).sum(-3)
+        return gq, gk, gv, None, None, None, None
 
 
 def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        # The CUDA flash kernel handles grouped-query attention natively; the
-        # CPU one needs equal head counts, so k/v are expanded here (copies:
-        # the saved k/v bytes are overstated by heads/kv_heads for such models).
-        rep = query.shape[-3] // key.shape[-3]
-        key = key.unsqueeze(-3).expand(*key.shape[:-2], rep, *key.shape[-2:]).flatten(-4, -3)
-        value = value.unsqueeze(-3).expand(*value.shape[:-2], rep, *value.shape[-2:]).flatten(-4, -3)
     squeeze = query.dim() == 3  # (heads, s, d) without a batch dim
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        # The kernel takes an additive float mask.
+        # The kernels take an additive float mask.
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attn_mask, float("-inf"))
-    out, _ = _flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    grouped = enable_gqa and key.shape[-3] != query.shape[-3]
+    if attn_mask is not None and attn_mask.requires_grad:
+        # A learned additive bias (T5's relative positions): the flash kernel
+        # takes no bias gradient; on GPUs SDPA runs the memory-efficient kernel,
+        # which saves the same tensors plus the bias.
+        if grouped:
+            key, value = (_as_heads(t, query.shape[-3]) for t in (key, value))
+        bias = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+        out = _efficient(query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+    elif grouped:
+        out = _GroupedQueryFlash.apply(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    else:
+        out, _ = _flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return out.squeeze(0) if squeeze else out
 
 

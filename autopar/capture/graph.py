@@ -30,6 +30,10 @@ class ModelGraph(ModelSpec):
     dtype: str = "bfloat16"
     notes: list = field(default_factory=list)
     capture_seconds: float = 0.0
+    # How the costs depend on S: "wide" (fitted over s, s/2, s/4: any length),
+    # "local" (fitted just below seq_len: lengths past any threshold the model
+    # has), "none" (batch only: valid at seq_len alone).
+    seq_fit: str = "wide"
 
     def evaluate(self, expr, batch: int = 1) -> float:
         """Value of a layer expression at `batch` samples and the captured sequence length."""

@@ -190,7 +190,9 @@ def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, reg
     if ffn:
         attrs["ffn_hidden"] = max(ffn)
     for r in fwd:
-        if r.kind == "embedding" and r.uses_param:
+        # An embedding inside an attention block is a position-bias table (T5's
+        # relative_attention_bias), not a vocabulary.
+        if r.kind == "embedding" and r.uses_param and "heads" not in attrs:
             attrs.setdefault("vocab_size", r.in_shapes[0][0])
             attrs.setdefault("hidden", r.in_shapes[0][1])
     if trace.topk.get(layer):

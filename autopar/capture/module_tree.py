@@ -1,8 +1,8 @@
 """What the module tree says: the repeated blocks, their signatures, a meta copy.
 
 Layers follow the module tree. The repeated blocks are the children of the
-outermost ModuleList/Sequential containers whose parameterised children
-repeat a class (a transformer's `blocks`, a ResNet's `layer1..layer4`);
+outermost ModuleList/Sequential containers (or ModuleDicts of blocks, as
+torchtitan writes them) whose parameterised children repeat a class (a transformer's `blocks`, a ResNet's `layer1..layer4`);
 containers nested inside a block (an MoE's `experts`) stay inside it.
 Everything the model runs before the first block is the embedding/stem
 layer, everything after the last block is the head layer.
@@ -29,6 +29,20 @@ def _composite(module: nn.Module) -> bool:
     return _has_params(module) and next(module.children(), None) is not None
 
 
+def _is_container(module: nn.Module) -> bool:
+    """A ModuleList/Sequential holding composite modules, or a ModuleDict of
+    blocks (torchtitan: `self.layers = nn.ModuleDict({"0": TransformerBlock(), ...})`).
+    A ModuleDict counts only when its parameterised children are composite
+    modules of one class: nanoGPT's `transformer = nn.ModuleDict(wte=..., h=...,
+    ln_f=...)` is a namespace, and its `h` ModuleList stays the block container."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return any(_composite(c) for c in module.children())
+    if isinstance(module, nn.ModuleDict):
+        held = [c for c in module.children() if _has_params(c)]
+        return len(held) >= 2 and all(_composite(c) for c in held) and len({type(c) for c in held}) == 1
+    return False
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(path, module) of the repeated blocks in module-tree order.
 
@@ -38,8 +52,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     Bottleneck still count, while an `nn.Sequential(Linear, ReLU, Linear)`
     head does not.
     """
-    containers = [path for path, m in model.named_modules()
-                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(_composite(c) for c in m.children())]
+    containers = [path for path, m in model.named_modules() if _is_container(m)]
     outer = [c for c in containers
              if not any(o != c and (o == "" or c.startswith(o + ".")) for o in containers)]
     counts = Counter(type(child) for path in outer for child in model.get_submodule(path).children()
@@ -59,10 +72,19 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks or [("", model)]
 
 
+# A block's own position in the stack. Hugging Face stores it on every
+# attention module (`layer_idx`, to index the KV cache) and Megatron as
+# `layer_number`; it says where a block is, not what it computes. A per-layer
+# difference in behaviour shows up as its own attribute (HF's `sliding_window`
+# / `attention_type` per layer, a window size), which still makes blocks differ.
+_POSITION_ATTRS = {"layer_idx", "layer_id", "layer_index", "layer_number", "layer_num", "block_idx", "block_id",
+                   "block_index", "block_number"}
+
+
 def _primitive_attrs(module: nn.Module) -> tuple:
     out = []
     for key, value in sorted(vars(module).items()):
-        if key.startswith("_") or key == "training":
+        if key.startswith("_") or key == "training" or key in _POSITION_ATTRS:
             continue
         if isinstance(value, _PRIMITIVES) or (isinstance(value, tuple) and all(isinstance(v, _PRIMITIVES) for v in value)):
             out.append((key, value))
@@ -72,7 +94,8 @@ def _primitive_attrs(module: nn.Module) -> tuple:
 def static_signature(module: nn.Module) -> str:
     """Equal for modules that compute the same thing up to their weights' values:
     same classes, same parameter/buffer shapes and dtypes, same plain config
-    attributes (a layer index or a per-layer window size makes blocks differ)."""
+    attributes (a per-layer window size makes blocks differ; the block's
+    index in the stack does not, see _POSITION_ATTRS)."""
     parts = []
     for name, sub in module.named_modules():
         parts.append((name, type(sub).__module__, type(sub).__qualname__, _primitive_attrs(sub)))

@@ -2,9 +2,10 @@
 
 FLOPs come from `torch.utils.flop_counter.flop_registry` (the formulas
 FlopCounterMode uses: a multiply-add is 2 FLOPs, causal attention counted
-unmasked). Two additions: the CPU flash-attention kernel that capture routes
-scaled_dot_product_attention to (see sdpa.py) has no formula upstream, so it
-gets the same formula as the CUDA flash kernel.
+unmasked). Additions: the CPU flash-attention kernel that capture routes
+scaled_dot_product_attention to (see gpu_kernels.py) has no formula upstream,
+so it gets the same formula as the CUDA flash kernel; `_grouped_mm` (MoE
+experts in one grouped GEMM) has none either.
 """
 from __future__ import annotations
 
@@ -24,12 +25,22 @@ def _flash_cpu_bwd(grad_out, query, key, value, *args, out_val=None, **kwargs):
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
+def _grouped_mm(a, b, *args, out_val=None, **kwargs):
+    """MoE experts as one grouped GEMM: each row of `a` meets one group's
+    (k, n) matrix, so 2 * rows * k * n. When both operands are 2-D the groups
+    split k instead (the weight gradient): the output holds one (m, n) per group."""
+    k = a.shape[-1]
+    flops = 2 * out_val.numel() * k
+    return flops // out_val.shape[0] if a.dim() == 2 and b.dim() == 2 else flops
+
+
 _EXTRA_FORMULAS = {
+    aten._grouped_mm: _grouped_mm,
     aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_fwd,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_bwd,
 }
 
-GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
 CONV_OPS = {aten.convolution, aten._convolution, aten.convolution_backward}
 ATTENTION_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu,
@@ -97,6 +108,10 @@ def gemm_shape(func, args, out) -> tuple | None:
     if packet is aten.baddbmm:
         a, b = args[1], args[2]
         return (a.shape[0] * a.shape[1], b.shape[2], a.shape[2])
+    if packet is aten._grouped_mm:
+        a, b = args[0], args[1]
+        groups = out.shape[0] if a.dim() == 2 and b.dim() == 2 else 1
+        return (out.numel() // out.shape[-1] // groups, out.shape[-1], a.shape[-1])
     if packet in (aten.convolution, aten._convolution):
         w = args[1]
         return (out.shape[0] * math.prod(out.shape[2:]), w.shape[0], math.prod(w.shape[1:]))

@@ -10,6 +10,9 @@ The Megatron rules, as DTensor lowering realises them
   (an MoE router) is not a TP region; in the head, column regions are
   vocab-sharded logits and count.
 
+A norm over the sharded last dim (LayerNorm, RMSNorm) ends a column region
+without a row GEMM, so that region is not split (BERT's head transform).
+
 One more rule follows the sharded dimension through layout ops: an op that
 cuts a tensor into pieces *along its sharded dim* (split, chunk, slice,
 narrow, unbind, select) cannot stay sharded (the pieces a rank holds are not
@@ -27,7 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-_LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
+# _grouped_mm: MoE experts stored as one (experts, out, in) weight (transformers' grouped_mm experts).
+_LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm"}
+# Norms reduce over the last dim: fed a tensor sharded there, they need it whole.
+_NORMS_LAST_DIM = {"aten.native_layer_norm", "aten._fused_rms_norm"}
 # Ops that cut their input into pieces along `dim`.
 _CUTS = {"aten.split", "aten.split_with_sizes", "aten.unsafe_split", "aten.unsafe_split_with_sizes",
          "aten.chunk", "aten.unsafe_chunk", "aten.tensor_split", "aten.slice", "aten.narrow",
@@ -181,7 +187,13 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                 src = next(i for i in r.inputs if isinstance(state.get(i), frozenset))
                 sd = shard_dim.get(src)
                 cut = _cut_dim(r) if r.op in _CUTS else None
-                if cut is not None and sd is not None and cut == sd and _is_real_cut(r, cut):
+                if r.op in _NORMS_LAST_DIM and sd == -1:
+                    # A norm over the sharded dim (BERT's head: dense -> GELU -> LayerNorm
+                    # -> decoder) is not a Megatron TP region: the column GEMM before it
+                    # stays replicated (its region never reaches a row GEMM) and the
+                    # GEMM after it starts a new column region (the vocab projection).
+                    st = None
+                elif cut is not None and sd is not None and cut == sd and _is_real_cut(r, cut):
                     # DTensor all-gathers the input before cutting it (once per tensor).
                     if src not in gathered_inputs:
                         gathered_inputs.add(src)

@@ -31,6 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.capture import ops as opinfo
 from autopar.capture.gpu_kernels import gpu_kernels
+from autopar.capture.hf_masks import assume_unpadded_batches
+from autopar.capture.no_checkpointing import checkpointing_off
 from autopar.errors import CaptureError
 
 aten = torch.ops.aten
@@ -97,6 +99,7 @@ class PointTrace:
     called: dict = field(default_factory=dict)  # layer -> module paths called there (outside blocks)
     params_used: dict = field(default_factory=dict)  # layer -> set of parameter names
     topk: dict = field(default_factory=dict)  # layer -> (experts, k)
+    own_checkpointing: bool = False  # the model called torch.utils.checkpoint (run plainly)
 
 
 _DIM_NAMES = ("dim", "dim0", "dim1", "dims", "source", "destination")
@@ -124,6 +127,16 @@ def _dim_args(func, args, kwargs) -> dict | None:
             found = found or {}
             found[arg.name] = value
     return found
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    """An attention kernel's `is_causal` argument, found by name: the flash and
+    memory-efficient kernels take it at different positions."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "is_causal":
+            value = args[i] if i < len(args) else kwargs.get("is_causal", arg.default_value)
+            return bool(value)
+    return False
 
 
 class _CaptureAbort(Exception):
@@ -344,10 +357,14 @@ class Tracer:
         if self.phase == "fwd":
             rec.dims = _dim_args(func, args, kwargs)
         if rec.kind == "attention" and self.phase == "fwd":
-            # flash kernels take (q, k, v, dropout_p, is_causal, ...)
-            rec.causal = bool(args[4]) if len(args) > 4 else bool(kwargs.get("is_causal", False))
+            rec.causal = _is_causal(func, args, kwargs)
         if self.phase == "fwd":
-            self.seq_to_fwd.setdefault((self.pointer, seq_nr), idx)
+            if rec.kind == "attention":
+                # Inside a custom autograd Function (grouped-query flash) every op
+                # shares the Function's node: its backward differentiates the kernel.
+                self.seq_to_fwd[(self.pointer, seq_nr)] = idx
+            else:
+                self.seq_to_fwd.setdefault((self.pointer, seq_nr), idx)
             for x in out_flat:
                 self.producer[id(x)] = idx
                 self.storage_origin.setdefault(x.untyped_storage()._cdata, idx)
@@ -382,11 +399,18 @@ class Tracer:
         return self.module_stack[-1] if self.module_stack and self.module_stack[-1] else "<root>"
 
     def data_dependent_error(self, func) -> CaptureError:
+        hint = ("capture traces on the meta device, where tensors have shapes but no values; "
+                "replace Python branching on tensor values with tensor ops (torch.where, masking, "
+                "clamp) or move the check out of forward()")
+        if self.trace.topk.get(self.pointer):
+            # The usual MoE loop: `for e in hit_experts: if e == ...` reads which experts were hit.
+            hint = ("this layer routes tokens with top-k; a loop over the experts that were hit reads "
+                    "routing values. Loop over range(num_experts) and index with torch.where(mask) "
+                    "(sized as balanced routing), or run the experts as one grouped GEMM (Hugging Face: "
+                    "keep the default experts_implementation, not 'eager'). ") + hint
         return CaptureError(
             f"module {self._where()}: data-dependent control flow on a tensor value ({func}) at {_user_frame()}",
-            hint="capture traces on the meta device, where tensors have shapes but no values; "
-                 "replace Python branching on tensor values with tensor ops (torch.where, masking, "
-                 "clamp) or move the check out of forward()")
+            hint=hint)
 
     def op_error(self, func, exc: Exception) -> CaptureError:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -436,8 +460,9 @@ class Tracer:
                 self.producer[id(x)] = -1  # "model input" in the dataflow
                 self.keep.append(x)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
-                    gpu_kernels(), _Recorder(self), torch.enable_grad():
+            with checkpointing_off() as checkpointing, \
+                    torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
+                    gpu_kernels(), assume_unpadded_batches(), _Recorder(self), torch.enable_grad():
                 output = self.model(*args, **kwargs)
                 post = self.n_layers - 1
                 if self.loss_fn is not None:
@@ -468,6 +493,7 @@ class Tracer:
                      "check example_inputs(batch_size) and that forward() uses no tensor values") from None
         finally:
             self.keep = []
+        self.trace.own_checkpointing = checkpointing.used
         for layer in range(self.n_layers):
             self.trace.rep_of.setdefault(layer, layer)
         # Only layer 0's pre-hook never runs: its input is the model's input.

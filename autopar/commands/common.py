@@ -24,7 +24,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     wl = parser.add_argument_group("workload")
     wl.add_argument("--batch-size", type=int, default=None, metavar="B",
                     help="global batch size in samples per optimizer step (default: one sample per GPU)")
-    wl.add_argument("--seq-len", type=int, default=None, metavar="S", help="sequence length (default: the model's)")
+    wl.add_argument("--seq-len", type=int, default=None, metavar="S",
+                    help="sequence length (default: the model file's example inputs; inferred inputs use "
+                         "min(max positions, 2048))")
     wl.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="training compute dtype")
     pin = parser.add_argument_group("pin part of the layout (everything pinned = estimate a hand layout)")
     pin.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
@@ -81,18 +83,71 @@ def cluster_from_args(args):
 
 
 def load_graph(args):
-    """Load the model file and capture it (the ModelGraph the planner and report read)."""
-    from autopar.capture import capture
+    """Load the model file and capture it (the ModelGraph the planner and report read).
+
+    --seq-len sets the length of inferred inputs (a file without
+    example_inputs) directly; a file's own inputs are traced at their length
+    and the planner evaluates the fitted expressions at --seq-len.
+    """
     from autopar.model_file import load_model
 
-    loaded = load_model(args.model)
-    graph = capture(loaded.model, loaded.example_inputs, name=loaded.name)
+    seq_len = getattr(args, "seq_len", None)
+    if seq_len is not None and seq_len < 1:  # before the model is built and traced
+        raise AutoparError(f"--seq-len must be a positive integer, got {seq_len}")
+    loaded = load_model(args.model, seq_len=seq_len)
+    # Captured at bf16 whatever --precision says: the planner scales bytes by precision itself.
+    graph = capture_loaded(loaded)
+    check_seq_len(graph, loaded.model, seq_len)
+    if loaded.inputs_note:
+        graph.notes.insert(0, loaded.inputs_note)
+        if not getattr(args, "json", False):
+            print(f"autopar: {loaded.inputs_note}", file=sys.stderr)
     if getattr(graph, "source", None) in (None, ""):
         try:
             graph.source = args.model
         except AttributeError:  # a frozen graph type: the plan records the source itself
             pass
     return graph, loaded
+
+
+def capture_loaded(loaded, **kwargs):
+    """capture() of a loaded model file; when its inputs were inferred and
+    capture fails, the hint says what was assumed and how to change it."""
+    from autopar.capture import capture
+    from autopar.errors import CaptureError
+
+    try:
+        return capture(loaded.model, loaded.example_inputs, name=loaded.name, **kwargs)
+    except CaptureError as exc:
+        if not loaded.inputs_note:
+            raise
+        hint = (f"{loaded.inputs_note[0].upper()}{loaded.inputs_note[1:]}. If these are not the model's inputs, "
+                "pass --seq-len or define example_inputs(batch_size) in the model file")
+        raise CaptureError(exc.message, hint=f"{exc.hint}\n  {hint}" if exc.hint else hint) from None
+
+
+def check_seq_len(graph, model, seq_len) -> None:
+    """--seq-len must be a length the model can take: it needs a sequence axis
+    and must fit a learned position table (the meta device would not fail on
+    an out-of-range position, it would cost it)."""
+    from autopar.capture.auto_inputs import learned_position_table
+
+    if seq_len is None:
+        return
+    if seq_len < 1:
+        raise AutoparError(f"--seq-len must be a positive integer, got {seq_len}")
+    if graph.seq_len is None:
+        raise AutoparError(f"--seq-len {seq_len} given, but {graph.name} has no sequence axis "
+                           "(its inputs have no token dimension, e.g. images)",
+                           hint="drop --seq-len; the costs are per sample")
+    if seq_len != graph.seq_len and getattr(graph, "seq_fit", "wide") == "none":
+        raise AutoparError(f"--seq-len {seq_len}: {graph.name}'s costs were measured at sequence length "
+                           f"{graph.seq_len} only (see the capture note), so they cannot be evaluated at another",
+                           hint=f"make example_inputs return sequences of length {seq_len}, or drop --seq-len")
+    table = learned_position_table(model)
+    if table is not None and seq_len > table[1]:
+        raise AutoparError(f"--seq-len {seq_len} is longer than the model's learned position table "
+                           f"{table[0]} ({table[1]} positions)", hint=f"pass --seq-len {table[1]} or less")
 
 
 def plan_from_args(args, progress=None):
@@ -116,4 +171,4 @@ def stderr_is_tty() -> bool:
 
 
 __all__ = ["add_plan_arguments", "plan_from_args", "cluster_from_args", "constraints_from_args", "load_graph",
-           "AutoparError"]
+           "capture_loaded", "check_seq_len", "AutoparError"]

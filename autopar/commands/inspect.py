@@ -1,8 +1,10 @@
 """`autopar inspect model.py[:factory]`: the captured layer table.
 
 Numbers are for one micro-batch of --batch-size samples (default 1, i.e. per
-sample) at the model's sequence length; --json prints ModelGraph.to_dict()
-(public names, `total_params` on top, symbolic expressions included).
+sample) at the model's sequence length (or --seq-len); --json prints
+ModelGraph.to_dict() (public names, `total_params` on top, symbolic
+expressions included). A model file without example_inputs gets inferred ones
+(autopar/capture/auto_inputs.py); what was assumed is printed as a note.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model file following the model-file convention, as path.py[:factory]")
     parser.add_argument("--batch-size", type=int, default=1, metavar="N",
                         help="samples per micro-batch the numbers are for (default 1: per sample)")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="S",
+                        help="sequence length the numbers are for (default: the example inputs'; inferred "
+                             "inputs use min(max positions, 2048))")
     parser.add_argument("--precision", default="bf16", choices=tuple(_DTYPES), help="training compute dtype")
     parser.add_argument("--json", action="store_true", help="print the layer table as JSON")
     parser.add_argument("--loss", action="store_true",
@@ -26,19 +31,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    import copy
+
     import torch
 
-    from autopar.capture import capture
+    from autopar.commands.common import capture_loaded, check_seq_len
     from autopar.model_file import load_model
 
     if args.batch_size < 1:
         raise AutoparError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    loaded = load_model(args.model, device="meta")
-    if args.loss and loaded.loss_fn is None:
+    if args.seq_len is not None and args.seq_len < 1:
+        raise AutoparError(f"--seq-len must be a positive integer, got {args.seq_len}")
+    loaded = load_model(args.model, device="meta", seq_len=args.seq_len)
+    own_loss = getattr(loaded.example_inputs, "computes_loss", False)  # inferred labels: forward returns the loss
+    if args.loss and loaded.loss_fn is None and not own_loss:
         raise AutoparError(f"{args.model} defines no loss_fn(output, targets)",
                            hint="add one to the model file or drop --loss")
-    graph = capture(loaded.model, loaded.example_inputs, dtype=getattr(torch, _DTYPES[args.precision]),
-                    name=loaded.name, loss_fn=loaded.loss_fn if args.loss else None)
+    graph = capture_loaded(loaded, dtype=getattr(torch, _DTYPES[args.precision]),
+                           loss_fn=loaded.loss_fn if args.loss and not own_loss else None)
+    check_seq_len(graph, loaded.model, args.seq_len)
+    if loaded.inputs_note:
+        graph.notes.insert(0, loaded.inputs_note)
+    if args.seq_len is not None and args.seq_len != graph.seq_len:
+        # The expressions are exact polynomials in S: a new length is a new value, not a re-trace.
+        graph.notes.append(f"traced at seq {graph.seq_len}, evaluated at --seq-len {args.seq_len}")
+        graph = copy.copy(graph)
+        graph.seq_len = graph.tokens_per_sample = args.seq_len
     data = graph.to_dict(args.batch_size)
     if args.json:
         print(graph.to_json(args.batch_size))
