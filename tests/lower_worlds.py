@@ -17,12 +17,43 @@ STEPS = 3
 
 
 def build(model_name: str, seed: int = 0, device=None):
+    """(model, example_inputs, loss_fn); Hugging Face models ("hf_*") come
+    with loss_fn None: autopar uses the model's own loss."""
     import gpt
     import llama
     torch.manual_seed(seed)
+    if model_name.startswith("hf_"):
+        model = hf_model(model_name)
+        return model, lambda b: (torch.zeros(b, SEQ, dtype=torch.long),), None
     factory = {"gpt": gpt.gpt_tiny, "llama": llama.llama_tiny, "llama_tied": _llama_tied}[model_name]
     model, example = factory()
     return model, example, gpt.loss_fn
+
+
+HF_VOCAB = 512
+
+
+def hf_model(name: str):
+    """Tiny transformers models as users build them (no dropout, so one
+    process and many ranks compute the same numbers)."""
+    import transformers as tf
+    common = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "hf_llama":  # GQA, RoPE, untied head, blocks at model.layers
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    if name == "hf_llama_tied":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True))
+    if name == "hf_mistral":  # sliding-window attention config, same block layout
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+    if name == "hf_qwen2":  # biases on q/k/v
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=False))
+    if name in ("hf_gpt2", "hf_gpt2_odd_vocab"):  # Conv1D (in, out) weights, fused qkv, tied head, transformer.h
+        # odd vocab: like GPT-2's 50257, no tp degree divides it
+        vocab = HF_VOCAB + 3 if name == "hf_gpt2_odd_vocab" else HF_VOCAB
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=4, n_head=4,
+                                                n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    raise KeyError(name)
 
 
 def _llama_tied():
@@ -32,6 +63,7 @@ def _llama_tied():
 
 
 def batches(seed: int = 123, vocab: int = 128):
+    """STEPS global batches of (inputs, targets); vocab 128 fits every model here."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g),
              torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(STEPS)]
@@ -43,14 +75,34 @@ def make_optimizer(kind):
     return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
 
 
-def reference(model_name: str, optim: str):
+def padding_mask(x: torch.Tensor) -> torch.Tensor:
+    """A left-padding attention mask: sample i has i % 4 padded positions."""
+    mask = torch.ones_like(x)
+    for i in range(x.shape[0]):
+        mask[i, :i % 4] = 0
+    return mask
+
+
+def padded_labels(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Labels with padded positions ignored (-100), as users train on padded
+    batches: micro-batches then score different numbers of tokens."""
+    return y.masked_fill(padding_mask(x) == 0, -100)
+
+
+def reference(model_name: str, optim: str, attention_mask: bool = False):
     model, _, loss_fn = build(model_name)
     cls, kw = make_optimizer(optim)
     opt = cls(model.parameters(), **kw)
     losses = []
     for x, y in batches():
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        # Hugging Face models: their own loss, the way users train them
+        if loss_fn is not None:
+            loss = loss_fn(model(x), y)
+        elif attention_mask:
+            loss = model(x, attention_mask=padding_mask(x), labels=padded_labels(x, y)).loss
+        else:
+            loss = model(x, labels=y).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -68,17 +120,22 @@ def compare(params, ref_params) -> float:
 
 def equivalence_world(rank, world, model_name, layouts, optim):
     """For each layout (kwargs of plan_for_model, plus an optional "model"
-    overriding model_name): losses per step and the worst relative parameter
-    difference against one process after STEPS steps."""
+    overriding model_name, and "attention_mask": True to feed a Hugging Face
+    model a padding mask as its second input and -100 labels at the padded
+    positions): losses per step and the worst
+    relative parameter difference against one process after STEPS steps."""
     refs = {}
     out = {}
     for name, kw in layouts:
         kw = dict(kw)
         this_model = kw.pop("model", model_name)
-        if this_model not in refs:
-            refs[this_model] = reference(this_model, optim)
-        ref_losses, ref_params = refs[this_model]
+        masked = kw.pop("attention_mask", False)
+        if (this_model, masked) not in refs:
+            refs[(this_model, masked)] = reference(this_model, optim, masked)
+        ref_losses, ref_params = refs[(this_model, masked)]
         model, example, loss_fn = build(this_model)
+        if masked:
+            example = lambda b: (torch.zeros(b, SEQ, dtype=torch.long), torch.ones(b, SEQ, dtype=torch.long))
         if "plan_json" in kw:  # a plan made elsewhere (the solver, `autopar compile`)
             from autopar.plan import Plan
             plan = Plan.load(kw["plan_json"])
@@ -86,16 +143,34 @@ def equivalence_world(rank, world, model_name, layouts, optim):
             dp = kw.get("dp", 1)
             n_mb = kw.setdefault("num_micro_batches", 1)
             kw.setdefault("micro_batch_size", GLOBAL_BATCH // (dp * n_mb))
-            plan = plan_for_model(model, **kw)
+            plan = plan_for_model(model, example_inputs=example, **kw)
         cls, okw = make_optimizer(optim)
         pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=cls, optimizer_kwargs=okw,
                      plan=plan)
-        losses = [pm.train_step((x,), y) for x, y in batches()]
+        losses = [pm.train_step((x, padding_mask(x)), padded_labels(x, y)) if masked else pm.train_step((x,), y)
+                  for x, y in batches()]
         state = pm.full_state_dict()
         out[name] = {"losses": losses, "ref_losses": ref_losses,
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-                     "param_rel": compare(state, ref_params), "loss_parallel": pm.loss_parallel}
+                     "param_rel": compare(state, ref_params), "loss_parallel": pm.loss_parallel,
+                     "tp_sharded": tp_sharded(pm), "notes": pm.notes}
     return out
+
+
+def tp_sharded(pm) -> list[str]:
+    """Names of the parameters this rank holds sharded over the tp mesh axis:
+    proof that tensor parallelism split them (equal numbers alone could also
+    come from a replicated model)."""
+    from torch.distributed.tensor import DTensor, Shard
+    if pm.plan.mesh.tp == 1:
+        return []
+    out = []
+    for name, p in pm._local_params().items():
+        if isinstance(p, DTensor):
+            tp_dim = p.device_mesh.mesh_dim_names.index("tp") if "tp" in (p.device_mesh.mesh_dim_names or ()) else None
+            if tp_dim is not None and isinstance(p.placements[tp_dim], Shard):
+                out.append(name)
+    return sorted(out)
 
 
 def world_size_mismatch_world(rank, world):
@@ -221,4 +296,54 @@ def two_rank_runtime_world(rank, world):
         out["autoplan"] = autoplan_world(rank, world)
     except Exception:
         out["autoplan"] = {"error": traceback.format_exc()}
+    return out
+
+
+def hf_meta_world(rank, world):
+    """Hugging Face models built on the meta device: each rank allocates its
+    shards only and the model's own _init_weights initialises them (weights,
+    norms, RoPE inv_freq buffers) without the user passing init_fn."""
+    import torch.distributed as dist
+    out = {}
+    for name, kw in [("hf_llama_tp_sp", dict(tp=2, sequence_parallel=True)), ("hf_gpt2_zero3", dict(dp=2, zero=3)),
+                     ("hf_llama_pp", dict(pp=2, schedule="gpipe", num_micro_batches=2))]:
+        model_name = "hf_gpt2" if "gpt2" in name else "hf_llama"
+        real = hf_model(model_name)
+        with torch.device("meta"):
+            model = hf_model(model_name)
+        full_bytes = sum(p.numel() * 4 for p in model.parameters())
+        dp = kw.get("dp", 1)
+        plan = plan_for_model(model, micro_batch_size=GLOBAL_BATCH // (dp * kw.get("num_micro_batches", 1)), **kw)
+        pm = compile(model, example_inputs=lambda b: (torch.zeros(b, SEQ, dtype=torch.long),), loss_fn=None,
+                     plan=plan, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
+        state = pm.full_state_dict()
+        buffers = {n: b for s in pm.stages for n, b in s.model.named_buffers() if "inv_freq" in n}
+        real_buffers = dict(real.named_buffers())
+        x = batches()[0][0]
+        out[name] = {
+            "local_bytes": pm.local_parameter_bytes(), "full_bytes": full_bytes,
+            "linear_std": {k: v.std().item() for k, v in state.items() if k.endswith(("q_proj.weight", "c_fc.weight"))},
+            "norms_are_ones": all(bool((v == 1).all()) for k, v in state.items() if "norm" in k or ".ln_" in k
+                                  if k.endswith("weight")),
+            "inv_freq_ok": all(torch.equal(b, real_buffers[n]) for n, b in buffers.items()) if buffers else None,
+            "losses": [pm.train_step((x,), x) for _ in range(2)]}
+        dist.barrier()
+    return out
+
+
+def hf_precision_world(rank, world):
+    """bf16 plans on Hugging Face models (FSDP2 mixed precision: bf16 compute,
+    fp32 master weights and reductions) against fp32 single-process training."""
+    out = {}
+    for name, model_name, kw in [("llama_tp_sp_bf16", "hf_llama", dict(tp=2, sequence_parallel=True)),
+                                 ("gpt2_pp_bf16", "hf_gpt2", dict(pp=2, schedule="1f1b", num_micro_batches=2))]:
+        ref_losses, _ = reference(model_name, "sgd")
+        model, example, loss_fn = build(model_name)
+        plan = plan_for_model(model, precision="bf16",
+                              micro_batch_size=GLOBAL_BATCH // kw.get("num_micro_batches", 1), **kw)
+        cls, okw = make_optimizer("sgd")
+        pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=cls, optimizer_kwargs=okw, plan=plan)
+        losses = [pm.train_step((x,), y) for x, y in batches()]
+        out[name] = {"losses": losses, "ref_losses": ref_losses,
+                     "param_dtype": str(next(iter(pm.full_state_dict().values())).dtype)}
     return out

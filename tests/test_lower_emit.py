@@ -100,3 +100,24 @@ def test_solver_plan_from_autopar_compile_lowers_and_matches_single_process(tmp_
                         "sgd", timeout=200)
     r = results[0]["solver"]
     assert r["loss_rel"] < 1e-5 and r["param_rel"] < 1e-5, r
+
+
+def test_emitted_training_feeds_hugging_face_models_their_labels(tmp_path):
+    """A model file without loss_fn (a transformers causal LM): train.py lets
+    autopar use the model's own loss, whose labels are the inputs unshifted
+    (transformers shifts them); a model file's loss_fn gets shifted targets."""
+    import importlib.util
+    import torch
+    from autopar.lower.emit import write_build
+    model, _ = gpt.gpt_tiny()
+    write_build(str(tmp_path), plan_for_model(model), MODEL)
+    source = (tmp_path / "train.py").read_text()
+    assert "no loss_fn" not in source and "shift=loaded.loss_fn is not None" in source
+    spec = importlib.util.spec_from_file_location("emitted_train_hf", tmp_path / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    example = lambda b: (torch.randint(0, 100, (b, 8)),)
+    inputs, labels = train.synthetic_batch(example, 4, 0, 0, shift=False)
+    assert torch.equal(labels, inputs[0])
+    inputs, targets = train.synthetic_batch(example, 4, 0, 0)
+    assert torch.equal(targets[:, :-1], inputs[0][:, 1:])

@@ -8,6 +8,6 @@ See docs/lowering.md for how each plan field maps onto torch.distributed.
 """
 from autopar.lower.api import compile, load_plan
 from autopar.lower.manual_plan import plan_for_model
-from autopar.lower.parallel_model import ParallelModel, lower
+from autopar.lower.parallel_model import LoweringWarning, ParallelModel, lower
 
-__all__ = ["compile", "ParallelModel", "lower", "load_plan", "plan_for_model"]
+__all__ = ["compile", "ParallelModel", "LoweringWarning", "lower", "load_plan", "plan_for_model"]

@@ -46,16 +46,19 @@ def _plan_on_rank0(make) -> Plan:
 
 
 def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global_batch_size: int | None = None,
-            loss_fn, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
+            loss_fn=None, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
             local_batch: bool = False) -> ParallelModel:
     """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
 
     Call it in every process of a torchrun/SLURM job (or after
-    init_process_group). `example_inputs` is a tuple of tensors for one
-    micro-batch, or a callable batch_size -> tuple; `loss_fn(output, targets)`
-    returns a mean loss. `init_fn(module)` initialises a meta-device model
-    module by module (parameters and buffers); real weights are kept.
+    init_process_group). `example_inputs` is a tuple of positional tensors
+    for one micro-batch at the training sequence length, or a callable
+    batch_size -> tuple; `loss_fn(logits, targets)` returns a mean loss (the
+    model's output, or its `.logits` for Hugging Face outputs); None uses a
+    Hugging Face causal LM's own loss. `init_fn(module)` initialises a
+    meta-device model module by module (parameters and buffers; default for
+    Hugging Face models: their `_init_weights`); real weights are kept.
     """
     if plan is None:
         try:

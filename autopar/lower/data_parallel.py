@@ -14,6 +14,9 @@ zero 0  `replicate` (DDP) on a pure data-parallel mesh; under tensor or
         pipeline parallelism it falls back to fully_shard
         (reshard_after_forward=False): DDP does not take DTensor parameters,
         nor the pipeline schedules' per-micro-batch backward.
+Both substitutions are said, not silent: `zero_substitutions(plan)` names
+the layers, compile warns (LoweringWarning) and keeps the sentences in
+`ParallelModel.notes`.
 Each layer is one FSDP unit (one all-gather / reduce-scatter per layer,
 overlapped with the neighbour's compute); the stage module is the root unit
 and collects what no layer owns (tied weights). The dp axis of the mesh is
@@ -31,11 +34,47 @@ from autopar.lower.model_layers import ModelLayout
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
+def main_grads(plan) -> str:
+    """The plan's gradient dtype choice (cost_models.layout.Layout.main_grads):
+    "same" = reduce in the training dtype, "fp32" / "fp32-unfused" = fp32
+    main gradients. A hand plan records it in `assumptions["main_grads"]`, a
+    planned one under `assumptions["cost_model"]`; a plan that says nothing
+    gets fp32 reductions (what Megatron and torchtitan do)."""
+    a = plan.assumptions if isinstance(plan.assumptions, dict) else {}
+    cost = a.get("cost_model") if isinstance(a.get("cost_model"), dict) else {}
+    return a.get("main_grads") or cost.get("main_grads") or "fp32"
+
+
+def mixed_precision(precision: str, grads: str = "fp32") -> MixedPrecisionPolicy | None:
     if precision == "fp32":
         return None
-    # Compute in low precision, reduce gradients in fp32 (as Megatron/torchtitan do).
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+    # Compute in low precision; reduce gradients in fp32 unless the plan priced
+    # reductions in the training dtype (main_grads "same": half the bytes).
+    reduce = None if grads == "same" else torch.float32  # None: FSDP2 reduces in param_dtype
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=reduce)
+
+
+def zero_substitutions(plan) -> list[str]:
+    """What runs differently from the plan's ZeRO levels, one sentence per
+    substitution, naming the layers. Under tensor or pipeline parallelism
+    FSDP2 is the only data-parallel wrapper (DDP takes no DTensor parameters
+    and not the schedules' per-micro-batch backward), and FSDP2 has no
+    "whole gradients, sharded optimizer" mode: zero 0 and 1 run as zero 2
+    (same bytes on the wire: reduce-scatter + all-gather = one all-reduce;
+    less memory than planned: gradients and optimizer state sharded)."""
+    if plan.mesh.dp == 1 or uses_replicate(plan):
+        return []
+    out = []
+    for level in (0, 1):
+        names = [c.name for c in plan.layer_choices if c.zero == level and c.offload == "none"]
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            why = "tensor/pipeline parallelism" if plan.mesh.tp > 1 or plan.mesh.pp > 1 else \
+                "other layers' FSDP2 sharding (zero 2/3 or offload)"
+            out.append(f"zero {level} lowered as zero 2 for layer(s) {shown}: under {why} data parallelism is "
+                       f"FSDP2, which has no mode that keeps whole gradients; it moves the same bytes and holds "
+                       f"less memory (gradients{' and optimizer state' if level == 0 else ''} sharded over dp)")
+    return out
 
 
 def offload_policy(offload: str):
@@ -62,9 +101,9 @@ def apply_replicate(module: nn.Module, dp_mesh) -> nn.Module:
 
 
 def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh, precision: str,
-               tied_local: set[str]) -> None:
+               tied_local: set[str], grads: str = "fp32") -> None:
     """Shard one stage module: one FSDP unit per layer, the stage as root unit."""
-    mp = mixed_precision(precision)
+    mp = mixed_precision(precision, grads)
     kwargs = {"mesh": dp_mesh}
     if mp is not None:
         kwargs["mp_policy"] = mp

@@ -45,11 +45,13 @@ MODEL = os.path.join(HERE, "model.py") + $factory_suffix
 PLAN = os.path.join(HERE, "plan.json")
 
 
-def synthetic_batch(example_inputs, global_batch, step, seed):
-    """Random tokens, the same on every rank; targets = inputs shifted by one."""
+def synthetic_batch(example_inputs, global_batch, step, seed, shift=True):
+    """Random tokens, the same on every rank; targets = inputs shifted by one
+    for the model file's loss_fn, or the inputs themselves (labels) for a
+    Hugging Face model's own loss, which shifts them itself."""
     torch.manual_seed(seed + 1000 + step)
     inputs = example_inputs(global_batch)
-    targets = torch.roll(inputs[0], shifts=-1, dims=1)
+    targets = torch.roll(inputs[0], shifts=-1, dims=1) if shift else inputs[0]
     return inputs, targets
 
 
@@ -68,8 +70,8 @@ def main():
     # on "meta" and pass autopar.compile(..., init_fn=f) with f(module) doing
     # the model's own init: every rank then allocates only its shards.
     loaded = load_model(MODEL, device="cpu")
-    if loaded.loss_fn is None:
-        sys.exit("the model file defines no loss_fn(output, targets)")
+    # No loss_fn in the model file: a Hugging Face causal LM uses its own
+    # loss; any other model gets autopar's error saying what to add.
     model = autopar.compile(
         loaded.model, plan.cluster,
         example_inputs=loaded.example_inputs,
@@ -85,7 +87,8 @@ def main():
         if data is not None:
             inputs, targets = data[step % len(data)]
         else:
-            inputs, targets = synthetic_batch(loaded.example_inputs, plan.global_batch_size, step, args.seed)
+            inputs, targets = synthetic_batch(loaded.example_inputs, plan.global_batch_size, step, args.seed,
+                                              shift=loaded.loss_fn is not None)
         loss = model.train_step(inputs, targets)
         losses.append(loss)
         if rank == 0:
@@ -97,7 +100,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except autopar.AutoparError as exc:  # a message a person can act on, not a traceback
+        sys.exit(f"autopar: {exc}")
 ''')
 
 LAUNCH_SH = Template('''\

@@ -28,9 +28,13 @@ from autopar.plan import LayerChoice, Plan
 class ResolvedLayer:
     choice: LayerChoice
     stage: int  # stage index in execution order
-    paths: list[str]
+    paths: list[str]  # module paths
     block_index: int | None = None  # position in the block ModuleList, None for pre/post layers
     position: str = "block"  # "pre" | "block" | "post"
+    # Parameters the layer owns that no module of it holds (a root-level
+    # `pos_embedding` or `class_token`): capture lists them by parameter path.
+    # They stay in the stage's root FSDP unit and are never tensor-parallel.
+    param_paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -63,32 +67,40 @@ def _parent(path: str) -> tuple[str, str]:
     return parent, leaf
 
 
+def block_container(layer_paths: list[list[str]], modules: dict[str, nn.Module]) -> str | None:
+    """Path of the nn.ModuleList holding the most single-module layers (the
+    blocks, at any depth: `blocks`, `model.layers`, `transformer.h`), or None."""
+    containers: dict[str, int] = {}
+    for paths in layer_paths:
+        if len(paths) == 1:
+            parent, leaf = _parent(paths[0])
+            if parent in modules and isinstance(modules[parent], nn.ModuleList) and leaf.isdigit():
+                containers[parent] = containers.get(parent, 0) + 1
+    # ties: the first in module order, so every rank picks the same one
+    return max(containers, key=lambda k: containers[k]) if containers else None
+
+
 def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
     if not plan.stages or not plan.layer_choices:
         raise PlanMismatchError("the plan has no stages/layers to lower",
                                 hint="make the plan with autopar.plan(...) or `autopar plan ... --json`")
     modules = dict(model.named_modules())
+    params = unique_parameters(model)
     layers: list[ResolvedLayer] = []
     for stage in sorted(plan.stages, key=lambda s: s.index):
         for choice in stage.layers:
             paths = list(choice.module_paths) or [choice.name]
             for p in paths:
-                if p not in modules:
+                if p not in modules and p not in params:
                     raise PlanMismatchError(
                         f"the model differs from the planned one: layer {choice.name!r} names module {p!r}, "
                         f"which this model does not have",
                         hint="re-plan for this model (autopar plan), or pass the model the plan was made for")
-            layers.append(ResolvedLayer(choice=choice, stage=stage.index, paths=paths))
+            layers.append(ResolvedLayer(choice=choice, stage=stage.index, paths=[p for p in paths if p in modules],
+                                        param_paths=[p for p in paths if p not in modules]))
     _check_parameters(model, plan, layers)
 
-    # The block container: the ModuleList that is the parent of single-module layers.
-    containers = {}
-    for l in layers:
-        if len(l.paths) == 1:
-            parent, leaf = _parent(l.paths[0])
-            if parent in modules and isinstance(modules[parent], nn.ModuleList) and leaf.isdigit():
-                containers.setdefault(parent, []).append(l)
-    blocks_path = max(containers, key=lambda k: len(containers[k])) if containers else None
+    blocks_path = block_container([l.paths for l in layers], modules)
     num_blocks = len(modules[blocks_path]) if blocks_path else 0
     seen_block = False
     for l in layers:
@@ -119,7 +131,7 @@ def _check_parameters(model: nn.Module, plan: Plan, layers: list[ResolvedLayer])
                 raise PlanMismatchError(
                     f"the model differs from the planned one: parameter {name!r} has shape "
                     f"{list(params[name].shape)}, the plan says {list(shape)}")
-    covered = set()
+    covered = {p for l in layers for p in l.param_paths}
     for l in layers:
         for p in l.paths:
             prefix = p + "."

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,16 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
+from autopar.lower.model_io import HFCausalLMLoss, default_init_fn, forward_kwargs, resolve_loss_fn
 from autopar.lower.model_layers import ModelLayout, resolve
+from autopar.lower.tp_styles import is_linear
 from autopar.plan import Plan
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LoweringWarning(UserWarning):
+    """The lowered program differs from the plan in a way the plan's numbers do not show."""
 
 
 class ParallelModel:
@@ -42,6 +49,8 @@ class ParallelModel:
                                            returns the global mean loss (same on every rank)
     full_state_dict() -> {name: tensor}    unsharded parameters (a collective: call on all ranks)
     plan, mesh, module, stages, optimizer
+    notes                                  where lowering runs something other than the plan says
+                                           (e.g. zero 1 under tp/pp runs as zero 2), one sentence each
     """
 
     def __init__(self, *, plan: Plan, mesh, layout: ModelLayout, stages: list[nn.Module], optimizer,
@@ -52,6 +61,7 @@ class ParallelModel:
         self._holders, self._tied_groups = holders, tied_groups
         self.local_batch, self.device, self._fsdp, self._replicated = local_batch, device, fsdp, replicated
         self.loss_parallel = loss_parallel  # logits stay vocab-sharded into the loss
+        self.notes: list[str] = []
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -86,6 +96,8 @@ class ParallelModel:
                 f"{self.plan.num_micro_batches} micro-batches of {self.plan.micro_batch_size}",
                 hint=f"feed global batches of {self.plan.global_batch_size} samples (or re-plan)")
         self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.loss_fn, HFCausalLMLoss):
+            self._weigh_by_tokens(targets)
         with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()):
             if self.schedule is None:
                 local_loss = self._accumulate(inputs, targets)
@@ -98,6 +110,16 @@ class ParallelModel:
         self._sync_tied_grads()
         self.optimizer.step()
         return self._global_mean(local_loss)
+
+    def _weigh_by_tokens(self, targets: torch.Tensor) -> None:
+        """Global count of scored tokens (summed over dp: with local_batch the
+        ranks' slices differ), shared by the step's micro-batches x dp ranks."""
+        count = self.loss_fn.scored_tokens(targets).reshape(1).to(torch.float64)
+        if self.plan.mesh.dp > 1:
+            count = count.to(self.device)
+            dist.all_reduce(count, group=self.mesh["dp"].get_group())
+        shares = self.plan.num_micro_batches * self.plan.mesh.dp
+        self.loss_fn.tokens_per_share = max(float(count.item()), 1.0) / shares
 
     def _accumulate(self, inputs, targets) -> torch.Tensor:
         n = self.plan.num_micro_batches
@@ -186,11 +208,12 @@ def _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_input
     """Vocab-sharded logits into the loss when the head is one vocab-split
     Linear and the user's loss runs correctly under `loss_parallel`."""
     heads = [m for l in tp_layers if l.position == "post" for p in l.paths
-             for m in model.get_submodule(p).modules() if isinstance(m, nn.Linear)]
+             for m in model.get_submodule(p).modules() if is_linear(m)]
     if len(heads) != 1:
         return False
+    vocab = heads[0].out_features if isinstance(heads[0], nn.Linear) else heads[0].nf  # Conv1D: nf outputs
     tokens = _example_args(example_inputs, 1)[0]
-    return tensor_parallel.loss_parallel_works(loss_fn, tp_mesh, (1, *tokens.shape[1:], heads[0].out_features))
+    return tensor_parallel.loss_parallel_works(loss_fn, tp_mesh, (1, *tokens.shape[1:], vocab))
 
 
 def _param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
@@ -208,6 +231,24 @@ def _example_args(example_inputs, batch: int) -> tuple:
     return tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
+def _check_example_inputs(example_inputs) -> None:
+    """Lowering feeds the model positional tensors (what train_step gets);
+    capture also accepts a trailing dict of keywords, which cannot be split
+    into micro-batches or sent between stages: say so instead of failing deep."""
+    try:
+        args = _example_args(example_inputs, 1)
+    except Exception as exc:
+        raise AutoparError(f"example_inputs(1) failed: {type(exc).__name__}: {exc}",
+                           hint="example_inputs is a tuple of tensors for one micro-batch, or batch_size -> tuple")
+    bad = [f"#{i} ({type(a).__name__})" for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+    if bad or not args:
+        raise AutoparError(
+            f"example_inputs must be positional tensors (what train_step(inputs, targets) feeds the model); "
+            f"got {', '.join(bad) or 'nothing'}",
+            hint="pass e.g. (input_ids,) or (input_ids, attention_mask); labels go to train_step as targets, "
+                 "and keyword options such as use_cache=False are set by autopar")
+
+
 def _dummy_inputs_fn(example_inputs, device):
     template = _example_args(example_inputs, 1)
 
@@ -218,8 +259,10 @@ def _dummy_inputs_fn(example_inputs, device):
 
 def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=torch.optim.AdamW,
           optimizer_kwargs=None, init_fn=None, local_batch: bool = False) -> ParallelModel:
-    if loss_fn is None:
-        raise AutoparError("autopar.compile needs loss_fn(output, targets)")
+    loss_fn = resolve_loss_fn(model, loss_fn)  # the user's, or a Hugging Face model's own
+    _check_example_inputs(example_inputs)
+    if init_fn is None:
+        init_fn = default_init_fn(model)  # meta Hugging Face models: their own _init_weights
     # Every check that needs no process group runs first: ranks fail together
     # with a message instead of some of them waiting in a collective.
     layout = resolve(model, plan)
@@ -232,6 +275,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         raise PlanMismatchError(f"{n_stages} stages do not spread evenly over pp={pp} ranks")
     if pp > 1:
         pipeline_parallel.check_stage_cuts(layout, n_stages)
+        pipeline_parallel.check_schedule(plan)
     elif n_stages != 1:
         raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
     init_distributed()
@@ -248,7 +292,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         tensor_parallel.register_cpu_attention_sharding()
         blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in tp_layers if l.position == "block"}
         block_plans = tensor_parallel.probe_blocks(model, blocks,
-                                                   _example_args(example_inputs, plan.micro_batch_size))
+                                                   _example_args(example_inputs, plan.micro_batch_size),
+                                                   forward_kwargs(model))
 
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)
@@ -300,7 +345,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             replicated = True
         else:
             for s in stages:
-                data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local)
+                data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local,
+                                         data_parallel.main_grads(plan))
             fsdp = True
     if not fsdp and plan.precision in _DTYPES:
         for s in stages:
@@ -332,9 +378,14 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     schedule = None
     if pp > 1:
         schedule = pipeline_parallel.build_schedule(plan, stages, mesh["pp"].get_group(), device, loss_fn)
-    return ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
-                         schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
-                         device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel)
+    pm = ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
+                       schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
+                       device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel)
+    pm.notes = data_parallel.zero_substitutions(plan)
+    if dist.get_rank() == 0:  # once per job, not once per GPU
+        for note in pm.notes:
+            warnings.warn(note, LoweringWarning, stacklevel=3)
+    return pm
 
 
 def _names_of(model, hs):

@@ -14,11 +14,13 @@ So the glue code between layers (the add of two embeddings, the RoPE slicing
 `rope_cos[:s]` that feeds every block) runs unchanged on every stage, and a
 non-first stage only needs dummy model inputs of the right shape.
 
-Stages are cut between blocks (the embedding layers start stage 0, the head
-layers end the last stage). Stage i lives on pp coordinate i % pp; with
+The model's inputs after the first (an attention mask, position ids) travel
+from stage to stage with the activation, so every stage's glue code sees the
+real ones. Stages are cut between blocks (the embedding layers start stage
+0, the head layers end the last stage). Stage i lives on pp coordinate i % pp; with
 interleaving a rank holds several stages, as the looped schedules expect.
-Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved ->
-ScheduleInterleaved1F1B.
+Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B (at least pp
+micro-batches, else an error), interleaved -> ScheduleInterleaved1F1B.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from autopar.errors import PlanMismatchError
+from autopar.lower.model_io import forward_kwargs, logits_of
 from autopar.lower.model_layers import ModelLayout
 
 
@@ -107,6 +110,7 @@ class StageModule(nn.Module):
         self._received = None
         self.autocast_dtype = None  # set when the plan asks for bf16/fp16 without FSDP's mixed precision
         self._dummy_inputs = dummy_inputs  # batch_size -> tuple of model inputs (shape only)
+        self._forward_kwargs = forward_kwargs(model)  # e.g. use_cache=False for Hugging Face models
         if num_stages == 1:
             self.model = model
             return
@@ -134,6 +138,14 @@ class StageModule(nn.Module):
         self.model = view
         _set(view, layout.blocks_path, new_blocks)
         for l in layout.layers:
+            if l.param_paths and ((l.position == "pre" and not self.is_first)
+                                  or (l.position == "post" and not self.is_last)):
+                # Glue code on every stage would read the root-held parameter
+                # (ViT's pos_embedding): a copy per pp rank, gradients never met.
+                raise PlanMismatchError(
+                    f"layer {l.choice.name!r} owns parameters held by no module of it "
+                    f"({', '.join(l.param_paths)}); pipeline stages cannot give later stages a stand-in",
+                    hint="move the parameter into a module (e.g. an nn.Module holding it), or plan without pp")
             if l.position == "pre" and not self.is_first:
                 for p in l.paths:
                     m = view.get_submodule(p)
@@ -164,18 +176,24 @@ class StageModule(nn.Module):
 
     def _forward(self, *args):
         if self.num_stages == 1:
-            return self.model(*args)
+            return logits_of(self.model(*args, **self._forward_kwargs))
         if self.is_first:
-            model_args = args
+            model_args, extra = args, args[1:]
         else:
-            (self._received,) = args
-            model_args = self._dummy_inputs(args[0].shape[0])
+            # (activation, *the model's other inputs), as the previous stage sent them
+            self._received, *extra = args
+            model_args = (self._dummy_inputs(args[0].shape[0])[0], *extra)
         try:
-            out = self.model(*model_args)
+            out = logits_of(self.model(*model_args, **self._forward_kwargs))
         except _StageOutput as stop:
             out = stop.value
         finally:
             self._received = None
+        if extra and not self.is_last:
+            # The model's inputs after the first (an attention mask, position
+            # ids) travel with the activation: later stages' glue code needs
+            # them, and torch's stages pass tensors without gradients along.
+            return (out, *extra)
         return out
 
 
@@ -194,17 +212,33 @@ def check_stage_cuts(layout: ModelLayout, num_stages: int) -> None:
             raise PlanMismatchError(f"head layer {l.choice.name!r} must be on the last pipeline stage")
 
 
+def check_schedule(plan) -> None:
+    """The plan's schedule must be the one that runs: torch's Schedule1F1B
+    needs at least pp micro-batches (each rank warms up with pp - rank
+    forwards) and interleaving a multiple of pp. Running GPipe instead would
+    hold all micro-batches' activations at once, the memory the plan did not
+    price, so a plan asking for it is an error, not a fallback."""
+    pp, n_mb = plan.mesh.pp, plan.num_micro_batches
+    if pp == 1:
+        return
+    if plan.schedule == "1f1b" and n_mb < pp:
+        raise PlanMismatchError(
+            f"schedule 1f1b with pp={pp} needs at least {pp} micro-batches, the plan has {n_mb}",
+            hint=f"use num_micro_batches >= {pp} (global batch >= {pp * plan.mesh.dp * plan.micro_batch_size}), "
+                 f"or schedule 'gpipe'")
+    if plan.schedule == "interleaved" and n_mb % pp:
+        raise PlanMismatchError(
+            f"interleaved 1F1B needs micro-batches ({n_mb}) divisible by pp ({pp})",
+            hint=f"use a multiple of {pp} micro-batches, or schedule '1f1b'")
+
+
 def build_schedule(plan, stage_modules: list[StageModule], pp_group, device, loss_fn):
+    check_schedule(plan)
     n_stages = len(stage_modules) * plan.mesh.pp
     stages = [PipelineStage(m, m.stage_index, n_stages, device, group=pp_group) for m in stage_modules]
     n_mb = plan.num_micro_batches
     if plan.schedule == "interleaved" or len(stages) > 1:
-        if n_mb % plan.mesh.pp:
-            raise PlanMismatchError(f"interleaved 1F1B needs micro-batches ({n_mb}) divisible by pp ({plan.mesh.pp})")
         return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
-    if plan.schedule == "1f1b" and n_mb >= plan.mesh.pp:
+    if plan.schedule == "1f1b":
         return Schedule1F1B(stages[0], n_mb, loss_fn=loss_fn)
-    # gpipe; also 1f1b with fewer micro-batches than stages, which torch's
-    # Schedule1F1B rejects: with so few micro-batches 1F1B has no steady
-    # state and runs the same order as GPipe (all forwards, then backwards).
     return ScheduleGPipe(stages[0], n_mb, loss_fn=loss_fn)

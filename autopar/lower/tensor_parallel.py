@@ -12,9 +12,13 @@ cost model charges). Only the sub-module's output leaves as a plain tensor.
 
 Which Linear is column- and which row-parallel is read from the data flow of
 one traced forward (FakeTensorMode, no memory, no weights touched), not from
-names: in a sub-module of a block, a Linear that consumes the sub-module's
-input is column-parallel, the Linear whose output is the sub-module's output
-is row-parallel. Sub-modules that fit neither stay replicated.
+names: in a sub-module of a block, a Linear that consumes one of the
+sub-module's tensor arguments (positional or keyword: Hugging Face calls
+`self_attn(hidden_states=...)`) is column-parallel, the last other Linear,
+producing the shape of the sub-module's output (the first element when it
+returns `(output, weights)`), is row-parallel. Sub-modules that fit neither
+stay replicated. transformers' Conv1D counts as a Linear with a transposed
+weight (tp_styles.py).
 
 Layer styles (`LayerChoice.tp_style`):
   vocab            embeddings split over the vocabulary (RowwiseParallel on
@@ -34,10 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from autopar.errors import PlanMismatchError
+from autopar.lower.tp_styles import (ReplicateModuleInputs, TransposedColwiseParallel, TransposedRowwiseParallel,
+                                     is_linear)
 
 _SDPA_REGISTERED = False
 
@@ -46,25 +52,37 @@ def register_cpu_attention_sharding() -> None:
     """DTensor ships sharding rules for the CUDA attention kernels only; on CPU
     SDPA lowers to `_scaled_dot_product_flash_attention_for_cpu`. Attention is
     independent per batch row and per head, so dims 0 and 1 of (b, heads, s, d)
-    may be sharded, like the CUDA rules say."""
+    may be sharded, like the CUDA rules say; an attention mask (padding)
+    follows q on a sharded dim it spans and is replicated where it broadcasts."""
     global _SDPA_REGISTERED
     if _SDPA_REGISTERED:
         return
     from torch.distributed.tensor.experimental import register_sharding
     aten = torch.ops.aten
 
+    def mask_placement(attn_mask, query, d):
+        # The keyword-only attn_mask needs a placement too (DTensor counts
+        # keyword tensors among the inputs): split with q where it has q's
+        # extent on that dim, replicated where it broadcasts (size 1).
+        if attn_mask is None:
+            return []
+        return [Shard(d) if d is not None and attn_mask.shape[d] == query.shape[d] and attn_mask.shape[d] > 1
+                else Replicate()]
+
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def _fwd(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-        rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None])]
+        rules = [([Replicate(), Replicate()],
+                  [Replicate(), Replicate(), Replicate(), None, None] + mask_placement(attn_mask, query, None))]
         for d in (0, 1):
-            rules.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]))
+            rules.append(([Shard(d), Shard(d)],
+                          [Shard(d), Shard(d), Shard(d), None, None] + mask_placement(attn_mask, query, d)))
         return rules
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
     def _bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
-        rules = [([Replicate()] * 3, [Replicate()] * 6 + [None, None])]
+        rules = [([Replicate()] * 3, [Replicate()] * 6 + [None, None] + mask_placement(attn_mask, query, None))]
         for d in (0, 1):
-            rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]))
+            rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None] + mask_placement(attn_mask, query, d)))
         return rules
 
     _SDPA_REGISTERED = True
@@ -78,6 +96,7 @@ class SubModulePlan:
     colwise: list[str] = field(default_factory=list)
     rowwise: str | None = None
     arg_is_tensor: list[bool] = field(default_factory=list)
+    main_input: int | str | None = None  # the argument the column-parallel Linears consume (position or keyword)
 
 
 @dataclass
@@ -87,28 +106,45 @@ class BlockPlan:
     norms: list[str]  # parameter-holding children without Linears (LayerNorm, RMSNorm)
 
 
-def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple) -> dict[int, BlockPlan]:
-    """One forward under FakeTensorMode, hooks recording which tensor object flows where."""
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]  # Hugging Face attention returns (output, weights)
+    return None
+
+
+def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple,
+                 model_kwargs: dict | None = None) -> dict[int, BlockPlan]:
+    """One forward under FakeTensorMode, hooks recording which tensor object flows where.
+
+    In each direct child of a block: Linears (or transposed Conv1D linears)
+    whose input *is* one of the child's tensor arguments are column-parallel;
+    the last other Linear called, when its output has the shape of the
+    child's output, is row-parallel (its output may still pass a dropout or
+    a bias before it leaves). Children with no such pair stay replicated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     seen: dict[int, dict] = {}
+    order = [0]
     hooks = []
 
     def record(key):
-        def hook(mod, args, out):
-            seen[key] = {"args": args, "out": out}
+        def hook(mod, args, kwargs, out):
+            order[0] += 1
+            seen[key] = {"args": args, "kwargs": kwargs, "out": out, "order": order[0]}
         return hook
 
     for bi, block in blocks.items():
-        hooks.append(block.register_forward_hook(record(id(block))))
+        hooks.append(block.register_forward_hook(record(id(block)), with_kwargs=True))
         for cname, child in block.named_children():
-            hooks.append(child.register_forward_hook(record(id(child))))
+            hooks.append(child.register_forward_hook(record(id(child)), with_kwargs=True))
             for lname, lin in child.named_modules():
-                if isinstance(lin, nn.Linear):
-                    hooks.append(lin.register_forward_hook(record(id(lin))))
+                if is_linear(lin):
+                    hooks.append(lin.register_forward_hook(record(id(lin)), with_kwargs=True))
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            model(*example_args)
+            model(*example_args, **(model_kwargs or {}))
     finally:
         for h in hooks:
             h.remove()
@@ -120,23 +156,33 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
             raise PlanMismatchError(f"block {bi} was not called by the model's forward")
         subs, norms = [], []
         for cname, child in block.named_children():
-            linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+            linears = [(n, m) for n, m in child.named_modules() if is_linear(m)]
             if not linears:
                 if any(True for _ in child.parameters()):
                     norms.append(cname)
                 continue
             crec = seen.get(id(child))
-            if crec is None or not crec["args"]:
+            if crec is None:
+                continue
+            inputs = {i: a for i, a in enumerate(crec["args"]) if isinstance(a, torch.Tensor)}
+            inputs.update({k: v for k, v in crec["kwargs"].items() if isinstance(v, torch.Tensor)})
+            out = _first_tensor(crec["out"])
+            if not inputs or out is None:
                 continue
             sub = SubModulePlan(name=cname, arg_is_tensor=[isinstance(a, torch.Tensor) for a in crec["args"]])
+            last = None
             for lname, lin in linears:
                 lrec = seen.get(id(lin))
-                if lrec is None:
+                if lrec is None or not lrec["args"]:
                     continue
-                if lrec["args"] and lrec["args"][0] is crec["args"][0]:
+                key = next((k for k, v in inputs.items() if v is lrec["args"][0]), None)
+                if key is not None:
                     sub.colwise.append(lname)
-                elif lrec["out"] is crec["out"]:
-                    sub.rowwise = lname
+                    sub.main_input = key if sub.main_input is None else sub.main_input
+                elif last is None or lrec["order"] > last[1]:
+                    last = (lname, lrec["order"], lrec["out"])
+            if last is not None and isinstance(last[2], torch.Tensor) and last[2].shape == out.shape:
+                sub.rowwise = last[0]
             if sub.colwise and sub.rowwise:
                 subs.append(sub)
         plans[bi] = BlockPlan(arg_is_tensor=[isinstance(a, torch.Tensor) for a in rec["args"]], subs=subs,
@@ -156,14 +202,11 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
         prefix = f"{sub.name}." if sub.name else ""
         # Every tensor argument becomes a replicated DTensor so ops inside mix
         # only DTensors (RoPE cos/sin buffers times sharded q, for instance).
-        styles[sub.name] = PrepareModuleInput(
-            input_layouts=_layouts(sub.arg_is_tensor, Shard(1) if sp else Replicate(), Replicate()),
-            desired_input_layouts=_layouts(sub.arg_is_tensor, Replicate(), Replicate()),
-            use_local_output=False)
+        styles[sub.name] = ReplicateModuleInputs(sub.main_input, Shard(1) if sp else Replicate())
         for name in sub.colwise:
-            styles[prefix + name] = ColwiseParallel(use_local_output=False)
-        styles[prefix + sub.rowwise] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
-                                                       use_local_output=True)
+            styles[prefix + name] = TransposedColwiseParallel(use_local_output=False)
+        styles[prefix + sub.rowwise] = TransposedRowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
+                                                                 use_local_output=True)
     if sp:
         for name in plan.norms:
             styles[name] = SequenceParallel(use_local_output=True)
@@ -186,10 +229,10 @@ def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str, loss_paralle
     for name, m in module.named_modules():
         if position == "pre" and isinstance(m, nn.Embedding):
             parallelize_module(m, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-        elif position == "post" and isinstance(m, nn.Linear):
+        elif position == "post" and is_linear(m):  # nn.Linear, or a transposed Conv1D head
             out = Shard(-1) if loss_parallel else Replicate()
-            parallelize_module(m, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=out,
-                                                           use_local_output=not loss_parallel))
+            parallelize_module(m, tp_mesh, TransposedColwiseParallel(input_layouts=Replicate(), output_layouts=out,
+                                                                     use_local_output=not loss_parallel))
 
 
 def loss_parallel_works(loss_fn, tp_mesh, logits_shape: tuple) -> bool:
