@@ -4,6 +4,7 @@ An AutoparError carries a message a person can act on (what went wrong, where,
 and what to do). The CLI prints it without a traceback and exits with
 `exit_code` (2 for bad input); library callers can catch it.
 """
+from __future__ import annotations
 
 
 class AutoparError(Exception):
@@ -28,7 +29,26 @@ class ClusterSpecError(AutoparError):
 
 
 class InfeasibleError(AutoparError):
-    """No layout fits in memory / no mesh factors the GPU count."""
+    """No layout fits in memory / no mesh factors the GPU count.
+
+    When the reason is memory, the raiser can attach what it measured so the
+    CLI can say what would fit (autopar/commands/advice.py) instead of only
+    that nothing does:
+      min_bytes_per_gpu: the smallest per-GPU footprint any layout reaches
+      capacity_bytes: usable memory per GPU of the device planned for
+      smallest_world: the smallest GPU count found to fit (None: not searched / none)
+      device: the device profile's name
+    All optional: an InfeasibleError without them prints as before.
+    """
+
+    def __init__(self, message: str, *, hint: str | None = None, min_bytes_per_gpu: float | None = None,
+                 capacity_bytes: float | None = None, smallest_world: int | None = None,
+                 device: str | None = None):
+        super().__init__(message, hint=hint)
+        self.min_bytes_per_gpu = min_bytes_per_gpu
+        self.capacity_bytes = capacity_bytes
+        self.smallest_world = smallest_world
+        self.device = device
 
 
 class PlanMismatchError(AutoparError):

@@ -48,7 +48,7 @@ def test_compile_writes_a_readable_build(tmp_path, capsys):
 def test_compile_refuses_mismatched_plans(tmp_path, capsys):
     plan_path, _ = _plan_file(tmp_path, dp=2)
     assert cli(["compile", MODEL, "--plan", str(plan_path), "--gpus", "8", "-o", str(tmp_path / "b")]) == 2
-    assert "plan is for 2 GPUs" in capsys.readouterr().err
+    assert "a plan for 2 GPUs" in capsys.readouterr().err
     other = f"{EXAMPLES / 'llama.py'}:llama_tiny"
     assert cli(["compile", other, "--plan", str(plan_path), "-o", str(tmp_path / "b")]) == 2
     assert "differs from the planned one" in capsys.readouterr().err

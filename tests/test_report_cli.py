@@ -36,7 +36,7 @@ def test_report_renders_a_saved_plan(tmp_path, saved_plan, capsys):
     (["report"], "nothing to report"),
     (["report", "model.py", "--plan", "PLAN"], "not both"),
     (["report", "--plan", "PLAN", "-o", "plan.json"], "must end in .html"),
-    (["report", "--plan", "PLAN", "-o", "/no/such/dir/plan.html"], "cannot write report"),
+    (["report", "--plan", "PLAN", "-o", "/no/such/dir/plan.html"], "/no/such/dir does not exist"),
 ])
 def test_bad_input_exits_2_with_a_message(argv, message, saved_plan, capsys):
     argv = [str(saved_plan) if a == "PLAN" else a for a in argv]

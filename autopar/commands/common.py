@@ -5,6 +5,7 @@ function that turns them into a Plan (plus the captured ModelGraph).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from autopar.errors import AutoparError, ClusterSpecError
@@ -12,8 +13,16 @@ from autopar.errors import AutoparError, ClusterSpecError
 DEFAULT_DEVICE = "h100-sxm"
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model file following the model-file convention, as path.py[:factory]")
+def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    """The shared plan options. model_required=False (report/compile with
+    --plan) makes the model positional optional; the command then checks
+    that it has either a model or a saved plan."""
+    if model_required:
+        parser.add_argument("model", help="model file following the model-file convention, as path.py[:factory]")
+    else:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="model file following the model-file convention, as path.py[:factory] "
+                                 "(optional with --plan)")
     cl = parser.add_argument_group("cluster")
     cl.add_argument("--gpus", type=int, default=None, metavar="N",
                     help="total GPU count (default: one node of the device or the --cluster file's size)")
@@ -48,6 +57,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "unproven by the first pass (default 1)")
 
 
+# Options that only matter when planning (None = not given): meaningless next to a saved --plan.
+PLANNING_OPTIONS = ("gpus", "gpus_per_node", "device", "cluster", "batch_size", "seq_len", "tp", "pp", "dp",
+                    "micro_batch", "zero", "checkpoint", "offload", "schedule", "sequence_parallel")
+
+
+def planning_options_given(args, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The planning flags set on the command line, as '--flag' (excluding `allowed`)."""
+    return ["--" + k.replace("_", "-") for k in PLANNING_OPTIONS
+            if k not in allowed and getattr(args, k, None) is not None]
+
+
+def check_report_path(path: str, flag: str) -> None:
+    """An HTML report destination that will work, checked before planning
+    (a 1,024-GPU search takes minutes; failing to write after it wastes them)."""
+    if not path.endswith((".html", ".htm")):
+        raise AutoparError(f"{flag} {path}: the report file must end in .html", hint=f"e.g. {flag} plan.html")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise AutoparError(f"{flag} {path}: folder {folder} does not exist",
+                           hint="create it first, or write the report elsewhere")
+
+
 def constraints_from_args(args) -> dict:
     keys = ("tp", "pp", "dp", "micro_batch", "zero", "checkpoint", "schedule", "sequence_parallel", "offload")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
@@ -64,22 +95,88 @@ def cluster_from_args(args):
     if args.cluster and args.device:
         raise ClusterSpecError("--cluster and --device both name the hardware; pass one of them",
                                hint="a cluster file names its device; --gpus still scales its node count")
+    if args.cluster and not os.path.isfile(args.cluster) and _looks_like_path(args.cluster):
+        raise ClusterSpecError(f"cluster file not found: {args.cluster}",
+                               hint="pass an existing YAML/JSON file, or a preset with --device "
+                                    "(e.g. --device dgx-h100)")
+    name = args.cluster or args.device or DEFAULT_DEVICE
     try:
-        base = ClusterSpec.resolve(args.cluster or args.device or DEFAULT_DEVICE)
-        d = base.to_dict()
-        gpn = args.gpus_per_node or d["gpus_per_node"]
-        gpus = args.gpus or (d["nodes"] * gpn if args.cluster else gpn)
-        if gpus < gpn:
-            if args.gpus_per_node and args.gpus_per_node > gpus:
-                raise ClusterSpecError(f"--gpus {gpus} is less than --gpus-per-node {args.gpus_per_node}")
-            gpn = gpus
-        if gpus % gpn:
-            raise ClusterSpecError(f"--gpus {gpus} is not a whole number of {gpn}-GPU nodes",
-                                   hint="pass a multiple of --gpus-per-node, or set --gpus-per-node")
+        base = ClusterSpec.resolve(name)
     except CostModelError as exc:
-        raise ClusterSpecError(str(exc)) from exc
+        if getattr(exc, "file", None) is None:  # a name, not a file: the flag is the "field"
+            flag = "--cluster" if args.cluster else "--device"
+            raise ClusterSpecError(f"{flag} {name}: {_profile_text(exc)}",
+                                   hint="a device profile with --gpus N, a preset (dgx-h100:16 = 16 nodes), "
+                                        "or a cluster file with --cluster") from None
+        raise cluster_error(exc) from None
+    d = base.to_dict()
+    gpn = args.gpus_per_node or d["gpus_per_node"]
+    gpus = args.gpus or (d["nodes"] * gpn if args.cluster else gpn)
+    if gpus < gpn:
+        if args.gpus_per_node and args.gpus_per_node > gpus:
+            raise ClusterSpecError(f"--gpus {gpus} is less than --gpus-per-node {args.gpus_per_node}",
+                                   hint=f"for a partial node drop --gpus-per-node (plans {gpus} GPUs on one node)")
+        if not args.gpus_per_node and gpn % gpus:
+            # 1, 2 or 4 GPUs of an 8-GPU node are a job's share of one; 7 or 6 are far
+            # more often a typo for 8 than a node with a dead GPU, so that takes saying.
+            raise ClusterSpecError(f"--gpus {gpus} is part of one {gpn}-GPU node of {_hardware_name(args)} and "
+                                   f"not a share that divides it",
+                                   hint=f"use --gpus {gpn} (the whole node) or a divisor of {gpn}; if the node "
+                                        f"really has {gpus} GPUs, say so: --gpus {gpus} --gpus-per-node {gpus}")
+        gpn = gpus  # part of one node (a workstation, or the GPUs a job was given)
+    if gpus % gpn:
+        raise ClusterSpecError(f"--gpus {gpus} is not a whole number of {gpn}-GPU nodes "
+                               f"({_hardware_name(args)} has {gpn} GPUs per node)",
+                               hint=node_count_hint(gpus, gpn))
     from autopar.solve.planner import scaled_cluster
-    return scaled_cluster(base, gpus // gpn, gpn)
+    try:
+        return scaled_cluster(base, gpus // gpn, gpn)
+    except CostModelError as exc:
+        raise cluster_error(exc) from None
+
+
+def _looks_like_path(value: str) -> bool:
+    return os.sep in value or value.endswith((".yaml", ".yml", ".json"))
+
+
+def _hardware_name(args) -> str:
+    return args.cluster or args.device or DEFAULT_DEVICE
+
+
+def node_count_hint(gpus: int, gpn: int) -> str:
+    """What to pass instead of a GPU count that is not whole nodes: the whole
+    node counts either side, or node sizes that divide it."""
+    below, above = (gpus // gpn) * gpn, (gpus // gpn + 1) * gpn
+    options = [f"--gpus {n} ({n // gpn} node{'s' if n // gpn > 1 else ''})" for n in (below, above) if n > 0]
+    sizes = [g for g in range(gpn - 1, 1, -1) if gpus % g == 0]
+    text = "use " + " or ".join(options)
+    if sizes:
+        text += (f"; if your nodes really have {sizes[0]} GPUs each, add --gpus-per-node {sizes[0]} "
+                 f"({gpus // sizes[0]} nodes)")
+    return text
+
+
+def _profile_text(exc) -> str:
+    """A ProfileError's own words, without the "(field 'x' in FILE)" it appends."""
+    field, file = getattr(exc, "field", None), getattr(exc, "file", None)
+    text = str(exc)
+    for suffix in (f" (field '{field}' in {file})", f" (in {file})", f" (field '{field}')"):
+        if text.endswith(suffix):
+            text = text[: -len(suffix)]
+            break
+    return text.replace('in "<unicode string>", ', "")  # yaml's name for the text it parsed
+
+
+def cluster_error(exc) -> ClusterSpecError:
+    """A cost_models ProfileError as a ClusterSpecError that leads with the file and
+    field (ProfileError says them last; the eye lands first)."""
+    field, file = getattr(exc, "field", None), getattr(exc, "file", None)
+    text = _profile_text(exc)
+    where = " ".join(x for x in (f"{file}:" if file and file != "<dict>" else "",
+                                 f"field '{field}':" if field else "") if x)
+    return ClusterSpecError(f"{where} {text}".strip() if where else text,
+                            hint="see the cluster file format in cost_models/hardware.py "
+                                 "(or docs/cost_model.md); presets: --device dgx-h100, dgx-a100, ...")
 
 
 def load_graph(args):
@@ -152,14 +249,31 @@ def check_seq_len(graph, model, seq_len) -> None:
 
 def plan_from_args(args, progress=None):
     """(Plan, ModelGraph) for the shared plan options."""
+    from autopar.errors import InfeasibleError
     from autopar.solve import plan
+    from autopar.solve.constraints import check_against_cluster, parse_constraints
 
     cluster = cluster_from_args(args)
+    # Pinned flags that cannot work (an unknown schedule, --tp 3 on 16 GPUs) fail
+    # here, in milliseconds, rather than after the model is imported and traced.
+    if not args.time_limit > 0:  # also refuses nan
+        raise AutoparError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise AutoparError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    pins = parse_constraints(constraints_from_args(args))
+    check_against_cluster(pins, cluster.world_size, args.batch_size or cluster.world_size)
     graph, loaded = load_graph(args)
-    result = plan(graph, cluster, global_batch_size=args.batch_size, constraints=constraints_from_args(args),
-                  seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5) or 5,
-                  time_limit_s=args.time_limit, progress=progress, source=args.model,
-                  fusion=getattr(args, "fusion", True), module=loaded.model)
+    try:
+        result = plan(graph, cluster, global_batch_size=args.batch_size, constraints=constraints_from_args(args),
+                      seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5),
+                      time_limit_s=args.time_limit, progress=progress, source=args.model,
+                      fusion=getattr(args, "fusion", True), module=loaded.model)
+    except InfeasibleError as exc:
+        # The advice under an out-of-memory error compares devices with this one.
+        if exc.capacity_bytes is None:
+            exc.capacity_bytes = cluster.device_profile.memory_bytes
+        exc.device = exc.device or cluster.device_profile.name
+        raise
     return result, graph
 
 
@@ -170,5 +284,5 @@ def stderr_is_tty() -> bool:
         return False
 
 
-__all__ = ["add_plan_arguments", "plan_from_args", "cluster_from_args", "constraints_from_args", "load_graph",
+__all__ = ["add_plan_arguments", "node_count_hint", "cluster_error", "plan_from_args", "cluster_from_args", "constraints_from_args", "load_graph",
            "capture_loaded", "check_seq_len", "AutoparError"]

@@ -12,8 +12,9 @@ import re
 import sys
 import time
 
-from autopar.commands.common import add_plan_arguments, plan_from_args, stderr_is_tty
+from autopar.commands.common import add_plan_arguments, check_report_path, plan_from_args, stderr_is_tty
 from autopar.errors import AutoparError
+from autopar.report.format import bytes_
 
 GB = 1e9
 
@@ -26,8 +27,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    # Checked before minutes of planning, not after.
     if args.top < 0:
         raise AutoparError(f"--top must be >= 0, got {args.top}")
+    if args.html:
+        check_report_path(args.html, "--html")
     t0 = time.perf_counter()
     plan, graph = _plan_with_progress(args)
     wall = time.perf_counter() - t0
@@ -125,10 +129,12 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     m, p = plan.model, plan.predicted
     cl = plan.cluster
     world = plan.mesh.world_size
+    seq = f", seq {plan.seq_len}" if plan.seq_len else ""  # images and MLPs have no sequence axis
+    nodes = cl.get("nodes")
     console.print(f"[bold]{m.get('name')}[/] ({_fmt_count(m.get('total_params', 0))} parameters, "
-                  f"{m.get('num_layers')} layers, seq {plan.seq_len}) on {world} x {cl.get('device')} "
-                  f"({cl.get('nodes')} nodes x {cl.get('gpus_per_node')}), global batch {plan.global_batch_size}, "
-                  f"{plan.precision}")
+                  f"{m.get('num_layers')} layers{seq}) on {world} x {cl.get('device')} "
+                  f"({nodes} node{'s' if nodes != 1 else ''} x {cl.get('gpus_per_node')}), "
+                  f"global batch {plan.global_batch_size}, {plan.precision}")
     if plan.constraints:
         console.print("pinned: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.constraints.items())))
 
@@ -145,23 +151,28 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     speed = Table(title="Predicted", show_header=True, header_style="bold")
     for col in ("step time", "tokens/s", "TFLOP/s per GPU", "MFU"):
         speed.add_column(col, justify="right")
-    speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.tokens_per_s), f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}")
+    tflops = f"{p.tflops_per_gpu:.0f}" if p.tflops_per_gpu >= 10 else f"{p.tflops_per_gpu:.2g}"
+    speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.tokens_per_s), tflops, f"{p.mfu:.1%}")
     console.print(speed)
     if p.time_breakdown:
         parts = [f"{k.removesuffix('_s').replace('_', ' ')} {_fmt_time(v)}" for k, v in p.time_breakdown.items()
                  if k.endswith("_s") and k != "step_time_s" and isinstance(v, (int, float)) and v > 0]
         console.print("per step: " + ", ".join(parts))
 
-    memt = Table(title="Memory per GPU (GB)", show_header=True, header_style="bold")
+    # One unit for the whole table, chosen by its largest number: GB for real models,
+    # MB / kB for the tiny ones people try first (0.0 GB everywhere reads as a bug).
+    largest = max(p.peak_memory_bytes, default=0.0)
+    unit, scale = next(((u, s) for u, s in (("GB", GB), ("MB", 1e6), ("kB", 1e3)) if largest >= s), ("B", 1.0))
+    memt = Table(title=f"Memory per GPU ({unit})", show_header=True, header_style="bold")
     for col in ("pp rank", "model states", "activations", "buffers", "total", "of capacity"):
         memt.add_column(col, justify="right")
     for r, peak in enumerate(p.peak_memory_bytes):
         b = p.memory_breakdown[r] if r < len(p.memory_breakdown) else {}
         cap = b.get("capacity") or 0.0
         states = sum(b.get(k, 0.0) for k in ("params", "grads", "optimizer"))
-        memt.add_row(str(r), f"{states / GB:.1f}", f"{b.get('activations', 0.0) / GB:.1f}",
-                     f"{b.get('buffers', 0.0) / GB:.1f}", f"{peak / GB:.1f}",
-                     _bar(peak, cap, 10) + (f" of {cap / GB:.0f}" if cap else ""))
+        memt.add_row(str(r), f"{states / scale:.1f}", f"{b.get('activations', 0.0) / scale:.1f}",
+                     f"{b.get('buffers', 0.0) / scale:.1f}", f"{peak / scale:.1f}",
+                     _bar(peak, cap, 10) + (f" of {bytes_(cap, 0)}" if cap else ""))
     console.print(memt)
 
     st = Table(title="Stages and per-layer choices", show_header=True, header_style="bold")

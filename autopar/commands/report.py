@@ -13,68 +13,30 @@ from __future__ import annotations
 import argparse
 import os
 
-from autopar.errors import AutoparError, PlanMismatchError
-
-
-def _common():
-    try:
-        from autopar.commands import common
-    except ImportError:
-        return None
-    return common if hasattr(common, "add_plan_arguments") and hasattr(common, "plan_from_args") else None
+from autopar.errors import AutoparError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    common = _common()
-    if common is not None:
-        common.add_plan_arguments(p)
-        # With --plan there is no model to plan, so the model argument the
-        # planner declares as required becomes optional here; run() checks
-        # that exactly one of the two is given.
-        for action in p._actions:  # argparse has no public API to relax an added positional
-            if action.dest == "model" and not action.option_strings:
-                action.nargs, action.required, action.default = "?", False, None
-    else:
-        p.add_argument("model", nargs="?", default=None, help="model file (path.py or path.py:factory)")
+    from autopar.commands.common import add_plan_arguments
+
+    # With --plan there is no model to plan; run() checks that exactly one is given.
+    add_plan_arguments(p, model_required=False)
     p.add_argument("--plan", dest="plan_file", metavar="PLAN.json", default=None,
                    help="render a plan saved with `autopar plan ... --json` instead of planning")
     p.add_argument("-o", "--output", metavar="FILE.html", default="plan.html",
                    help="where to write the report (default: plan.html)")
 
 
-def _load_plan(path: str):
-    from autopar.plan import Plan
-
-    if not os.path.isfile(path):
-        raise AutoparError(f"plan file not found: {path}",
-                           hint="save one with `autopar plan MODEL --gpus N --json > plan.json`")
-    try:
-        return Plan.load(path)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        # Plan.from_dict names schema problems itself; a hand-edited file can still miss a field.
-        if isinstance(exc, AutoparError):
-            raise
-        raise PlanMismatchError(f"{path} is not a valid autopar plan: {type(exc).__name__}: {exc}",
-                                hint="regenerate it with `autopar plan ... --json`") from exc
-
-
 def _plan_from_model(args):
-    common = _common()
-    if common is None:
-        raise AutoparError("planning from a model file is not available in this build (autopar.commands.common is missing)",
-                           hint="render a saved plan instead: autopar report --plan plan.json -o plan.html")
-    result = _with_progress(common, args)
-    # plan_from_args may return the plan alone or (plan, graph); the graph adds parameter counts.
-    if isinstance(result, tuple):
-        plan, graph = result[0], (result[1] if len(result) > 1 else None)
-    else:
-        plan, graph = result, None
-    return plan, graph
+    """(Plan, ModelGraph) planned from the model file (reports/regenerate.py calls this too)."""
+    from autopar.commands import common
+
+    return _with_progress(common, args)
 
 
 def _with_progress(common, args):
     """plan_from_args, with a spinner on stderr when it is a terminal (a 1,024-GPU search takes minutes)."""
-    if not getattr(common, "stderr_is_tty", lambda: False)():
+    if not common.stderr_is_tty():
         return common.plan_from_args(args)
     from rich.console import Console
 
@@ -95,12 +57,21 @@ def run(args) -> int:
     if not args.plan_file and not model:
         raise AutoparError("nothing to report: give a model file or --plan plan.json",
                            hint="e.g. autopar report examples/gpt.py:gpt3_175b --gpus 1024 --device a100-80g -o plan.html")
+    from autopar.commands.common import check_report_path
+
+    check_report_path(args.output, "-o")  # before minutes of planning, not after
     if args.plan_file:
-        plan, graph = _load_plan(args.plan_file), None
+        from autopar.commands.common import planning_options_given
+        from autopar.commands.plan_file import load_plan_file
+
+        ignored = planning_options_given(args)
+        if ignored:  # silently drawing the saved plan would look like those flags were applied
+            raise AutoparError(f"{', '.join(ignored)} would be ignored: --plan renders the saved plan as it is",
+                               hint="drop them, or re-plan: autopar report MODEL " + " ".join(ignored) + " ...")
+
+        plan, graph = load_plan_file(args.plan_file), None
     else:
         plan, graph = _plan_from_model(args)
-    if not args.output.endswith((".html", ".htm")):
-        raise AutoparError(f"report file must end in .html: {args.output}", hint="e.g. -o plan.html")
     write_html(plan, args.output, graph=graph)
     size = os.path.getsize(args.output)
     print(f"wrote {args.output} ({size / 1024:.0f} KiB): {plan.model.get('name', 'model')} on "

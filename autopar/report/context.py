@@ -131,7 +131,6 @@ def hand_checks(plan) -> list[dict]:
     parts = [k for k, _ in tables.TIME_PARTS if k in tb]
     if parts and p.step_time_s:
         total = sum(float(tb[k]) for k in parts)
-        gap = total / p.step_time_s - 1
         out.append({"what": "step time", "formula": " + ".join(parts),
                     "filled": " + ".join(f"{float(tb[k]):.4g}" for k in parts),
                     "value": fmt.seconds(total), "plan": fmt.seconds(p.step_time_s),

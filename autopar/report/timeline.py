@@ -17,6 +17,11 @@ from cost_models.errors import CostModelError
 # Drawing every micro-batch of a 192-micro-batch step gives thousands of
 # boxes nobody can read; the steady state repeats, so a few rounds show it.
 MAX_DRAWN_ROUNDS = 2
+# A deep interleaved pipeline draws 2 x pp x V boxes per micro-batch (pp 16,
+# V 6: 192), so two rounds would be 6,000 boxes, each ~2 px wide on a
+# 1,000 px chart and a 1.6 MB page. Fewer micro-batches are drawn when the
+# box count would pass this; gantt.py then merges back-to-back slivers.
+MAX_DRAWN_BOXES = 3000
 
 
 @dataclass(frozen=True)
@@ -30,12 +35,19 @@ class Event:
 
 
 def drawn_micro_batches(plan) -> int:
-    """How many micro-batches the chart shows: all, or enough for warm-up, steady state and drain."""
+    """How many micro-batches the chart shows: all, or enough for warm-up, steady
+    state and drain, and no more than MAX_DRAWN_BOXES boxes allow.
+
+    Drawing fewer changes only the picture: the step time, bubble and every
+    other number come from the Plan, which simulated all of them.
+    """
     pp, m = plan.mesh.pp, plan.num_micro_batches
-    limit = max(8, MAX_DRAWN_ROUNDS * pp)
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    boxes_per_micro_batch = 2 * pp * v  # a forward and a backward per stage
+    limit = min(max(8, MAX_DRAWN_ROUNDS * pp), max(1, MAX_DRAWN_BOXES // boxes_per_micro_batch))
     if m <= limit:
         return m
-    if plan.schedule == "interleaved":  # Megatron's interleaving needs a multiple of pp
+    if plan.schedule == "interleaved" and pp > 1:  # Megatron's interleaving needs a multiple of pp
         return max(pp, (limit // pp) * pp)
     return limit
 
