@@ -106,3 +106,20 @@ def test_cluster_file_and_html_report(capsys, tmp_path):
     assert html.exists() and "<html" in html.read_text().lower()
     code, _, err = run_cli(capsys, "plan", f"{GPT}:gpt_tiny", "--cluster", str(cluster), "--device", "a100-80g")
     assert code == 2 and "pass one of them" in err
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_top_sets_how_many_alternatives_the_plan_keeps(capsys, top):
+    code, out, err = run_cli(capsys, "plan", f"{GPT}:gpt_tiny", "--gpus", "8", "--device", "cpu", "--top", str(top),
+                             "--json")
+    assert code == 0, err
+    alternatives = Plan.from_json(out).alternatives
+    assert len(alternatives) <= top and (top == 0) == (alternatives == [])
+
+
+def test_tiny_models_print_memory_in_a_unit_that_shows_it(capsys):
+    code, out, err = run_cli(capsys, "plan", f"{GPT}:gpt_tiny", "--gpus", "2", "--device", "cpu")
+    assert code == 0, err
+    # gpt_tiny needs kilobytes: a GB table would print 0.0 everywhere
+    assert "Memory per GPU (GB)" not in out and ("Memory per GPU (MB)" in out or "Memory per GPU (kB)" in out)
+    assert "(1 node x 2)" in out
