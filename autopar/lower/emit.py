@@ -69,7 +69,7 @@ def main():
     # Real weights on the host. For a model larger than host memory build it
     # on "meta" and pass autopar.compile(..., init_fn=f) with f(module) doing
     # the model's own init: every rank then allocates only its shards.
-    loaded = load_model(MODEL, device="cpu")
+    loaded = load_model(MODEL, device="cpu", seq_len=plan.seq_len)  # inferred inputs at the planned length
     # No loss_fn in the model file: a Hugging Face causal LM uses its own
     # loss; any other model gets autopar's error saying what to add.
     model = autopar.compile(
@@ -103,7 +103,9 @@ if __name__ == "__main__":
     try:
         main()
     except autopar.AutoparError as exc:  # a message a person can act on, not a traceback
-        sys.exit(f"autopar: {exc}")
+        if os.environ.get("RANK", "0") == "0":  # once, not once per rank
+            print(f"autopar: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
 ''')
 
 LAUNCH_SH = Template('''\
