@@ -27,7 +27,7 @@ def add_arguments(parser) -> None:
 def _plan_from_file(args):
     """The saved plan, checked against the model and the GPU count it is compiled for."""
     from autopar.commands.common import planning_options_given
-    from autopar.commands.plan_file import load_plan_file
+    from autopar.plan_file import load_plan_file
     from autopar.lower.model_layers import resolve
     from autopar.model_file import load_model
 

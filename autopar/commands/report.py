@@ -62,7 +62,7 @@ def run(args) -> int:
     check_report_path(args.output, "-o")  # before minutes of planning, not after
     if args.plan_file:
         from autopar.commands.common import planning_options_given
-        from autopar.commands.plan_file import load_plan_file
+        from autopar.plan_file import load_plan_file
 
         ignored = planning_options_given(args)
         if ignored:  # silently drawing the saved plan would look like those flags were applied

@@ -11,15 +11,18 @@ from autopar.plan import Plan
 
 
 def load_plan(plan) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, dict):
-        return Plan.from_dict(plan)
+    from autopar.plan_file import load_plan_file, plan_problem
+
     if isinstance(plan, (str, os.PathLike)):
-        if not os.path.isfile(plan):
-            raise PlanMismatchError(f"plan file not found: {plan}")
-        return Plan.load(str(plan))
-    raise PlanMismatchError(f"plan must be a Plan, a dict or a JSON path, not {type(plan).__name__}")
+        return load_plan_file(str(plan))  # every field checked, the bad one named
+    if isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        raise PlanMismatchError(f"plan must be a Plan, a dict or a JSON path, not {type(plan).__name__}")
+    problem = plan_problem(plan)
+    if problem:  # a hand-edited plan fails here, not as a TypeError deep in the lowering
+        raise PlanMismatchError(f"the plan is not consistent: {problem}")
+    return plan
 
 
 def _plan_on_rank0(make) -> Plan:

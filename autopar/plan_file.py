@@ -1,5 +1,6 @@
-"""Read a saved plan JSON (`autopar plan ... --json > plan.json`) for `report`
-and `compile`, and refuse one that is not a plan autopar could have written.
+"""Read a saved plan JSON (`autopar plan ... --json > plan.json`) for `report`,
+`compile` and `autopar.compile(plan=...)`, and refuse one that is not a plan
+autopar could have written.
 
 Plan.from_dict checks the schema version and unknown fields; a hand-edited
 file can still be well-formed JSON with nonsense in it (tp "eight", 7 stages
