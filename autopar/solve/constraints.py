@@ -161,7 +161,8 @@ def check_against_cluster(c: Constraints, world_size: int, global_batch_size: in
         raise ConstraintError(f"{desc} = {product} GPUs, but the cluster has {world_size}",
                               hint="pp x dp x tp must equal the GPU count; leave one of them free")
     if pinned and world_size % product:
-        raise ConstraintError(f"{desc} = {product} does not divide the {world_size} GPUs of the cluster",
+        what = desc if len(pinned) == 1 else f"{desc} = {product}"
+        raise ConstraintError(f"{what} does not divide the {world_size} GPUs of the cluster",
                               hint="pp x dp x tp must equal the GPU count")
     if c.dp is not None and global_batch_size % c.dp:
         raise ConstraintError(f"global batch {global_batch_size} is not divisible by --dp {c.dp}",
