@@ -121,3 +121,32 @@ def test_emitted_training_feeds_hugging_face_models_their_labels(tmp_path):
     assert torch.equal(labels, inputs[0])
     inputs, targets = train.synthetic_batch(example, 4, 0, 0)
     assert torch.equal(targets[:, :-1], inputs[0][:, 1:])
+
+
+def test_inferred_keyword_inputs_are_fed_positionally_with_labels_as_targets(tmp_path):
+    """Capture infers `({"input_ids", "labels", "use_cache"},)` for a Hugging Face model file that
+    defines no example_inputs; lowering feeds positional tensors, so train.py and autopar.compile
+    split them: input_ids in forward order, labels as train_step's targets."""
+    import importlib.util
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from autopar.errors import AutoparError
+    from autopar.lower.emit import write_build
+    from autopar.lower.model_io import positional_inputs
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    inferred = lambda b: ({"input_ids": torch.randint(0, 64, (b, 8)), "labels": torch.randint(0, 64, (b, 8)),  # noqa: E731
+                           "use_cache": False},)
+    split = positional_inputs(model, inferred)
+    inputs, targets = split(3)
+    assert len(inputs) == 1 and inputs[0].shape == (3, 8) and targets.shape == (3, 8)
+    assert positional_inputs(model, lambda b: (torch.zeros(b, 8, dtype=torch.long),)) is None  # already positional
+    with pytest.raises(AutoparError, match="not the first parameters"):  # a keyword the forward takes later
+        positional_inputs(model, lambda b: ({"labels": torch.zeros(b, 8), "inputs_embeds": torch.zeros(b, 8, 32)},))(2)
+    model_gpt, _ = gpt.gpt_tiny()
+    write_build(str(tmp_path), plan_for_model(model_gpt), MODEL)
+    spec = importlib.util.spec_from_file_location("emitted_train_split", tmp_path / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    inputs, labels = train.synthetic_batch(inferred, 4, 0, 0, shift=False, split=split)
+    assert inputs[0].shape == (4, 8) and labels.shape == (4, 8) and not torch.equal(labels, inputs[0])

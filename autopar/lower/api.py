@@ -89,5 +89,9 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         # A hand-written plan (or one saved with --no-fusion) lists no chains:
         # find them on the model itself, as the planner would have.
         model = apply_fusions(model, plan.fusions or find_fusions(model))
+    from autopar.lower.model_io import positional_inputs
+    split = positional_inputs(model, example_inputs)
+    if split is not None:  # capture's inferred keyword inputs: labels become train_step's targets
+        example_inputs = lambda batch: split(batch)[0]  # noqa: E731
     return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                  optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch)

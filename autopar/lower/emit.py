@@ -39,18 +39,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, $source_dir)  # the model file's own imports (siblings) resolve as at plan time
 
 import autopar  # noqa: E402
+from autopar.lower.model_io import positional_inputs  # noqa: E402
 from autopar.model_file import load_model  # noqa: E402
 
 MODEL = os.path.join(HERE, "model.py") + $factory_suffix
 PLAN = os.path.join(HERE, "plan.json")
 
 
-def synthetic_batch(example_inputs, global_batch, step, seed, shift=True):
-    """Random tokens, the same on every rank; targets = inputs shifted by one
-    for the model file's loss_fn, or the inputs themselves (labels) for a
-    Hugging Face model's own loss, which shifts them itself."""
+def synthetic_batch(example_inputs, global_batch, step, seed, shift=True, split=None):
+    """Random tokens, the same on every rank; targets = the inputs' own labels
+    when they carry some (inferred Hugging Face inputs), else inputs shifted
+    by one for the model file's loss_fn, or the inputs themselves (labels) for
+    a Hugging Face model's own loss, which shifts them itself."""
     torch.manual_seed(seed + 1000 + step)
-    inputs = example_inputs(global_batch)
+    if split is not None:
+        inputs, targets = split(global_batch)
+        if targets is not None:
+            return inputs, targets
+    else:
+        inputs = example_inputs(global_batch)
     targets = torch.roll(inputs[0], shifts=-1, dims=1) if shift else inputs[0]
     return inputs, targets
 
@@ -70,6 +77,8 @@ def main():
     # on "meta" and pass autopar.compile(..., init_fn=f) with f(module) doing
     # the model's own init: every rank then allocates only its shards.
     loaded = load_model(MODEL, device="cpu", seq_len=plan.seq_len)  # inferred inputs at the planned length
+    # Inferred inputs are keywords (input_ids=..., labels=...): fed positionally, labels as targets.
+    split = positional_inputs(loaded.model, loaded.example_inputs)
     # No loss_fn in the model file: a Hugging Face causal LM uses its own
     # loss; any other model gets autopar's error saying what to add.
     model = autopar.compile(
@@ -88,7 +97,7 @@ def main():
             inputs, targets = data[step % len(data)]
         else:
             inputs, targets = synthetic_batch(loaded.example_inputs, plan.global_batch_size, step, args.seed,
-                                              shift=loaded.loss_fn is not None)
+                                              shift=loaded.loss_fn is not None, split=split)
         loss = model.train_step(inputs, targets)
         losses.append(loss)
         if rank == 0:

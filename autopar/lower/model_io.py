@@ -43,6 +43,40 @@ def forward_kwargs(model: nn.Module) -> dict:
     return {}
 
 
+TARGET_KEYS = ("labels", "targets")
+
+
+def positional_inputs(model: nn.Module, example_inputs):
+    """Capture's inferred inputs for Hugging Face / nanoGPT-style models are
+    keywords (`({"input_ids": x, "labels": y, "use_cache": False},)`), while
+    lowering feeds the model positional tensors and takes the labels as
+    train_step's targets (they must be split into micro-batches and sent
+    between stages). Returns `batch -> (inputs tuple, targets or None)`, or
+    None when the inputs are positional already. The keyword tensors must be
+    the first parameters of the model's forward, in its order."""
+    make = example_inputs if callable(example_inputs) else (lambda batch: example_inputs)
+    first = make(1)
+    first = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+    if not first or not isinstance(first[-1], dict):
+        return None
+    params = [n for n in inspect.signature(model.forward).parameters if n not in ("self",)]
+
+    def split(batch: int):
+        args = make(batch)
+        args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+        *positional, kw = args
+        targets = next((kw[k] for k in TARGET_KEYS if isinstance(kw.get(k), torch.Tensor)), None)
+        tensors = {k: v for k, v in kw.items() if isinstance(v, torch.Tensor) and k not in TARGET_KEYS}
+        order = params[len(positional):len(positional) + len(tensors)]
+        if sorted(order) != sorted(tensors):
+            raise AutoparError(
+                f"the keyword inputs {sorted(tensors)} are not the first parameters of "
+                f"{type(model).__name__}.forward ({', '.join(params[:6])}, ...): they cannot be fed positionally",
+                hint="give the model file an example_inputs(batch_size) returning positional tensors")
+        return tuple(positional) + tuple(tensors[k] for k in order), targets
+    return split
+
+
 def logits_of(out):
     """The tensor a stage hands on: the model's output, or its logits."""
     if isinstance(out, torch.Tensor):
