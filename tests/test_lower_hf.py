@@ -229,12 +229,15 @@ def test_tensor_parallel_roles_of_hf_blocks_come_from_data_flow():
     assert is_transposed_linear(hf_model("hf_gpt2").transformer.h[0].attn.c_attn)
 
 
-def test_keyword_example_inputs_are_refused_with_what_to_pass_instead():
-    """Refused before any process group is needed."""
+def test_example_inputs_lowering_cannot_feed_are_refused_with_what_to_pass_instead():
+    """Keyword inputs (capture's inferred form) are fed positionally, labels as targets; what cannot
+    be fed that way is refused before any process group is needed."""
     from autopar.lower import compile
     model = hf_model("hf_llama")
     plan = plan_for_model(model)
     x = torch.zeros(1, 16, dtype=torch.long)
-    with pytest.raises(AutoparError, match=r"positional tensors.*#1 \(dict\)") as err:
-        compile(model, example_inputs=(x, {"labels": x}), loss_fn=None, plan=plan)
+    with pytest.raises(AutoparError, match=r"positional tensors.*#1 \(str\)") as err:
+        compile(model, example_inputs=(x, "not a tensor"), loss_fn=None, plan=plan)
     assert "labels go to train_step" in err.value.hint
+    with pytest.raises(AutoparError, match="not the first parameters"):  # inputs_embeds is forward's 5th
+        compile(model, example_inputs=({"inputs_embeds": torch.zeros(1, 16, 64)},), loss_fn=None, plan=plan)
