@@ -113,12 +113,8 @@ def _warm_start(problem: StageProblem, max_moves: int | None) -> tuple[list, lis
             if budget <= 0:
                 return None
             budget -= 1
-            # layers of one group, chunk and option are interchangeable: one class
-            classes: dict = {}
-            for i in layers:
-                classes.setdefault((p.layer_group[i], stage_of[i] // p.pp, option_of[i]), []).append(i)
             best = None
-            for (g, chunk, before), members in classes.items():
+            for (g, chunk, before), members in _classes(p, layers, stage_of, option_of).items():
                 opts = p.group_options[g]
                 cur = opts[before]
                 for k, o in enumerate(opts):
@@ -142,17 +138,31 @@ def _warm_start(problem: StageProblem, max_moves: int | None) -> tuple[list, lis
             if best is None:
                 return None
             _, moved, k = best
-            for i in moved:
-                opts = p.group_options[p.layer_group[i]]
-                mem._apply(opts[option_of[i]], stage_of[i] // p.pp, -1)
-                mem._apply(opts[k], stage_of[i] // p.pp, +1)
-                option_of[i] = k
+            _move(p, moved, k, stage_of, option_of, mem)
             memory = mem.total()
         # moves take whole classes of identical layers, so a few rounds suffice
         _improve(p, r, layers, stage_of, option_of, mem, budget=min(2 * len(layers), 12))
     if evaluate(p, stage_of, option_of) is None:
         return None
     return stage_of, option_of
+
+
+def _classes(p: StageProblem, layers: list, stage_of: list, option_of: list) -> dict:
+    """Layers of one group, chunk and option are interchangeable: one class each,
+    keyed (group, chunk, option), members in layer order."""
+    classes: dict = {}
+    for i in layers:
+        classes.setdefault((p.layer_group[i], stage_of[i] // p.pp, option_of[i]), []).append(i)
+    return classes
+
+
+def _move(p: StageProblem, moved: list, k: int, stage_of: list, option_of: list, mem: _RankMemory) -> None:
+    """Switch the `moved` layers to option k, keeping the rank's memory tally in step."""
+    for i in moved:
+        opts = p.group_options[p.layer_group[i]]
+        mem._apply(opts[option_of[i]], stage_of[i] // p.pp, -1)
+        mem._apply(opts[k], stage_of[i] // p.pp, +1)
+        option_of[i] = k
 
 
 def _improve(p: StageProblem, r: int, layers: list, stage_of: list, option_of: list, mem: _RankMemory,
@@ -165,11 +175,8 @@ def _improve(p: StageProblem, r: int, layers: list, stage_of: list, option_of: l
         return p.rank_weight * o.time + p.step_weight * o.step
 
     for _ in range(budget):
-        classes: dict = {}
-        for i in layers:
-            classes.setdefault((p.layer_group[i], stage_of[i] // p.pp, option_of[i]), []).append(i)
         best = None
-        for (g, chunk, before), members in classes.items():
+        for (g, chunk, before), members in _classes(p, layers, stage_of, option_of).items():
             opts = p.group_options[g]
             cur = opts[before]
             for k, o in enumerate(opts):
@@ -190,8 +197,4 @@ def _improve(p: StageProblem, r: int, layers: list, stage_of: list, option_of: l
         if best is None:
             return
         _, moved, k = best
-        for i in moved:
-            opts = p.group_options[p.layer_group[i]]
-            mem._apply(opts[option_of[i]], stage_of[i] // p.pp, -1)
-            mem._apply(opts[k], stage_of[i] // p.pp, +1)
-            option_of[i] = k
+        _move(p, moved, k, stage_of, option_of, mem)
