@@ -179,12 +179,8 @@ def _identified_micro_batches(rows: list[dict]) -> dict:
     for key, specs in groups.items():
         per_replica = [s.layout.micro_batch_size * s.layout.num_micro_batches for s in specs]
         points = [(n, float(_csv_row(rows, s)["step_time_s"])) for n, s in zip(per_replica, specs)]
-        found[key] = identify_micro_batch(points, specs[0].layout.pp, per_replica)
+        found[key] = {**identify_micro_batch(points, specs[0].layout.pp, per_replica), "rows": len(specs)}
     return found
-
-
-def _group_of(spec: Run) -> list[Run]:
-    return [s for s in RUNS if s.micro_batch_from_step_times == spec.micro_batch_from_step_times]
 
 
 def run(csv_path: Path) -> list[dict]:
@@ -203,7 +199,7 @@ def run(csv_path: Path) -> list[dict]:
             b = ident["micro_batch_size"]
             layout = Layout(**{**layout.to_dict(), "micro_batch_size": b, "num_micro_batches": per_replica // b})
             assumed = (f"micro-batch {b}, identified from the published step times of the "
-                       f"{len(_group_of(spec))} rows (slope {ident['slot_per_sample_s'] * 1e3:.0f} ms per sample, "
+                       f"{ident['rows']} rows (slope {ident['slot_per_sample_s'] * 1e3:.0f} ms per sample, "
                        f"intercept {ident['intercept_s']:.1f} s = {ident['ratio']:.2f} x (pp-1) slots); " + assumed)
         if layout.checkpoint is None:  # unstated: what a practitioner (and our planner) picks
             base = layout
