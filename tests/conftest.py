@@ -9,7 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-SHARED = ROOT.parent / "shared"
+# Reference figures the tests check against; each file's source is in the
+# README beside it. Nothing outside the checkout is read.
+REFERENCE = ROOT / "benchmarks" / "reference"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 

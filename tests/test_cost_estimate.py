@@ -3,7 +3,7 @@ import csv
 import time
 
 import pytest
-from conftest import SHARED
+from conftest import REFERENCE
 
 from cost_models.analytic import block, gpt, llama, model_flops_per_step
 from cost_models.errors import CostModelError
@@ -32,7 +32,7 @@ VARIANTS = {"baseline": (False, "none"), "sequence parallel": (True, "none"), "f
 
 
 def _table4():
-    with open(SHARED / "reference" / "korthikanti_table4_layer_times.csv") as f:
+    with open(REFERENCE / "korthikanti_table4_layer_times.csv") as f:
         return list(csv.DictReader(f))
 
 

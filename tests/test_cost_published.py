@@ -9,7 +9,7 @@ step times identify (benchmarks/published_runs.identify_micro_batch).
 import sys
 
 import pytest
-from conftest import ROOT, SHARED
+from conftest import REFERENCE, ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_runs  # noqa: E402
@@ -19,7 +19,7 @@ CURRENT_TOLERANCE = 0.20
 
 @pytest.fixture(scope="module")
 def results():
-    return published_runs.run(SHARED / "reference" / "published_runs.csv")
+    return published_runs.run(REFERENCE / "published_runs.csv")
 
 
 def test_every_row_priced_and_fits(results):
@@ -83,7 +83,7 @@ def test_mtnlg_step_times_identify_micro_batch_two():
     them has a 197 ms per-sample slope and a 12.7 s intercept, 1.9 pipeline slots of (pp - 1):
     micro-batch 2 (micro-batch 1 would need 6 s per step outside the pipeline)."""
     import csv
-    with open(SHARED / "reference" / "published_runs.csv") as f:
+    with open(REFERENCE / "published_runs.csv") as f:
         rows = list(csv.DictReader(f))
     found = published_runs._identified_micro_batches(rows)["MT-NLG-530B"]
     assert found["micro_batch_size"] == 2

@@ -1,4 +1,4 @@
-"""Never worse than the hand plan: for every published run (../shared/reference/
+"""Never worse than the hand plan: for every published run (benchmarks/reference/
 published_runs.csv, layouts as benchmarks/published_runs.py reads them), the
 unconstrained plan's predicted throughput is at least that of the published
 layout pinned with the constraint flags, under the same cost model."""

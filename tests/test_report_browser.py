@@ -2,11 +2,14 @@
 errors, draws its charts (non-blank screenshot with the charts' colours in
 it, SVG elements in the live DOM) and prints it to PDF.
 
-Needs /usr/bin/chromium (Debian package `chromium`, installed by .ci/run);
-skipped with that reason when it is absent.
+Needs /usr/bin/chromium (Debian package `chromium`, installed by .ci/run).
+Where it is absent these tests skip, naming what to install; under CI (the
+`CI` variable set) they fail instead, so a CI run can never pass with the
+browser checks silently left out.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import struct
@@ -23,7 +26,17 @@ from test_report_fixtures import make_plan, make_small_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
+
+
+@pytest.fixture(autouse=True)
+def _needs_chromium():
+    if CHROMIUM is not None:
+        return
+    why = "chromium is not installed: `apt-get install chromium` (Debian) runs these browser checks"
+    if os.environ.get("CI"):
+        pytest.fail(f"{why}; under CI it is required (.ci/run installs it)")
+    pytest.skip(why)
+
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
