@@ -6,16 +6,16 @@ Public entry points:
     autopar.compile(model, cluster_spec, ...)   -> ParallelModel  (autopar/lower/)
     autopar.Plan, autopar.ClusterSpec, autopar.AutoparError
 
-The solver (ortools) and the lowering stack (torch.distributed pipelining,
-FSDP, DTensor) load on first use, so `autopar inspect` and `--help` do not
-pay for them.
+Everything that imports torch, sympy or ortools (capture, the solver, the
+lowering stack) loads on first use, so `autopar --help` and a mistyped flag
+answer at once (tests/test_cli_startup.py checks that nothing heavy loads).
 
 Note: `capture` and `plan` are also the names of a subpackage and a module.
-Python sets a package attribute only when a submodule is first loaded, so
+Python sets a package attribute when a submodule is first loaded, so
 `autopar.plan` (the module) is loaded below before the function of the same
-name is defined, and `autopar.capture` is imported before its function is
-bound. Inside autopar, always write `from autopar.plan import Plan` (never
-`import autopar.plan as ...`).
+name is defined, and the subpackage `autopar.capture` is callable: it is the
+function too (autopar/capture/__init__.py). Inside autopar, always write
+`from autopar.plan import Plan` (never `import autopar.plan as ...`).
 """
 from __future__ import annotations
 
@@ -23,24 +23,35 @@ __version__ = "0.1.0"
 
 from autopar.errors import AutoparError  # noqa: E402
 from autopar.plan import Plan  # noqa: E402  (loads the module autopar.plan first)
-from cost_models.hardware import ClusterSpec  # noqa: E402
-from autopar.capture import ModelGraph, capture  # noqa: E402
 
 __all__ = ["capture", "ModelGraph", "plan", "compile", "ParallelModel", "Plan", "ClusterSpec", "AutoparError"]
 
 
 def plan(model, cluster_spec, *args, **kwargs) -> Plan:
-    """Search for the best layout: `autopar.solve.plan` (see its docstring)."""
+    """Search for the best layout: `autopar.solve.plan` (see its docstring).
+    precision= ('bf16' default, 'fp16', 'fp32') is the training compute dtype."""
+    from autopar.plan import check_precision
     from autopar.solve import plan as solve_plan
 
+    if "precision" in kwargs:
+        check_precision(kwargs["precision"])
     return solve_plan(model, cluster_spec, *args, **kwargs)
 
 
 def __getattr__(name: str):
-    # compile and ParallelModel live in autopar.lower, whose name clashes with
-    # nothing here, so they can load lazily.
+    # Loaded on first use (torch, sympy): compile and ParallelModel from autopar.lower,
+    # ClusterSpec from cost_models, capture (the callable subpackage) and ModelGraph.
     if name in ("compile", "ParallelModel"):
         import autopar.lower as lower
 
         return getattr(lower, name)
+    if name == "ClusterSpec":
+        from cost_models.hardware import ClusterSpec
+
+        return ClusterSpec
+    if name in ("capture", "ModelGraph"):
+        import importlib
+
+        package = importlib.import_module("autopar.capture")  # binds autopar.capture to the package
+        return package if name == "capture" else package.ModelGraph
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -38,17 +38,21 @@ class InfeasibleError(AutoparError):
       capacity_bytes: usable memory per GPU of the device planned for
       smallest_world: the smallest GPU count found to fit (None: not searched / none)
       device: the device profile's name
+      fixes: the changes planned and found to fit (autopar/solve/what_fits.py):
+        dicts with `change` 'release' | 'gpus' | 'device'; [] = none found,
+        None = not searched
     All optional: an InfeasibleError without them prints as before.
     """
 
     def __init__(self, message: str, *, hint: str | None = None, min_bytes_per_gpu: float | None = None,
                  capacity_bytes: float | None = None, smallest_world: int | None = None,
-                 device: str | None = None):
+                 device: str | None = None, fixes: list[dict] | None = None):
         super().__init__(message, hint=hint)
         self.min_bytes_per_gpu = min_bytes_per_gpu
         self.capacity_bytes = capacity_bytes
         self.smallest_world = smallest_world
         self.device = device
+        self.fixes = fixes
 
 
 class PlanMismatchError(AutoparError):

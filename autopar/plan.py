@@ -19,10 +19,31 @@ from autopar.errors import PlanMismatchError
 
 SCHEMA_VERSION = 1
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Without a pipeline (pp = 1) the micro-batches run one after another and
+# accumulate gradients: that schedule has one name, `accumulate`, everywhere
+# (Plan, JSON, terminal, report). Plans saved before it said "1f1b" or "gpipe".
+ACCUMULATE = "accumulate"
+SCHEDULES = ("gpipe", "1f1b", "interleaved", ACCUMULATE)
+PRECISIONS = ("bf16", "fp16", "fp32")  # training compute dtype
 CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")  # "params" offloads optimizer state too
 TP_STYLES = ("replicate", "colwise_rowwise", "vocab", "sequence")
+
+
+def check_precision(precision) -> str:
+    """`precision` if it is one autopar plans for; a named AutoparError otherwise."""
+    if precision not in PRECISIONS:
+        raise PlanMismatchError(f"precision must be bf16, fp16 or fp32, got {precision!r}",
+                                hint="the training compute dtype: bf16 (default), fp16 or fp32 (e.g. on CPU ranks)")
+    return precision
+
+
+def schedule_name(pp, schedule):
+    """The schedule's one name: `accumulate` for every pp = 1 spelling
+    (older plans' "1f1b" / "gpipe"), the schedule itself otherwise."""
+    if pp == 1 and schedule in ("gpipe", "1f1b"):
+        return ACCUMULATE
+    return schedule
 
 
 @dataclass
@@ -65,7 +86,11 @@ class Stage:
 @dataclass
 class Predicted:
     step_time_s: float = 0.0
-    tokens_per_s: float = 0.0
+    # Throughput in the model's own unit: samples/s for every model; tokens/s only for
+    # token models (the captured inputs have a sequence axis, Plan.seq_len is set),
+    # None for the rest (images): Plan.set_throughput fills both.
+    tokens_per_s: float | None = 0.0
+    samples_per_s: float = 0.0
     tflops_per_gpu: float = 0.0  # model FLOPs (no recomputation counted)
     mfu: float = 0.0
     peak_memory_bytes: list[float] = field(default_factory=list)  # per pp rank
@@ -95,6 +120,33 @@ class Plan:
     assumptions: dict = field(default_factory=dict)  # hardware profile, efficiencies, formulas
     constraints: dict = field(default_factory=dict)  # what the user pinned
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        self.schedule = schedule_name(getattr(self.mesh, "pp", None), self.schedule)
+        self.set_throughput()
+
+    @property
+    def token_model(self) -> bool:
+        """The captured inputs have a sequence axis (token ids, embedded sequences): throughput
+        is also counted in tokens. Decided by capture (seq_len), not by the model's name."""
+        return self.seq_len is not None
+
+    def set_throughput(self) -> None:
+        """samples_per_s = global batch / step time for the plan and every alternative, and
+        tokens_per_s only for a token model (None otherwise; the cost model counts an
+        image model's samples as its 'tokens'). Plans saved before samples/s get it on load."""
+        alternatives = self.alternatives if isinstance(self.alternatives, list) else []  # plan_problem names it
+        predictions = [self.predicted] + [a.get("predicted") for a in alternatives if isinstance(a, dict)]
+        for p in predictions:
+            if isinstance(p, Predicted):
+                p = p.__dict__
+            if not isinstance(p, dict):
+                continue
+            step, batch = p.get("step_time_s"), self.global_batch_size
+            if _positive(step) and _positive(batch):
+                p["samples_per_s"] = batch / step
+            if not self.token_model and "tokens_per_s" in p:
+                p["tokens_per_s"] = None
 
     # -- derived views ---------------------------------------------------
     @property
@@ -132,7 +184,14 @@ class Plan:
         unknown = set(d) - known
         if unknown:
             raise PlanMismatchError(f"plan has unknown fields: {', '.join(sorted(unknown))}")
+        from autopar.plan_file import type_problem  # field by field, before a value of the wrong type is used
+
+        problem = type_problem(d)
+        if problem:
+            raise PlanMismatchError(f"not a valid autopar plan: {problem}",
+                                    hint="was it edited by hand? regenerate it with `autopar plan ... --json`")
         d = dict(d)
+        d["alternatives"] = [_renamed_schedule(a) for a in d.get("alternatives", [])]
         d["mesh"] = Mesh(**d.get("mesh", {}))
         d["predicted"] = Predicted(**d.get("predicted", {}))
         d["stages"] = [
@@ -157,3 +216,14 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def _renamed_schedule(alternative: dict) -> dict:
+    """An alternative of an older plan file with its pp = 1 schedule under its one name."""
+    pp = (alternative.get("mesh") or {}).get("pp")
+    name = schedule_name(pp, alternative.get("schedule"))
+    return alternative if name == alternative.get("schedule") else {**alternative, "schedule": name}
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0

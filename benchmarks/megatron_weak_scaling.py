@@ -5,8 +5,10 @@ Clusters Using Megatron-LM" (SC'21), Table 1: GPT models from 1.7B to 1T
 parameters on 32 to 3072 A100-80GB (DGX A100, 8 x HDR per node), sequence
 2048, vocabulary 51200, hardware TFLOP/s per GPU counting the recomputed
 forward (the paper's eq. 3). The rows are in benchmarks/reference/
-megatron_sc21_table1.csv. They were added after the cost model's constants
-were set, as data the model never saw: nothing here is tuned.
+megatron_sc21_table1.csv. They are the held-out set: added after the cost
+model's constants were set (on the calibration set, published_runs.py), and
+no constant was changed for them. (Issue 11 re-cited the clock spread,
+1.04% -> 1.0%, for its source; that moved these rows by at most 0.2 points.)
 
 What the table leaves unstated is filled with the paper's own defaults
 (section 5): full activation recomputation, fp16 with fp32 main gradients
@@ -66,8 +68,10 @@ def render(results: list[dict]) -> str:
     for r in results:
         lines.append(f"| {r['params_B']:g}B | {r['gpus']} | {r['layout']} | {r['published']:.0f} | "
                      f"{r['predicted']:.1f} | {r['error']:+.1%} | {'yes' if r['fits'] else 'NO'} |")
-    lines += ["", f"Median absolute error {statistics.median(errors):.1%}, worst {max(errors):.1%} "
-              f"(bound {TOLERANCE:.0%} per row)."]
+    signed = statistics.median(r["error"] for r in results)
+    lines += ["", f"Median absolute error {statistics.median(errors):.1%}, signed median {signed:+.1%}, worst "
+              f"{max(errors):.1%} (bound {TOLERANCE:.0%} per row). Held out: these rows were added after the "
+              "constants were set (the calibration set is benchmarks/results/published_runs.md)."]
     return "\n".join(lines) + "\n"
 
 

@@ -8,13 +8,20 @@ matching cluster preset, and writes benchmarks/results/published_runs.md and
 TFLOP/s per GPU incl. recomputation for BLOOM and MT-NLG, model TFLOP/s for
 Llama 3, tokens/s per GPU for torchtitan).
 
+These runs are the cost model's **calibration set**: its constants were set
+while looking at them (docs/cost_model.md, "Calibration and validation"), so
+their errors measure fit, not prediction; the held-out check is
+benchmarks/megatron_weak_scaling.py. A row that ran something the model
+cannot price (torchtitan's 405B run: Float8 + torch.compile + async TP) is
+priced and listed but marked not comparable and left out of the statistics.
+
 What a row leaves unstated (virtual stages, ZeRO level, checkpointing,
 FlashAttention or not) is filled with the documented practice of that code
-base at the time and listed in the `assumed` column: nothing is tuned to make
-a row match. One unstated number is read from the published figures
-themselves: where several rows run one model and layout at different dp with
-their step times published (MT-NLG), the step times identify the micro-batch
-size (`identify_micro_batch`), with no cost-model constant involved.
+base at the time and listed in the `assumed` column. One unstated number is
+read from the published figures themselves: where several rows run one model
+and layout at different dp with their step times published (MT-NLG), the step
+times bound the micro-batch size (`identify_micro_batch`), with no cost-model
+constant involved.
 
     python3 benchmarks/published_runs.py [--csv PATH] [--out benchmarks/results]
 """
@@ -37,8 +44,8 @@ from cost_models.hardware import ClusterSpec  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
 
 DEFAULT_CSV = ROOT / "benchmarks" / "reference" / "published_runs.csv"
-TOLERANCE = 0.20  # per-row acceptance (issue 3)
-MEDIAN_TOLERANCE = 0.12
+TOLERANCE = 0.20  # issue 3's per-row target on the calibration set (reported as met or not; see render)
+MEDIAN_TOLERANCE = 0.12  # issue 3's median target
 
 
 @dataclass
@@ -54,6 +61,9 @@ class Run:
     # Rows with the same key publish step times of one model and layout at several dp:
     # their micro-batch size is identified from those step times (identify_micro_batch).
     micro_batch_from_step_times: str | None = None
+    # Why the row cannot be compared with a bf16-eager prediction (None: it can). Such a row
+    # is priced and listed, marked, and left out of the median / worst statistics.
+    not_comparable: str | None = None
 
 
 def _bloom():
@@ -126,8 +136,9 @@ RUNS += [
         Layout(tp=8, pp=8, dp=8, micro_batch_size=1, num_micro_batches=32, schedule="1f1b", sequence_parallel=True,
                zero=2, checkpoint="full"),
         "grand-teton-h100:64", "tokens_per_s_per_gpu", "tok_s_per_gpu",
-        "local batch 32 as 32 micro-batches of 1; FSDP without reshard under PP (ZeRO-2); SP. The run used "
-        "torch.compile + Float8 + AsyncTP (benchmark Table 5), priced here as bf16 eager: no fp8 GEMM path yet"),
+        "local batch 32 as 32 micro-batches of 1; FSDP without reshard under PP (ZeRO-2); SP; priced as bf16 eager",
+        not_comparable="the run used Float8 + torch.compile + async TP (benchmark Table 5); the model has no fp8 "
+                       "GEMM, compile or async-TP path, so a bf16-eager price is not a prediction of it"),
 ]
 
 
@@ -145,10 +156,12 @@ def identify_micro_batch(points: list[tuple[float, float]], pp: int, per_replica
     the pipeline (DP reduction, optimizer): with b samples per micro-batch and
     a per-sample slot tau, step = (B/dp) tau + (pp - 1) b tau + c, c >= 0. A
     least-squares line through the points gives tau (slope) and the intercept;
-    intercept / ((pp - 1) tau) = b + c / ((pp - 1) tau) is b plus a small
-    non-negative term. The nearest micro-batch size that divides every row's
-    per-replica batch is taken. Only published numbers enter: no cost-model
-    constant, so this identifies the layout, it does not tune the prediction.
+    ratio = intercept / ((pp - 1) tau) = b + c / ((pp - 1) tau), so c >= 0
+    means b <= ratio. The largest micro-batch size that keeps c >= 0 and
+    divides every row's per-replica batch is taken (floor, not round: a b above
+    the ratio would imply negative time outside the pipeline). The time outside
+    the pipeline that choice implies, c = intercept - (pp - 1) b tau, is
+    returned with it. Only published numbers enter: no cost-model constant.
     """
     if len(points) < 2:
         raise ValueError("need step times at two or more data-parallel sizes")
@@ -157,9 +170,14 @@ def identify_micro_batch(points: list[tuple[float, float]], pp: int, per_replica
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
     ratio = intercept / ((pp - 1) * slope)
-    sizes = [d for d in range(1, min(per_replica_batches) + 1) if all(n % d == 0 for n in per_replica_batches)]
-    best = min(sizes, key=lambda d: (abs(d - ratio), d))
-    return {"micro_batch_size": best, "slot_per_sample_s": slope, "intercept_s": intercept, "ratio": ratio}
+    sizes = [d for d in range(1, min(per_replica_batches) + 1)
+             if all(n % d == 0 for n in per_replica_batches) and d <= ratio]
+    if not sizes:
+        raise ValueError(f"step times imply negative time outside the pipeline even at micro-batch 1 "
+                         f"(intercept / ((pp - 1) slot) = {ratio:.2f} < 1)")
+    best = max(sizes)
+    return {"micro_batch_size": best, "slot_per_sample_s": slope, "intercept_s": intercept, "ratio": ratio,
+            "outside_pipeline_s": intercept - (pp - 1) * best * slope}
 
 
 def _csv_row(rows: list[dict], spec: Run) -> dict:
@@ -198,9 +216,11 @@ def run(csv_path: Path) -> list[dict]:
             per_replica = layout.micro_batch_size * layout.num_micro_batches
             b = ident["micro_batch_size"]
             layout = Layout(**{**layout.to_dict(), "micro_batch_size": b, "num_micro_batches": per_replica // b})
-            assumed = (f"micro-batch {b}, identified from the published step times of the "
-                       f"{ident['rows']} rows (slope {ident['slot_per_sample_s'] * 1e3:.0f} ms per sample, "
-                       f"intercept {ident['intercept_s']:.1f} s = {ident['ratio']:.2f} x (pp-1) slots); " + assumed)
+            assumed = (f"micro-batch {b}: the largest the published step times of the {ident['rows']} rows allow "
+                       f"(slope {ident['slot_per_sample_s'] * 1e3:.0f} ms per sample, intercept "
+                       f"{ident['intercept_s']:.1f} s = {ident['ratio']:.2f} x (pp-1) slots, so b <= "
+                       f"{ident['ratio']:.2f}; b = {b} leaves {ident['outside_pipeline_s']:.1f} s per step outside "
+                       f"the pipeline); " + assumed)
         if layout.checkpoint is None:  # unstated: what a practitioner (and our planner) picks
             base = layout
             for mode in ("none", "selective", "full"):
@@ -225,33 +245,59 @@ def run(csv_path: Path) -> list[dict]:
             "layout": {k: v for k, v in layout.to_dict().items() if v not in (None, {}, False)},
             "cluster": spec.cluster, "assumed": assumed, "source": row["source"],
             "time_breakdown": est.time_breakdown,
+            "counted": spec.not_comparable is None, "not_comparable": spec.not_comparable,
         })
     return results
 
 
+def counted(results: list[dict]) -> list[dict]:
+    """The rows that enter the statistics: those a bf16-eager prediction can be compared with."""
+    return [r for r in results if r.get("counted", True)]
+
+
+def statistics_of(results: list[dict]) -> dict:
+    """Median and worst |error| and the signed median over the counted rows."""
+    rows = counted(results)
+    errors = [r["error"] for r in rows]
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    return {"rows": len(rows), "median_abs": statistics.median(abs(e) for e in errors),
+            "signed_median": statistics.median(errors), "worst_abs": abs(worst["error"]), "worst_run": worst["run"]}
+
+
 def render(results: list[dict]) -> str:
-    errors = [abs(r["error"]) for r in results]
-    median = statistics.median(errors)
+    st = statistics_of(results)
     lines = [
-        "# Published training runs: predicted vs published",
+        "# Published training runs (calibration set): predicted vs published",
         "",
         "Generated by `python3 benchmarks/published_runs.py` from `benchmarks/reference/published_runs.csv`;",
-        "models built by `cost_models.analytic`, priced by `cost_models.estimate.estimate`. Nothing in the",
-        "cost model is fitted to this table (see docs/cost_model.md for every constant).",
+        "models built by `cost_models.analytic`, priced by `cost_models.estimate.estimate`. These runs are the",
+        "cost model's **calibration set**: its constants were set while looking at them, so these errors",
+        "measure how well the model fits them, not how well it predicts. The held-out check is",
+        "`benchmarks/results/megatron_weak_scaling.md`; docs/cost_model.md (\"Calibration and validation\")",
+        "gives each constant's source.",
         "",
         "| run | metric | published | predicted | error | MFU | step s (pred / pub) | peak GiB | fits | assumed |",
         "|---|---|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for r in results:
         pub_step = f"{r['published_step_time_s']:.1f}" if r["published_step_time_s"] else "-"
+        error = f"{r['error']:+.1%}" if r.get("counted", True) else f"({r['error']:+.1%}, not counted)"
         lines.append(
-            f"| {r['run']} | {r['metric']} | {r['published']:.1f} | {r['predicted']:.1f} | {r['error']:+.1%} | "
+            f"| {r['run']} | {r['metric']} | {r['published']:.1f} | {r['predicted']:.1f} | {error} | "
             f"{r['mfu']:.1%} | {r['step_time_s']:.2f} / {pub_step} | {r['peak_memory_gib']:.1f} | "
             f"{'yes' if r['fits'] else 'NO'} | {r['assumed']} |")
+    met = "met" if st["worst_abs"] <= TOLERANCE else "not met"
     lines += [
         "",
-        f"Median absolute error: {median:.1%} (acceptance: < {MEDIAN_TOLERANCE:.0%}); "
-        f"worst: {max(errors):.1%} (acceptance: every row within {TOLERANCE:.0%}).",
+        f"Over the {st['rows']} counted rows: median absolute error {st['median_abs']:.1%} (issue 3's target: "
+        f"< {MEDIAN_TOLERANCE:.0%}), signed median {st['signed_median']:+.1%}, worst {st['worst_abs']:.1%} "
+        f"({st['worst_run']}; issue 3's target of every row within {TOLERANCE:.0%}: {met}).",
+        "",
+    ]
+    for r in results:
+        if not r.get("counted", True):
+            lines.append(f"Not counted: {r['run']}: {r['not_comparable']}.")
+    lines += [
         "",
         "Metrics: `hardware_tflops` counts the recomputed forward (as BLOOM's 149.77 and MT-NLG's figures do);",
         "`model_tflops` does not; `tokens_per_s_per_gpu` is global tokens per second / GPUs.",

@@ -14,12 +14,27 @@ a `ClusterSpec`) so it can be tested and challenged on its own.
 How every number is computed, with its constants: docs/cost_model.md.
 """
 from cost_models.errors import CostModelError, ProfileError
+
+# The names below load on first use (PEP 562): `cost_models.estimate` and
+# `cost_models.workload` import sympy (a quarter of a second), and
+# `autopar --help` reads only the errors and the hardware profiles.
 # `estimate` the function is not re-exported here: it would shadow the module
 # `cost_models.estimate` that docs/INTERFACES.md names.
-from cost_models.estimate import Estimate, LayerCost, layer_cost
-from cost_models.hardware import ClusterSpec, DeviceProfile, LinkProfile, get_device, get_link
-from cost_models.layout import Layout
-from cost_models.workload import B, S, LayerSpec, ModelSpec, OpSpec, evaluate
+_LAZY = {"Estimate": "estimate", "LayerCost": "estimate", "layer_cost": "estimate",
+         "ClusterSpec": "hardware", "DeviceProfile": "hardware", "LinkProfile": "hardware",
+         "get_device": "hardware", "get_link": "hardware", "Layout": "layout",
+         "B": "workload", "S": "workload", "LayerSpec": "workload", "ModelSpec": "workload",
+         "OpSpec": "workload", "evaluate": "workload"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"cost_models.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cost_models' has no attribute {name!r}")
 
 __all__ = ["B", "S", "LayerSpec", "ModelSpec", "OpSpec", "evaluate", "ClusterSpec", "DeviceProfile", "LinkProfile",
            "get_device", "get_link", "Layout", "layer_cost", "Estimate", "LayerCost", "CostModelError",

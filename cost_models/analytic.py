@@ -194,7 +194,7 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
     params = (h * (h + 2 * kv) + h * h + (2 if gated_mlp else 1) * h * f + f * h + 2 * norm_params
               + ((h + 2 * kv) + h + f + h if bias else 0))
     sig = (f"transformer_block:h{h}:a{a}:g{g}:f{f}:gated{int(gated_mlp)}:{norm}:drop{int(dropout)}:"
-           f"{attention}:bias{int(bias)}:rope{int(rope)}:eager{int(eager)}:sac-{sac}"
+           f"{attention}:bias{int(bias)}:fusedqkv{int(fused_qkv)}:rope{int(rope)}:eager{int(eager)}:sac-{sac}"
            + (":qkv-split" if fused_qkv_split else ""))
     return LayerSpec(
         name=name or f"blocks.{index}",

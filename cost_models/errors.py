@@ -24,3 +24,14 @@ class ProfileError(CostModelError):
         if file:
             where.append(f"in {file}")
         super().__init__(f"{message} ({' '.join(where)})" if where else message)
+
+
+class ClusterSizeError(CostModelError):
+    """A GPU count that does not fill whole nodes. `message` says why, `hint`
+    the counts that would work, spelled as the caller spells them (the CLI's
+    `--gpus 16`, the API's `gpus=16`)."""
+
+    def __init__(self, message: str, *, hint: str):
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message}\n  hint: {hint}")

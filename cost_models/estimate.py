@@ -9,6 +9,8 @@ construction.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import sympy
@@ -85,7 +87,7 @@ _CORE_CACHE: dict = {}
 
 
 def _core_flags(layer: LayerSpec) -> list:
-    key = (layer.signature or id(layer), len(layer.ops))
+    key = layer_fingerprint(layer)
     if key not in _CORE_CACHE:
         _CORE_CACHE[key] = [_is_attention_core(op) for op in layer.ops]
     return _CORE_CACHE[key]
@@ -155,6 +157,66 @@ def _fused_savings_s(layer: LayerSpec, parts: dict, batch: int, seq: int) -> tup
     return out[0], out[1]
 
 
+# -- memoising layer_cost ---------------------------------------------------------
+# The cache key holds *everything* `_layer_cost` reads, derived from the objects'
+# fields rather than listed by hand: a layer's content (every LayerSpec field but its
+# name and module paths, ops included), the model's scalars, every Layout field except
+# those known not to change one layer's cost, and the cluster's cache key. A field
+# added later to LayerSpec, OpSpec, ModelSpec or Layout therefore enters the key by
+# default (a signature that forgot `fused_qkv` once returned another layer's cost).
+_LAYER_FIELDS_NOT_READ = frozenset({"name", "module_paths", "signature"})
+_MODEL_FIELDS_NOT_READ = frozenset({"name", "layers"})
+# whole-model / per-layer layout fields: layer_cost receives its zero/checkpoint/offload
+# as arguments, and schedule / virtual stages / stage split only matter to the pipeline
+_LAYOUT_FIELDS_NOT_READ = frozenset({"schedule", "virtual_stages", "stage_layers", "layer_zero", "layer_checkpoint",
+                                     "layer_offload", "zero", "checkpoint", "offload", "extra"})
+_FINGERPRINT_IDS: dict = {}  # layer content -> small int (never reused: see _next_id)
+_next_id = itertools.count()
+_FINGERPRINT_MEMO: dict = {}  # id(layer) -> (weakref, identity of its field values, fingerprint id)
+
+
+def _hashable(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_hashable(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted(((k, _hashable(v)) for k, v in x.items()), key=repr))
+    if isinstance(x, set):
+        return tuple(sorted((_hashable(v) for v in x), key=repr))
+    if hasattr(x, "__dataclass_fields__"):
+        return (type(x).__name__,) + tuple((k, _hashable(v)) for k, v in vars(x).items())
+    return x
+
+
+def layer_fingerprint(layer: LayerSpec) -> int:
+    """A small int equal for layers whose costs are equal by construction: same
+    content in every field the cost model may read (all but name / module paths /
+    signature, ops compared op by op). Memoised per layer object; re-derived when
+    any field (or any op of its list) is replaced."""
+    ident = tuple(map(id, vars(layer).values())) + tuple(map(id, layer.ops))
+    memo = _FINGERPRINT_MEMO.get(id(layer))
+    if memo is not None and memo[0]() is layer and memo[1] == ident:
+        return memo[2]
+    content = tuple((k, _hashable(v)) for k, v in vars(layer).items() if k not in _LAYER_FIELDS_NOT_READ)
+    fid = _FINGERPRINT_IDS.get(content)
+    if fid is None:
+        if len(_FINGERPRINT_IDS) > 100_000:  # a cleared content gets a fresh id: a cache miss, never a collision
+            _FINGERPRINT_IDS.clear()
+        fid = _FINGERPRINT_IDS[content] = next(_next_id)
+    if len(_FINGERPRINT_MEMO) > 100_000:
+        _FINGERPRINT_MEMO.clear()
+    _FINGERPRINT_MEMO[id(layer)] = (weakref.ref(layer), ident, fid)
+    return fid
+
+
+def _fields_key(obj, names: tuple) -> tuple:
+    return tuple([getattr(obj, k) for k in names])
+
+
+# the cost model's own types: fields a subclass adds (capture's ModelGraph: its op graph) are not read
+_MODEL_KEY_FIELDS = tuple(k for k in ModelSpec.__dataclass_fields__ if k not in _MODEL_FIELDS_NOT_READ)
+_LAYOUT_KEY_FIELDS = tuple(k for k in Layout.__dataclass_fields__ if k not in _LAYOUT_FIELDS_NOT_READ)
+
+
 _LAYER_CACHE: dict = {}
 
 
@@ -164,11 +226,13 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: Clus
     zero = layout.zero if zero is None else zero
     checkpoint = layout.checkpoint if checkpoint is None else checkpoint
     offload = layout.offload if offload is None else offload
-    key = (layer.signature or f"id{id(layer)}", layer.params, model.seq_len, model.dtype_bytes, layout.tp, layout.dp,
-           layout.pp, layout.micro_batch_size, layout.num_micro_batches, layout.sequence_parallel, layout.precision,
-           layout.optimizer, zero, checkpoint, offload, layout.main_grads, layout.p2p_blocking, layout.pp > 1,
-           cluster.cache_key(), layer.fused_bytes_saved_fwd, layer.fused_bytes_saved_bwd)
-    hit = _LAYER_CACHE.get(key)
+    key = (layer_fingerprint(layer), _fields_key(model, _MODEL_KEY_FIELDS), _fields_key(layout, _LAYOUT_KEY_FIELDS),
+           zero, checkpoint, offload, cluster.cache_key())
+    try:
+        hit = _LAYER_CACHE.get(key)
+    except TypeError:  # a field holding a list or dict: compare its contents
+        key = _hashable(key)
+        hit = _LAYER_CACHE.get(key)
     if hit is not None:
         return hit
     cost = _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload)
@@ -341,30 +405,32 @@ def balance_stages(weights: list, num_stages: int) -> list:
         return [n]
 
     def split(limit: float):
-        counts, load, count = [], 0.0, 0
+        counts, loads, load, count = [], [], 0.0, 0
         for i, w in enumerate(weights):
             left_layers = n - i
             left_stages = num_stages - len(counts)
             must_cut = count > 0 and left_layers < left_stages  # keep a layer for every later stage
             if count > 0 and (load + w > limit or must_cut) and len(counts) < num_stages - 1:
                 counts.append(count)
+                loads.append(load)
                 load, count = 0.0, 0
             load += w
             count += 1
         counts.append(count)
-        return counts
+        loads.append(load)
+        return counts, loads
 
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
         mid = (lo + hi) / 2
-        counts = split(mid)
-        fits = len(counts) <= num_stages and all(
-            sum(weights[sum(counts[:j]):sum(counts[:j + 1])]) <= mid * (1 + 1e-12) for j in range(len(counts)))
+        counts, loads = split(mid)
+        # (each run's load summed left to right, as sum() over its slice would)
+        fits = len(counts) <= num_stages and max(loads) <= mid * (1 + 1e-12)
         if fits:
             hi = mid
         else:
             lo = mid
-    counts = split(hi)
+    counts, _ = split(hi)
     while len(counts) < num_stages:  # too few runs: split the heaviest multi-layer run
         j = max((k for k in range(len(counts)) if counts[k] > 1), key=lambda k: counts[k])
         counts[j:j + 1] = [counts[j] // 2, counts[j] - counts[j] // 2]

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from cost_models.errors import CostModelError, ProfileError
+from cost_models.errors import ClusterSizeError, CostModelError, ProfileError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 GIB = 1024**3
@@ -431,6 +431,116 @@ class ClusterSpec:
             f"'{text}' is not a cluster preset ({', '.join(sorted(shipped_clusters()))}), "
             f"a device ({', '.join(sorted(shipped_devices()))}) or an existing file",
             field="cluster")
+
+
+# -- a total GPU count -> nodes x GPUs per node ------------------------------------
+CLI_SPELLING = "cli"  # --gpus 16 --gpus-per-node 8
+API_SPELLING = "api"  # gpus=16, gpus_per_node=8
+
+
+def _option(spelling: str, name: str) -> str:
+    return "--" + name.replace("_", "-") if spelling == CLI_SPELLING else name
+
+
+def _spelled(spelling: str, name: str, value) -> str:
+    return f"{_option(spelling, name)} {value}" if spelling == CLI_SPELLING else f"{name}={value}"
+
+
+def split_gpu_count(gpus: int, gpus_per_node: int, *, per_node_given: bool = False, hardware: str = "",
+                    spelling=CLI_SPELLING) -> tuple[int, int]:
+    """(nodes, gpus_per_node) for `gpus` GPUs on nodes of `gpus_per_node`.
+
+    Fewer GPUs than a node plan a share of one when the share divides it
+    (4 of 8: a job's share); 7 of 8 is refused as the likely typo for 8
+    unless the node size was given (`per_node_given`: the node really has
+    7). A count that is not whole nodes is refused with the counts either
+    side. Errors are ClusterSizeError, spelled for the CLI or the API."""
+    g = lambda value: _spelled(spelling, "gpus", value)  # noqa: E731
+    gpn_ = lambda value: _spelled(spelling, "gpus_per_node", value)  # noqa: E731
+    of = f" of {hardware}" if hardware else ""
+    if gpus < gpus_per_node:
+        if per_node_given:
+            raise ClusterSizeError(f"{g(gpus)} is less than {gpn_(gpus_per_node)}",
+                                   hint=f"for a partial node drop {_option(spelling, 'gpus_per_node')} "
+                                        f"(plans {gpus} GPUs on one node)")
+        if gpus_per_node % gpus:
+            # 1, 2 or 4 GPUs of an 8-GPU node are a job's share of one; 7 or 6 are far
+            # more often a typo for 8 than a node with a dead GPU, so that takes saying.
+            raise ClusterSizeError(f"{g(gpus)} is part of one {gpus_per_node}-GPU node{of} and not a share that "
+                                   "divides it",
+                                   hint=f"use {g(gpus_per_node)} (the whole node) or a divisor of {gpus_per_node}; "
+                                        f"if the node really has {gpus} GPUs, say so: "
+                                        f"{g(gpus)}{' ' if spelling == CLI_SPELLING else ', '}{gpn_(gpus)}")
+        return 1, gpus  # part of one node (a workstation, or the GPUs a job was given)
+    if gpus % gpus_per_node:
+        where = f" ({hardware} has {gpus_per_node} GPUs per node)" if hardware else ""
+        raise ClusterSizeError(f"{g(gpus)} is not a whole number of {gpus_per_node}-GPU nodes{where}",
+                               hint=node_count_hint(gpus, gpus_per_node, spelling))
+    return gpus // gpus_per_node, gpus_per_node
+
+
+def node_count_hint(gpus: int, gpn: int, spelling=CLI_SPELLING) -> str:
+    """What to pass instead of a GPU count that is not whole nodes: the whole
+    node counts either side, or node sizes that divide it."""
+    below, above = (gpus // gpn) * gpn, (gpus // gpn + 1) * gpn
+    options = [f"{_spelled(spelling, 'gpus', n)} ({n // gpn} node{'s' if n // gpn > 1 else ''})"
+               for n in (below, above) if n > 0]
+    sizes = [g for g in range(gpn - 1, 1, -1) if gpus % g == 0]
+    text = "use " + " or ".join(options)
+    if sizes:
+        text += (f"; if your nodes really have {sizes[0]} GPUs each, add "
+                 f"{_spelled(spelling, 'gpus_per_node', sizes[0])} ({gpus // sizes[0]} nodes)")
+    return text
+
+
+def _fields_for_gpu_count(gpus, args: tuple, kwargs: dict) -> dict:
+    """ClusterSpec's keyword fields for `ClusterSpec(gpus=N, device=..., ...)`:
+    what `autopar plan --gpus N --device ...` plans on. The device (or preset)
+    gives the node size and links; fields given explicitly win."""
+    names = [f.name for f in ClusterSpec.__dataclass_fields__.values() if f.init]
+    given = {**dict(zip(names, args)), **kwargs}
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ProfileError(f"gpus must be a positive integer, got {gpus!r}", field="gpus")
+    device = given.pop("device", "h100-sxm")
+    custom = given.get("devices") or {}
+    base = (ClusterSpec.resolve(device) if isinstance(device, str) and device not in custom
+            and (device.partition(":")[0] in shipped_devices() or device.partition(":")[0] in shipped_clusters())
+            else None)
+    fields = {k: getattr(base, k) for k in names if k != "nodes"} if base else {"device": device}
+    gpn = given.get("gpus_per_node", fields.get("gpus_per_node", 8))
+    if "nodes" in given:
+        if given["nodes"] * gpn != gpus:
+            raise ClusterSizeError(f"gpus={gpus} but nodes={given['nodes']} x gpus_per_node={gpn} = "
+                                   f"{given['nodes'] * gpn}", hint="pass gpus= or nodes=, not both")
+        nodes = given["nodes"]
+    else:
+        nodes, gpn = split_gpu_count(gpus, gpn, per_node_given="gpus_per_node" in given, hardware=str(device),
+                                     spelling=API_SPELLING)
+    return {**fields, **given, "nodes": nodes, "gpus_per_node": gpn}
+
+
+def _accept_gpu_count(cls):
+    """Let `ClusterSpec(gpus=N, ...)` take a total GPU count (see _fields_for_gpu_count)."""
+    import functools
+    import inspect
+
+    fields_init = cls.__init__
+
+    @functools.wraps(fields_init)
+    def __init__(self, *args, gpus=None, **kwargs):
+        if gpus is not None:
+            kwargs, args = _fields_for_gpu_count(gpus, args, kwargs), ()
+        fields_init(self, *args, **kwargs)
+
+    signature = inspect.signature(fields_init)
+    __init__.__signature__ = signature.replace(parameters=[
+        *signature.parameters.values(),
+        inspect.Parameter("gpus", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])
+    cls.__init__ = __init__
+    return cls
+
+
+_accept_gpu_count(ClusterSpec)
 
 
 def _preset_body(name: str, file: str | None) -> dict:

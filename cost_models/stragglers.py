@@ -10,11 +10,12 @@ slowest of N runs at mean x (1 - sigma x z(N)), where z(N) is the expected
 maximum of N standard normals (z(8) = 1.42, z(512) = 3.04, z(16384) = 3.95).
 
 sigma is the device profile's `clock_spread`, from a published measurement
-of sustained matmul rates on every GPU of a node at once (mamf-finder-all-gpus,
-stas00/ml-engineering compute/accelerator/benchmarks README: H200 700 W,
-8 GPUs x 5 rounds, MSMF range 4.5% of the mean -> sigma = 4.5% / (2 z(40)) =
-1.04%; B200 10.4% -> 2.4%). The per-kernel constants (MAMF, MSMF, sustained
-clocks) are per-GPU means, so this is the only place the spread enters.
+of performance variation across the same-SKU GPUs of whole production
+clusters (Sinha et al., "Not All GPUs Are Created Equal", SC'22, arXiv
+2208.11035: 8% on average, read as the fastest-to-slowest spread over
+N ~ 25,000 GPUs -> sigma = 8% / (2 z(N)) = 1.0%; see profiles/devices.yaml).
+The per-kernel constants (MAMF, sustained clocks) are per-GPU means, so this
+is the only place the spread enters.
 """
 from __future__ import annotations
 

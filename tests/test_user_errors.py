@@ -9,6 +9,7 @@ the module and op) and says what to do.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -204,8 +205,9 @@ def test_gpu_counts_that_do_not_factor(capsys, argv, needles):
 def test_model_that_fits_nowhere_says_what_would_fit(capsys, files):
     err = assert_user_error(capsys, ["plan", files["model"], "--cluster", files["oom"], "--time-limit", "0.2"],
                             "does not fit on 2 x tiny", "what would fit", "GB per GPU")
-    assert "smallest GPU count that fits is" in err or "more GPUs" in err
-    assert "a device with more memory" in err and "offload" in err.lower() and "micro-batch" in err
+    # only changes the planner re-planned and found to fit (tests/test_solve_what_fits.py re-runs them)
+    assert re.search(r"--gpus \d+ fits", err) and re.search(r"device: [\w.-]+ in .*oom.yaml fits", err)
+    assert "offload" in err.lower()
 
 
 def test_out_of_memory_advice_uses_the_planners_numbers():
@@ -214,9 +216,9 @@ def test_out_of_memory_advice_uses_the_planners_numbers():
     advice = infeasible_advice(exc)
     assert "120.0 GB per GPU (this device: 85.9 GB)" in advice
     assert "--gpus 32" in advice
-    # only devices that hold the smallest footprint are offered (a100-80g and h100-96g do not)
-    offered = advice.split("a device with more memory: ")[1].split(", e.g.")[0]
-    assert "h200" in offered and "a100" not in offered and "h100-96g" not in offered
+    # a device is offered only when the planner planned on it and it fit (InfeasibleError.fixes):
+    # a memory lower bound alone does not say that a larger device helps
+    assert "h200" not in advice and "device" not in advice.replace("this device", "")
     assert infeasible_advice(InfeasibleError("no valid mesh for 7 GPUs")) is None  # not a memory problem
 
 

@@ -55,11 +55,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     parser.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                         help="CP-SAT deterministic time limit (work units, about seconds) per candidate left "
                              "unproven by the first pass (default 1)")
+    parser.add_argument("--memory-headroom", type=float, default=None, metavar="H",
+                        help="share of each GPU's usable memory the plan leaves free, 0 <= H < 1: predicted peak "
+                             "<= (1 - H) x usable (default 0.1, for what the cost model does not see: optimizer "
+                             "temporaries, NCCL buffers, allocator fragmentation)")
 
 
 # Options that only matter when planning (None = not given): meaningless next to a saved --plan.
 PLANNING_OPTIONS = ("gpus", "gpus_per_node", "device", "cluster", "batch_size", "seq_len", "tp", "pp", "dp",
-                    "micro_batch", "zero", "checkpoint", "offload", "schedule", "sequence_parallel")
+                    "micro_batch", "zero", "checkpoint", "offload", "schedule", "sequence_parallel",
+                    "memory_headroom")
 
 
 def planning_options_given(args, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -109,28 +114,22 @@ def cluster_from_args(args):
                                    hint="a device profile with --gpus N, a preset (dgx-h100:16 = 16 nodes), "
                                         "or a cluster file with --cluster") from None
         raise cluster_error(exc) from None
+    from cost_models.errors import ClusterSizeError
+    from cost_models.hardware import split_gpu_count
+
     d = base.to_dict()
     gpn = args.gpus_per_node or d["gpus_per_node"]
     gpus = args.gpus or (d["nodes"] * gpn if args.cluster else gpn)
-    if gpus < gpn:
-        if args.gpus_per_node and args.gpus_per_node > gpus:
-            raise ClusterSpecError(f"--gpus {gpus} is less than --gpus-per-node {args.gpus_per_node}",
-                                   hint=f"for a partial node drop --gpus-per-node (plans {gpus} GPUs on one node)")
-        if not args.gpus_per_node and gpn % gpus:
-            # 1, 2 or 4 GPUs of an 8-GPU node are a job's share of one; 7 or 6 are far
-            # more often a typo for 8 than a node with a dead GPU, so that takes saying.
-            raise ClusterSpecError(f"--gpus {gpus} is part of one {gpn}-GPU node of {_hardware_name(args)} and "
-                                   f"not a share that divides it",
-                                   hint=f"use --gpus {gpn} (the whole node) or a divisor of {gpn}; if the node "
-                                        f"really has {gpus} GPUs, say so: --gpus {gpus} --gpus-per-node {gpus}")
-        gpn = gpus  # part of one node (a workstation, or the GPUs a job was given)
-    if gpus % gpn:
-        raise ClusterSpecError(f"--gpus {gpus} is not a whole number of {gpn}-GPU nodes "
-                               f"({_hardware_name(args)} has {gpn} GPUs per node)",
-                               hint=node_count_hint(gpus, gpn))
-    from autopar.solve.planner import scaled_cluster
+    try:  # the rule autopar.ClusterSpec(gpus=N) follows too, so both plan the same cluster
+        nodes, gpn = split_gpu_count(gpus, gpn, per_node_given=bool(args.gpus_per_node),
+                                     hardware=_hardware_name(args))
+    except ClusterSizeError as exc:
+        raise ClusterSpecError(exc.message, hint=exc.hint) from None
+    # planner.scaled_cluster, without importing the solver (ortools, sympy) for a flag check
+    scaled = {**d, "nodes": nodes, "gpus_per_node": gpn}
+    scaled.pop("world_size", None)  # derived; from_dict checks it against nodes x gpus_per_node
     try:
-        return scaled_cluster(base, gpus // gpn, gpn)
+        return ClusterSpec.from_dict(scaled, file=base.source)
     except CostModelError as exc:
         raise cluster_error(exc) from None
 
@@ -144,16 +143,10 @@ def _hardware_name(args) -> str:
 
 
 def node_count_hint(gpus: int, gpn: int) -> str:
-    """What to pass instead of a GPU count that is not whole nodes: the whole
-    node counts either side, or node sizes that divide it."""
-    below, above = (gpus // gpn) * gpn, (gpus // gpn + 1) * gpn
-    options = [f"--gpus {n} ({n // gpn} node{'s' if n // gpn > 1 else ''})" for n in (below, above) if n > 0]
-    sizes = [g for g in range(gpn - 1, 1, -1) if gpus % g == 0]
-    text = "use " + " or ".join(options)
-    if sizes:
-        text += (f"; if your nodes really have {sizes[0]} GPUs each, add --gpus-per-node {sizes[0]} "
-                 f"({gpus // sizes[0]} nodes)")
-    return text
+    """What to pass instead of a GPU count that is not whole nodes (cost_models.hardware.node_count_hint)."""
+    from cost_models.hardware import node_count_hint as hint
+
+    return hint(gpus, gpn)
 
 
 def _profile_text(exc) -> str:
@@ -193,7 +186,21 @@ def load_graph(args):
         raise AutoparError(f"--seq-len must be a positive integer, got {seq_len}")
     loaded = load_model(args.model, seq_len=seq_len)
     # Captured at bf16 whatever --precision says: the planner scales bytes by precision itself.
-    graph = capture_loaded(loaded)
+    # The model file's loss_fn runs in training, so its cost (the saved log-softmax of the
+    # logits, its bytes and FLOPs) is part of the head layer (inspect does this on --loss).
+    loss_fn = loss_fn_to_capture(loaded)
+    try:
+        graph = capture_loaded(loaded, loss_fn=loss_fn)
+    except AutoparError as exc:
+        if loss_fn is None:
+            raise
+        # A loss the meta-device trace cannot run (.item(), data-dependent code): plan the
+        # model without it, and say so rather than fail a plan that worked before.
+        graph = capture_loaded(loaded)
+        note = (f"loss_fn left out of the head layer: tracing it failed ({exc.message}); its cost is not "
+                "in this plan")
+        graph.notes.append(note)
+        print(f"autopar: {note}", file=sys.stderr)
     check_seq_len(graph, loaded.model, seq_len)
     if loaded.inputs_note:
         graph.notes.insert(0, loaded.inputs_note)
@@ -205,6 +212,14 @@ def load_graph(args):
         except AttributeError:  # a frozen graph type: the plan records the source itself
             pass
     return graph, loaded
+
+
+def loss_fn_to_capture(loaded):
+    """The model file's loss_fn, unless the inferred inputs carry labels (then the
+    model's forward computes its own loss and captures it already)."""
+    if getattr(loaded.example_inputs, "computes_loss", False):
+        return None
+    return loaded.loss_fn
 
 
 def capture_loaded(loaded, **kwargs):
@@ -260,6 +275,10 @@ def plan_from_args(args, progress=None):
         raise AutoparError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.batch_size is not None and args.batch_size < 1:
         raise AutoparError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    headroom = getattr(args, "memory_headroom", None)
+    if headroom is not None and not 0 <= headroom < 1:  # also refuses nan
+        raise AutoparError(f"--memory-headroom must be a fraction of usable memory in [0, 1), got {headroom}",
+                           hint="e.g. --memory-headroom 0.1 leaves 10% free; 0 plans up to the usable memory")
     pins = parse_constraints(constraints_from_args(args))
     check_against_cluster(pins, cluster.world_size, args.batch_size or cluster.world_size)
     graph, loaded = load_graph(args)
@@ -267,7 +286,7 @@ def plan_from_args(args, progress=None):
         result = plan(graph, cluster, global_batch_size=args.batch_size, constraints=constraints_from_args(args),
                       seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5),
                       time_limit_s=args.time_limit, progress=progress, source=args.model,
-                      fusion=getattr(args, "fusion", True), module=loaded.model)
+                      fusion=getattr(args, "fusion", True), module=loaded.model, memory_headroom=headroom)
     except InfeasibleError as exc:
         # The advice under an out-of-memory error compares devices with this one.
         if exc.capacity_bytes is None:

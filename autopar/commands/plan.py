@@ -142,17 +142,17 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     for col in ("pp", "dp", "tp", "seq. parallel", "schedule", "micro-batch", "count"):
         mesh.add_column(col, justify="right")
     sched = plan.schedule if plan.schedule != "interleaved" else f"interleaved (V={plan.virtual_stages})"
-    if plan.mesh.pp == 1:
-        sched = "none (accumulate)"
     mesh.add_row(str(plan.mesh.pp), str(plan.mesh.dp), str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
 
     speed = Table(title="Predicted", show_header=True, header_style="bold")
-    for col in ("step time", "tokens/s", "TFLOP/s per GPU", "MFU"):
+    # tokens/s only for token models (the captured inputs have a sequence axis); samples/s always
+    tokens = [_fmt_count(p.tokens_per_s)] if plan.token_model and p.tokens_per_s is not None else []
+    for col in ("step time", "samples/s", *(["tokens/s"] if tokens else []), "TFLOP/s per GPU", "MFU"):
         speed.add_column(col, justify="right")
     tflops = f"{p.tflops_per_gpu:.0f}" if p.tflops_per_gpu >= 10 else f"{p.tflops_per_gpu:.2g}"
-    speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.tokens_per_s), tflops, f"{p.mfu:.1%}")
+    speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.samples_per_s), *tokens, tflops, f"{p.mfu:.1%}")
     console.print(speed)
     if p.time_breakdown:
         parts = [f"{k.removesuffix('_s').replace('_', ' ')} {_fmt_time(v)}" for k, v in p.time_breakdown.items()
@@ -174,6 +174,9 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
                      f"{b.get('buffers', 0.0) / scale:.1f}", f"{peak / scale:.1f}",
                      _bar(peak, cap, 10) + (f" of {bytes_(cap, 0)}" if cap else ""))
     console.print(memt)
+    line = memory_limit_line(plan)
+    if line:
+        console.print(line)
 
     st = Table(title="Stages and per-layer choices", show_header=True, header_style="bold")
     for col in ("stage", "rank", "layers", "zero", "checkpoint", "offload", "tensor parallel"):
@@ -186,22 +189,37 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     console.print(st)
 
     if plan.alternatives and top:
-        alt = Table(title="Alternatives considered", show_header=True, header_style="bold")
+        alt = Table(title="Alternatives considered (fastest first)", show_header=True, header_style="bold")
         for col in ("#", "layout", "step time", "why it lost"):
             alt.add_column(col)
         for i, a in enumerate(plan.alternatives[:top], 1):
             sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
-            if a["mesh"]["pp"] == 1:
-                sched = "no pp"
             layout = (f"{a['mesh']['pp']}x{a['mesh']['dp']}x{a['mesh']['tp']}"
                       + (" SP" if a.get("sequence_parallel") else "")
                       + f", {sched}, mb {a['micro_batch_size']}x{a['num_micro_batches']}")
             step = a.get("predicted", {}).get("step_time_s")
-            why = a["why"] if a["status"] == "slower" else f"[red]{a['why']}[/]"
+            why = f"[red]{a['why']}[/]" if a["status"] == "oom" else a["why"]
             alt.add_row(str(i), layout, _fmt_time(step) if step else "-", why)
         console.print(alt)
     s = plan.solver
-    console.print(f"[dim]solver: {s.get('status')} (gap {s.get('gap', 0):.2%}), {s.get('candidates')} candidate "
+    gap = s.get("gap", 0)
+    console.print(f"[dim]solver: {s.get('status')}" + (f" (gap {gap:.2%})" if gap is not None else "")
+                  + f", {s.get('candidates')} candidate "
                   f"layouts, {s.get('solved')} solved, {s.get('pruned_by_bound')} pruned by bound, "
                   f"{s.get('oom')} out of memory"
                   + (f"; planned in {wall_s:.1f} s (capture included)" if wall_s is not None else "") + "[/]")
+    if s.get("note"):  # the Plan is not the solver's own answer: say why, and that nothing is proven
+        console.print(f"[dim]chosen: {s['note']}[/]")
+
+
+def memory_limit_line(plan) -> str | None:
+    """'memory limit 70.6 GB per GPU: usable 78.5 GB less the 10% headroom' (plans that record one)."""
+    s = plan.solver or {}
+    limit, headroom = s.get("memory_limit_bytes"), s.get("memory_headroom")
+    if not isinstance(limit, (int, float)) or not isinstance(headroom, (int, float)):
+        return None  # a plan saved before the headroom existed
+    caps = [b.get("capacity") for b in plan.predicted.memory_breakdown if b.get("capacity")]
+    usable = f"usable {bytes_(caps[0], 1)} less the {headroom:.0%} headroom" if caps else f"{headroom:.0%} headroom"
+    fullest = max(plan.predicted.peak_memory_bytes, default=0.0)
+    return (f"memory limit {bytes_(limit, 1)} per GPU ({usable}, --memory-headroom); "
+            f"fullest GPU {fullest / limit:.0%} of it")

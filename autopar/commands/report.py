@@ -76,5 +76,7 @@ def run(args) -> int:
     size = os.path.getsize(args.output)
     print(f"wrote {args.output} ({size / 1024:.0f} KiB): {plan.model.get('name', 'model')} on "
           f"{plan.mesh.world_size} GPUs, pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp}, "
-          f"{plan.predicted.tokens_per_s:,.0f} tokens/s predicted")
+          + (f"{plan.predicted.tokens_per_s:,.0f} tokens/s ({plan.predicted.samples_per_s:,.1f} samples/s) predicted"
+             if plan.token_model and plan.predicted.tokens_per_s is not None
+             else f"{plan.predicted.samples_per_s:,.1f} samples/s predicted"))
     return 0

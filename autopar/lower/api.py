@@ -7,7 +7,7 @@ import torch
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower.parallel_model import ParallelModel, lower
-from autopar.plan import Plan
+from autopar.plan import Plan, check_precision
 
 
 def load_plan(plan) -> Plan:
@@ -51,7 +51,7 @@ def _plan_on_rank0(make) -> Plan:
 def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global_batch_size: int | None = None,
             loss_fn=None, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
-            local_batch: bool = False) -> ParallelModel:
+            local_batch: bool = False, precision: str | None = None) -> ParallelModel:
     """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
 
     Call it in every process of a torchrun/SLURM job (or after
@@ -62,7 +62,11 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     Hugging Face causal LM's own loss. `init_fn(module)` initialises a
     meta-device model module by module (parameters and buffers; default for
     Hugging Face models: their `_init_weights`); real weights are kept.
+    `precision` ('bf16', 'fp16', 'fp32'; None: the plan's, or bf16 when
+    planning here) is the training compute dtype, planned and run.
     """
+    if precision is not None:
+        check_precision(precision)
     if plan is None:
         try:
             from autopar.solve import plan as make_plan
@@ -74,6 +78,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size}
         if constraints:
             kwargs["constraints"] = constraints
+        if precision is not None:
+            kwargs["precision"] = precision
         def make():
             from autopar.lower.model_layers import model_signature
             made = make_plan(model, cluster_spec, **kwargs)
@@ -81,6 +87,10 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             return made
         plan = _plan_on_rank0(make)
     plan = load_plan(plan)
+    if precision is not None and precision != plan.precision:
+        raise PlanMismatchError(f"precision {precision} was asked for, but the plan's is {plan.precision}",
+                                hint=f"drop precision= to train in the plan's {plan.precision}, or re-plan with "
+                                     f"precision={precision!r} (its memory and speed differ)")
     if global_batch_size is not None and global_batch_size != plan.global_batch_size:
         raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "
                                 f"{plan.global_batch_size}")

@@ -63,8 +63,6 @@ def summary(plan) -> dict:
     nodes, gpn = int(c.get("nodes", 1) or 1), int(c.get("gpus_per_node", 8) or 8)
     seq = plan.seq_len or m.get("seq_len")
     sched = plan.schedule + (f" (V={plan.virtual_stages})" if plan.schedule == "interleaved" else "")
-    if plan.mesh.pp == 1:  # worded as `autopar plan` words it
-        sched = "none (gradient accumulation)"
     peak_mem = max(p.peak_memory_bytes) if p.peak_memory_bytes else None
     cap = _capacity(plan)
     return {
@@ -84,8 +82,9 @@ def summary(plan) -> dict:
         "sequence_parallel": "on" if plan.sequence_parallel else "off",
         "precision": plan.precision,
         "step_time": fmt.seconds(p.step_time_s),
-        "tokens_per_s": fmt.si(p.tokens_per_s, rate_unit(plan)),
-        "tokens_per_s_per_gpu": fmt.si(p.tokens_per_s / plan.mesh.world_size, rate_unit(plan)) if p.tokens_per_s else fmt.DASH,
+        "tokens_per_s": fmt.si(rate_value(plan), rate_unit(plan)),
+        "tokens_per_s_per_gpu": (fmt.si(rate_value(plan) / plan.mesh.world_size, rate_unit(plan)) if rate_value(plan)
+                                 else fmt.DASH),
         "tflops": fmt.tflops(p.tflops_per_gpu),
         "mfu": fmt.percent(p.mfu),
         "peak_memory": fmt.bytes_(peak_mem),
@@ -121,7 +120,7 @@ def hand_checks(plan) -> list[dict]:
         out.append({"what": "samples/s", "formula": "global_batch_size / step_time",
                     "filled": f"{plan.global_batch_size} / {p.step_time_s:.4g} s",
                     "value": fmt.si(plan.global_batch_size / p.step_time_s, "samples/s"),
-                    "plan": fmt.si(p.tokens_per_s, "samples/s"), "note": ""})
+                    "plan": fmt.si(p.samples_per_s, "samples/s"), "note": ""})
     peak = _peak_flops(plan)
     if peak and p.tflops_per_gpu:
         out.append({"what": "MFU", "formula": "model TFLOP/s per GPU / peak TFLOP/s",
@@ -187,9 +186,15 @@ def link_rows(plan) -> list[dict]:
 
 
 def rate_unit(plan) -> str:
-    """Throughput unit: tokens for sequence models; samples (images) when the model has no sequence axis,
-    where the cost model's tokens_per_s counts samples (tokens_per_sample = 1)."""
-    return "tok/s" if (plan.seq_len or plan.model.get("seq_len")) else "samples/s"
+    """Throughput unit: tokens for token models (the captured inputs have a sequence axis);
+    samples (images) otherwise, where the Plan carries samples_per_s and no tokens_per_s."""
+    return "tok/s" if plan.token_model else "samples/s"
+
+
+def rate_value(plan) -> float:
+    """The plan's predicted throughput in rate_unit(plan)."""
+    p = plan.predicted
+    return p.tokens_per_s if rate_unit(plan) == "tok/s" and p.tokens_per_s is not None else p.samples_per_s
 
 
 def _critical_rank(plan) -> int | None:

@@ -158,7 +158,7 @@ def alternative_rows(plan, unit: str = "tok/s") -> list[dict]:
     rows = []
     for i, a in enumerate(plan.alternatives):
         p = a.get("predicted") or {}
-        tps = p.get("tokens_per_s")
+        tps = p.get("tokens_per_s") if unit == "tok/s" else p.get("samples_per_s", p.get("tokens_per_s"))
         peak = p.get("peak_memory_bytes")
         if isinstance(peak, (list, tuple)):
             peak = max(peak) if peak else None

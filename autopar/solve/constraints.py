@@ -16,15 +16,15 @@ from dataclasses import asdict, dataclass
 from autopar.errors import AutoparError
 
 KNOWN_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "checkpoint", "schedule",
-              "sequence_parallel", "offload")
+              "sequence_parallel", "offload", "memory_headroom")
 CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "accumulate")  # accumulate: no pipeline (pp 1)
 
 # CLI spelling of each key, so messages name the flag a person typed.
 FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "micro_batch": "--micro-batch", "zero": "--zero",
         "checkpoint": "--checkpoint", "schedule": "--schedule", "sequence_parallel": "--sequence-parallel",
-        "offload": "--offload"}
+        "offload": "--offload", "memory_headroom": "--memory-headroom"}
 
 
 class ConstraintError(AutoparError):
@@ -43,6 +43,10 @@ class Constraints:
     virtual_stages: int | None = None  # from "interleaved:V"
     sequence_parallel: bool | None = None
     offload: str | None = None
+    # share of usable GPU memory to leave free (planner.DEFAULT_MEMORY_HEADROOM when None);
+    # a limit on the plan rather than a layout knob, accepted here so that
+    # autopar.compile(constraints=...) can pass it on
+    memory_headroom: float | None = None
 
     def to_dict(self) -> dict:
         """The pinned values only (what a Plan records under `constraints`)."""
@@ -76,7 +80,8 @@ def parse_schedule(value: str) -> tuple[str, int | None]:
     name, _, v = text.partition(":")
     if name not in SCHEDULES:
         raise ConstraintError(f"--schedule {value!r} is not a schedule",
-                              hint="use gpipe, 1f1b, interleaved or interleaved:V (V virtual stages per pp rank)")
+                              hint="use gpipe, 1f1b, interleaved or interleaved:V (V virtual stages per pp rank), "
+                                   "or accumulate for no pipeline")
     if not v:
         return name, None
     if name != "interleaved":
@@ -126,6 +131,12 @@ def parse_constraints(raw: dict | Constraints | None) -> Constraints:
         out["schedule"], v = parse_schedule(raw["schedule"])
         if v is not None:
             out["virtual_stages"] = v
+    if raw.get("memory_headroom") is not None:
+        h = raw["memory_headroom"]
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise ConstraintError(f"--memory-headroom must be a fraction of usable memory in [0, 1), got {h!r}",
+                                  hint="e.g. 0.1 leaves 10% of each GPU's usable memory free; 0 plans to the limit")
+        out["memory_headroom"] = float(h)
     if raw.get("sequence_parallel") is not None:
         sp = raw["sequence_parallel"]
         if not isinstance(sp, bool):
@@ -144,6 +155,9 @@ def _check_contradictions(c: Constraints) -> None:
     if c.schedule == "interleaved" and c.pp == 1:
         raise ConstraintError("--schedule interleaved contradicts --pp 1: interleaving needs a pipeline",
                               hint="pin --pp >= 2 or drop --schedule")
+    if c.schedule == "accumulate" and c.pp not in (None, 1):
+        raise ConstraintError(f"--schedule accumulate contradicts --pp {c.pp}: accumulate is the schedule "
+                              "without a pipeline", hint="drop --pp, or pin --schedule gpipe, 1f1b or interleaved")
     if c.offload == "params" and c.zero is not None and c.zero != 3:
         raise ConstraintError(f"--offload params needs --zero 3 (parameters are offloaded shard by shard), got --zero {c.zero}")
     if c.offload == "optimizer" and c.zero == 0:

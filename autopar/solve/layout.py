@@ -10,14 +10,16 @@ from collections import Counter
 
 from cost_models.layout import Layout
 
+from autopar.plan import ACCUMULATE
 from autopar.solve.search_space import Candidate
 
 
 def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
                      checkpoint: str = "none", offload: str = "none") -> Layout:
     """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model)."""
+    # The cost model names no schedule for pp = 1 (it runs one 1F1B stage whatever it is told).
     return Layout(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.micro_batch_size,
-                  num_micro_batches=c.num_micro_batches, schedule=c.schedule,
+                  num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
                   virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
                   checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer)
 

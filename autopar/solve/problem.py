@@ -412,6 +412,9 @@ def _layer_classes(problem: StageProblem) -> list[tuple[int, float, int]]:
     return list(_classes(tuple(p.layer_group), p.pp, p.virtual_stages, _vectors_key(p)))
 
 
+layer_classes = _layer_classes  # public name: refine.py bounds uniform layouts with memory_floor's terms
+
+
 @lru_cache(maxsize=4096)
 def _classes(layer_group: tuple, pp: int, v: int, chunk_counts: tuple) -> tuple:
     counts: dict = {}

@@ -85,7 +85,8 @@ class TableBuilder:
     """Builds the StageProblem of each candidate from the cost model."""
 
     def __init__(self, model, cluster, *, constraints: Constraints | None = None, precision: str = "bf16",
-                 optimizer: str = "adam", stage_time_overhead=None, reserve_bytes=None, offload: bool = False):
+                 optimizer: str = "adam", stage_time_overhead=None, reserve_bytes=None, offload: bool = False,
+                 capacity_bytes: float | None = None):
         self.model = model
         self.cluster = cluster
         self.precision = precision
@@ -103,11 +104,14 @@ class TableBuilder:
             self.group_of.append(index[sig])
         self._rows: dict = {}
         self._canonical: dict = {}
+        self._bound_problems: dict = {}
         self._overheads: dict = {}
         self._outputs: dict = {}
         self._stage_time_overhead = stage_time_overhead or self.p2p_overhead
         self._reserve_bytes = reserve_bytes or (lambda cand: DDP_BUCKET_BYTES if cand.dp > 1 else 0.0)
-        self.capacity_bytes = float(cluster.device_profile.usable_memory_bytes)
+        # what layers may use per GPU: usable memory, less the planner's headroom when it gives one
+        self.capacity_bytes = float(cluster.device_profile.usable_memory_bytes if capacity_bytes is None
+                                    else capacity_bytes)
         self.layer_cost_calls = 0
 
     def _layer_rows(self, cand: Candidate) -> list[list[tuple]]:
@@ -203,7 +207,15 @@ class TableBuilder:
         return out
 
     def bound_problem(self, cand: Candidate) -> StageProblem:
-        """A StageProblem whose optimum is at most the real one (for bounds only)."""
+        """A StageProblem whose optimum is at most the real one (for bounds only).
+        Built once per candidate (the search bounds it, the uniform-layout check reads it)."""
+        hit = self._bound_problems.get(cand)
+        if hit is not None:
+            return hit
+        self._bound_problems[cand] = problem = self._bound_problem(cand)
+        return problem
+
+    def _bound_problem(self, cand: Candidate) -> StageProblem:
         canon = self._canonical_costs(cand)
         group_options = []
         for per_ckpt in canon:
