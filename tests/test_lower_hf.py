@@ -187,7 +187,7 @@ def test_one_f_one_b_with_too_few_micro_batches_is_an_error_not_gpipe():
 
 
 def test_model_outputs_and_losses():
-    from autopar.lower.model_io import HFCausalLMLoss, forward_kwargs, logits_of, resolve_loss_fn
+    from autopar.lower.model_io import HFTokenLoss, forward_kwargs, logits_of, resolve_loss_fn
     model = hf_model("hf_llama")
     torch.manual_seed(0)
     x = torch.randint(0, HF_VOCAB, (2, 8))
@@ -195,7 +195,7 @@ def test_model_outputs_and_losses():
     assert forward_kwargs(model) == {"use_cache": False} and out.past_key_values is None
     assert logits_of(out) is out.logits and logits_of((out.logits,)) is out.logits
     loss_fn = resolve_loss_fn(model, None)
-    assert isinstance(loss_fn, HFCausalLMLoss)
+    assert isinstance(loss_fn, HFTokenLoss) and loss_fn.shift
     # the model's own loss, as its forward computes it with labels
     assert torch.equal(loss_fn(out.logits, x), model(x, labels=x).loss)
     # token weighting: sum / (scored tokens) is the same mean for one share
@@ -209,6 +209,43 @@ def test_model_outputs_and_losses():
     with pytest.raises(AutoparError, match="needs loss_fn") as err:
         resolve_loss_fn(torch.nn.Linear(2, 2), None)
     assert "cross_entropy" in err.value.hint
+
+
+def test_own_loss_is_the_models_own_or_refused():
+    """loss_fn=None reproduces what model(x, labels=y).loss computes (masked LM
+    and seq2seq score every position, causal LMs the shifted ones), with the
+    global-batch token weighting; any other own loss is refused, never
+    approximated by a causal-LM loss."""
+    import transformers as T
+    from autopar.lower.model_io import resolve_loss_fn
+    torch.manual_seed(0)
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    bert = T.BertForMaskedLM(T.BertConfig(**small, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+    x = torch.randint(0, 64, (2, 8))
+    labels = torch.full_like(x, -100)
+    labels[:, 2] = x[:, 2]
+    labels[1, 5] = x[1, 5]
+    loss_fn = resolve_loss_fn(bert, None)
+    assert not loss_fn.shift
+    logits = bert(x).logits
+    assert torch.allclose(loss_fn(logits, labels), bert(x, labels=labels).loss, rtol=1e-6)
+    loss_fn.tokens_per_share = float(loss_fn.scored_tokens(labels))  # one share: the same mean
+    assert loss_fn.tokens_per_share == 3
+    assert torch.allclose(loss_fn(logits, labels), bert(x, labels=labels).loss, rtol=1e-6)
+
+    t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)).eval()
+    dec = t5._shift_right(x)
+    t5_loss = resolve_loss_fn(t5, None)
+    assert torch.allclose(t5_loss(t5(x, decoder_input_ids=dec).logits, x), t5(x, labels=x).loss, rtol=1e-6)
+
+    classifier = T.BertForSequenceClassification(T.BertConfig(**small))
+    with pytest.raises(AutoparError, match="cannot reproduce exactly") as err:
+        resolve_loss_fn(classifier, None)
+    assert "loss_fn" in err.value.hint
+    moe = T.MixtralForCausalLM(T.MixtralConfig(**small, num_local_experts=2, output_router_logits=True))
+    with pytest.raises(AutoparError, match="router load-balancing loss"):
+        resolve_loss_fn(moe, None)
 
 
 def test_tensor_parallel_roles_of_hf_blocks_come_from_data_flow():

@@ -93,25 +93,65 @@ def logits_of(out):
              "loss_fn(logits, targets)")
 
 
+_NEEDS_LOSS_FN = "e.g. loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())"
+
+
 def resolve_loss_fn(model: nn.Module, loss_fn):
-    """The user's loss_fn, or a Hugging Face causal LM's own loss."""
+    """The user's loss_fn, or the loss the model computes for its own labels
+    when autopar can reproduce it exactly (`own_token_loss`)."""
     if loss_fn is not None:
         if not callable(loss_fn):
             raise AutoparError(f"loss_fn must be callable as loss_fn(logits, targets), got {type(loss_fn).__name__}")
         return loss_fn
-    own = getattr(model, "loss_function", None) if is_hf_model(model) else None
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if own is None or vocab is None:
+    return own_token_loss(model)
+
+
+def own_token_loss(model: nn.Module) -> "HFTokenLoss":
+    """A Hugging Face model's own loss, as its forward computes it from `labels`.
+
+    Reproduced exactly (value, gradient, and the mean over the global
+    batch's scored tokens across micro-batches and dp ranks) for the two
+    token cross-entropies transformers' models use:
+      * causal LM: `self.loss_function` resolving to ForCausalLMLoss
+        (labels shifted by one inside the loss);
+      * masked LM and sequence-to-sequence: ForMaskedLMLoss, or the
+        forward's own `CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))`
+        in ...ForMaskedLM / ...ForConditionalGeneration (no shift: T5 and
+        BART shift the labels into `decoder_input_ids`, not into the loss).
+    Anything else (classification, regression, router auxiliary losses, a
+    custom loss in forward) is refused rather than approximated: training
+    a different objective silently is worse than asking for `loss_fn`."""
+    name = type(model).__name__
+    if not is_hf_model(model):
+        raise AutoparError("autopar.compile needs loss_fn(logits, targets) returning the mean loss of a micro-batch",
+                           hint=_NEEDS_LOSS_FN + "; Hugging Face language models may leave it out to use their own")
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if getattr(config, "output_router_logits", False):
+        raise AutoparError(f"{name} adds a router load-balancing loss to its own loss (output_router_logits=True); "
+                           f"autopar cannot reproduce it from the logits",
+                           hint="pass loss_fn, or set config.output_router_logits=False")
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    kind = None
+    if "self.loss_function(" in source:
+        fn_name = getattr(getattr(model, "loss_function", None), "__name__", "")
+        kind = {"ForCausalLMLoss": "causal", "ForMaskedLMLoss": "tokens"}.get(fn_name)
+    elif "CrossEntropyLoss(" in source and name.endswith(("ForMaskedLM", "ForConditionalGeneration")):
+        kind = "tokens"
+    if kind is None or vocab is None:
         raise AutoparError(
-            "autopar.compile needs loss_fn(logits, targets) returning the mean loss of a micro-batch",
-            hint="e.g. loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()); "
-                 "Hugging Face causal LMs may leave it out to use their own loss")
-    return HFCausalLMLoss(own, int(vocab))
+            f"{name} computes its own loss in a way autopar cannot reproduce exactly from its logits "
+            f"(autopar reproduces causal-LM, masked-LM and seq2seq token cross-entropy)",
+            hint="pass loss_fn(logits, targets) returning the mean loss of a micro-batch; " + _NEEDS_LOSS_FN)
+    return HFTokenLoss(int(vocab), shift=kind == "causal",
+                       fn=model.loss_function if kind == "causal" else None)
 
 
-class HFCausalLMLoss:
-    """`model.loss_function(logits, labels, vocab_size)`, as the model's forward
-    computes it when given `labels`.
+class HFTokenLoss:
+    """A Hugging Face model's token cross-entropy, weighed over the global batch.
 
     A mean over each micro-batch's own tokens would weigh micro-batches
     (and dp ranks) with many ignored (-100) labels more than one big batch
@@ -121,26 +161,34 @@ class HFCausalLMLoss:
     Each micro-batch then returns sum / tokens_per_share, and the schedule's
     1/n and dp's average turn that into the mean over every scored token of
     the global batch: exactly `model(x, labels=y).loss` on the whole batch.
+    `shift`: causal LMs score token t+1 from position t (labels shifted by
+    one inside the loss); masked-LM and seq2seq losses score every position.
     """
 
     IGNORE_INDEX = -100  # transformers' default
 
-    def __init__(self, fn, vocab_size: int):
-        self.fn, self.vocab_size = fn, vocab_size
+    def __init__(self, vocab_size: int, *, shift: bool, fn=None):
+        self.vocab_size, self.shift, self.fn = vocab_size, shift, fn
         self.tokens_per_share: float | None = None  # None: the plain per-micro-batch mean
 
     def scored_tokens(self, labels: torch.Tensor) -> torch.Tensor:
-        """Tokens the loss scores: labels are shifted by one inside the loss."""
-        return (labels[..., 1:] != self.IGNORE_INDEX).sum()
+        """Tokens the loss scores (causal: labels are shifted by one inside the loss)."""
+        return ((labels[..., 1:] if self.shift else labels) != self.IGNORE_INDEX).sum()
 
     def __call__(self, logits, labels):
+        if self.fn is not None:  # the model's own ForCausalLMLoss
+            if self.tokens_per_share is None:
+                return self.fn(logits=logits, labels=labels, vocab_size=self.vocab_size)
+            return self.fn(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                           num_items_in_batch=torch.tensor(self.tokens_per_share, device=labels.device))
+        flat, target = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device)
         if self.tokens_per_share is None:
-            return self.fn(logits=logits, labels=labels, vocab_size=self.vocab_size)
-        return self.fn(logits=logits, labels=labels, vocab_size=self.vocab_size,
-                       num_items_in_batch=torch.tensor(self.tokens_per_share, device=labels.device))
+            return nn.functional.cross_entropy(flat, target, ignore_index=self.IGNORE_INDEX)
+        total = nn.functional.cross_entropy(flat, target, ignore_index=self.IGNORE_INDEX, reduction="sum")
+        return total / self.tokens_per_share
 
     def __repr__(self) -> str:
-        return f"HFCausalLMLoss({getattr(self.fn, '__name__', self.fn)}, vocab_size={self.vocab_size})"
+        return f"HFTokenLoss(vocab_size={self.vocab_size}, shift={self.shift})"
 
 
 def default_init_fn(model: nn.Module):

@@ -30,7 +30,7 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
-from autopar.lower.model_io import HFCausalLMLoss, default_init_fn, forward_kwargs, resolve_loss_fn
+from autopar.lower.model_io import HFTokenLoss, default_init_fn, forward_kwargs, resolve_loss_fn
 from autopar.lower.model_layers import ModelLayout, resolve
 from autopar.lower.tp_styles import is_linear
 from autopar.plan import Plan
@@ -96,9 +96,10 @@ class ParallelModel:
                 f"{self.plan.num_micro_batches} micro-batches of {self.plan.micro_batch_size}",
                 hint=f"feed global batches of {self.plan.global_batch_size} samples (or re-plan)")
         self.optimizer.zero_grad(set_to_none=True)
-        if isinstance(self.loss_fn, HFCausalLMLoss):
+        if isinstance(self.loss_fn, HFTokenLoss):
             self._weigh_by_tokens(targets)
-        with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()):
+        with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()), \
+                (tensor_parallel.tp_region() if self.plan.mesh.tp > 1 else contextlib.nullcontext()):
             if self.schedule is None:
                 local_loss = self._accumulate(inputs, targets)
             else:
@@ -276,6 +277,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if pp > 1:
         pipeline_parallel.check_stage_cuts(layout, n_stages)
         pipeline_parallel.check_schedule(plan)
+        for i in range(n_stages):  # every stage on every rank: all ranks refuse alike
+            pipeline_parallel.check_stand_ins(model, layout, i, n_stages)
     elif n_stages != 1:
         raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
     init_distributed()
@@ -286,18 +289,27 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     holders = _param_holders(model)
 
     # Tensor-parallel roles come from one traced forward of the whole model.
+    # Every block is probed on every rank (not only this rank's), so a
+    # refusal below is raised by all ranks alike, before any schedule runs.
     block_plans = {}
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
-    if tp > 1 and any(l.position == "block" for l in tp_layers):
-        tensor_parallel.register_cpu_attention_sharding()
-        blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in tp_layers if l.position == "block"}
-        block_plans = tensor_parallel.probe_blocks(model, blocks,
+    if pp > 1 or (tp > 1 and any(l.position == "block" for l in tp_layers)):
+        block_paths = {l.block_index: l.paths[0] for l in layout.layers if l.position == "block"}
+        block_plans = tensor_parallel.probe_blocks(model, {i: model.get_submodule(p) for i, p in block_paths.items()},
                                                    _example_args(example_inputs, plan.micro_batch_size),
                                                    forward_kwargs(model))
+        if pp > 1:
+            pipeline_parallel.check_block_outputs(block_plans, block_paths)
+    if tp > 1 and any(l.position == "block" for l in tp_layers):
+        tensor_parallel.register_cpu_attention_sharding()
+        for l in tp_layers:
+            if l.position == "block" and (plan.sequence_parallel or l.choice.tp_style == "sequence"):
+                tensor_parallel.check_sequence_split(l.paths[0], block_plans[l.block_index], tp)
 
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)
-    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy) for i in local]
+    returns = {i: bp.returns for i, bp in block_plans.items()}
+    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy, returns) for i in local]
 
     # 2. tensor parallel
     tp_mesh = mesh["tp"]

@@ -42,19 +42,83 @@ class _StageOutput(Exception):
         self.value = value
 
 
-class _SkipBlock(nn.Module):
-    def __init__(self, stage: "StageModule", inject: bool):
+class _StandIn(nn.Module):
+    """A block another stage runs. Reads of the block's attributes (code such
+    as `self.layers[0].self_attn.scaling`, or a config the glue code looks
+    up) go to the real block, which stays unregistered: it is not part of
+    this stage's parameters."""
+
+    def __init__(self, block: nn.Module | None):
         super().__init__()
+        self._block = [block]  # a list: not a registered child
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self.__dict__["_block"][0]
+            if block is None:
+                raise
+            return getattr(block, name)
+
+
+class _SkipBlock(_StandIn):
+    """Returns the activation in the block's own output structure (`returns`:
+    "tensor" or ("tuple", n) whose later elements are None), so glue code
+    reading `outputs[0]` gets the activation, not its first row."""
+
+    def __init__(self, stage: "StageModule", inject: bool, block: nn.Module | None = None, returns="tensor"):
+        super().__init__(block)
         self._stage = [stage]  # a list: not a registered child (no cycle in the module tree)
-        self.inject = inject
+        self.inject, self.returns = inject, returns
 
     def forward(self, x, *args, **kwargs):
-        return self._stage[0]._received if self.inject else x
+        out = self._stage[0]._received if self.inject else x
+        if self.returns == "tensor":
+            return out
+        return (out,) + (None,) * (self.returns[1] - 1)
 
 
-class _StopBlock(nn.Module):
+class _StopBlock(_StandIn):
     def forward(self, x, *args, **kwargs):
         raise _StageOutput(x)
+
+
+def check_stand_ins(model: nn.Module, layout: ModelLayout, stage: int, num_stages: int) -> None:
+    """What a stage needs stand-ins for, and refuses when it cannot have one.
+    Lowering calls it for every stage on every rank before any process group
+    exists, so a refusal stops all ranks alike instead of leaving the first
+    stage's ranks waiting for stages that raised."""
+    first, last = stage == 0, stage == num_stages - 1
+    if num_stages > 1 and not first and layout.num_blocks == 0:
+        raise PlanMismatchError("pipeline stages need a block ModuleList to cut between")
+    for l in layout.layers:
+        if l.param_paths and ((l.position == "pre" and not first) or (l.position == "post" and not last)):
+            # Glue code on every stage would read the root-held parameter
+            # (ViT's pos_embedding): a copy per pp rank, gradients never met.
+            raise PlanMismatchError(
+                f"layer {l.choice.name!r} owns parameters held by no module of it "
+                f"({', '.join(l.param_paths)}); pipeline stages cannot give later stages a stand-in",
+                hint="move the parameter into a module (e.g. an nn.Module holding it), or plan without pp")
+        if l.position == "pre" and not first:
+            for p in l.paths:
+                m = model.get_submodule(p)
+                if any(True for _ in m.parameters()) and not isinstance(m, nn.Embedding):
+                    raise PlanMismatchError(
+                        f"pipeline stages after the first need a stand-in for pre-block module {p!r} "
+                        f"({type(m).__name__}); only nn.Embedding is supported there",
+                        hint="plan without pipeline parallelism (pp=1) for this model")
+
+
+def check_block_outputs(block_plans: dict, paths: dict) -> None:
+    """Stages hand each other one activation; a block that returns more
+    (T5's position bias, a cache) would leave later stages without it."""
+    for i, bp in sorted(block_plans.items()):
+        if bp.returns != "tensor" and not isinstance(bp.returns, tuple):
+            raise PlanMismatchError(
+                f"block {paths[i]!r} returns {bp.returns}; pipeline stages hand the next stage only the block's "
+                f"activation, so blocks on later stages would not receive the rest",
+                hint="plan without pipeline parallelism (pp=1) for this model")
 
 
 class _ZeroEmbedding(nn.Module):
@@ -103,7 +167,7 @@ class StageModule(nn.Module):
     others the activation from the previous stage."""
 
     def __init__(self, model: nn.Module, layout: ModelLayout | None, stage: int, num_stages: int,
-                 dummy_inputs=None):
+                 dummy_inputs=None, block_returns: dict | None = None):
         super().__init__()
         self.stage_index, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -124,11 +188,12 @@ class StageModule(nn.Module):
         new_blocks = nn.ModuleList()
         for i in range(layout.num_blocks):
             if i < lo:
-                new_blocks.append(_SkipBlock(self, inject=(i == 0)))
+                new_blocks.append(_SkipBlock(self, inject=(i == 0), block=blocks[i],
+                                             returns=(block_returns or {}).get(i, "tensor")))
             elif i < hi:
                 new_blocks.append(blocks[i])
             else:
-                new_blocks.append(_StopBlock())
+                new_blocks.append(_StopBlock(blocks[i]))
         if not self.is_first and lo == 0 and hi > 0:
             # No pass-through block before this stage's first block (the
             # previous stage held only embeddings): hand the received
@@ -137,30 +202,18 @@ class StageModule(nn.Module):
             blocks[0].register_forward_pre_hook(self._inject_received)
         self.model = view
         _set(view, layout.blocks_path, new_blocks)
+        check_stand_ins(model, layout, stage, num_stages)
         for l in layout.layers:
-            if l.param_paths and ((l.position == "pre" and not self.is_first)
-                                  or (l.position == "post" and not self.is_last)):
-                # Glue code on every stage would read the root-held parameter
-                # (ViT's pos_embedding): a copy per pp rank, gradients never met.
-                raise PlanMismatchError(
-                    f"layer {l.choice.name!r} owns parameters held by no module of it "
-                    f"({', '.join(l.param_paths)}); pipeline stages cannot give later stages a stand-in",
-                    hint="move the parameter into a module (e.g. an nn.Module holding it), or plan without pp")
             if l.position == "pre" and not self.is_first:
                 for p in l.paths:
                     m = view.get_submodule(p)
-                    if not any(True for _ in m.parameters()):
-                        continue  # no weights (dropout...): runs as it is on the stand-in zeros
-                    if not isinstance(m, nn.Embedding):
-                        raise PlanMismatchError(
-                            f"pipeline stages after the first need a stand-in for pre-block module {p!r} "
-                            f"({type(m).__name__}); only nn.Embedding is supported there")
-                    _set(view, p, _ZeroEmbedding(m.embedding_dim, m.weight.dtype))
+                    if any(True for _ in m.parameters()):  # else (dropout...): runs as it is on the stand-in zeros
+                        _set(view, p, _ZeroEmbedding(m.embedding_dim, m.weight.dtype))
             elif l.position == "post" and not self.is_last:
                 # A stage that ends with the last block (the head alone on the
                 # next stage): the first post module called ends the stage.
                 for p in l.paths:
-                    _set(view, p, _StopBlock())
+                    _set(view, p, _StopBlock(view.get_submodule(p)))
         if not self.is_first and layout.num_blocks == 0:
             raise PlanMismatchError("pipeline stages need a block ModuleList to cut between")
 
@@ -221,6 +274,9 @@ def check_schedule(plan) -> None:
     pp, n_mb = plan.mesh.pp, plan.num_micro_batches
     if pp == 1:
         return
+    if plan.schedule == "accumulate":  # the name of the schedule without a pipeline
+        raise PlanMismatchError(f"schedule 'accumulate' means no pipeline, but the plan has pp={pp}",
+                                hint="use schedule 'gpipe', '1f1b' or 'interleaved' with pp > 1")
     if plan.schedule == "1f1b" and n_mb < pp:
         raise PlanMismatchError(
             f"schedule 1f1b with pp={pp} needs at least {pp} micro-batches, the plan has {n_mb}",

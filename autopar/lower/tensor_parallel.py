@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from autopar.errors import PlanMismatchError
-from autopar.lower.tp_styles import (ReplicateModuleInputs, TransposedColwiseParallel, TransposedRowwiseParallel,
-                                     is_linear)
+from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, TransposedColwiseParallel,
+                                     TransposedRowwiseParallel, is_linear, replicate_parameters)
 
 _SDPA_REGISTERED = False
 
@@ -104,6 +103,11 @@ class BlockPlan:
     arg_is_tensor: list[bool]
     subs: list[SubModulePlan]
     norms: list[str]  # parameter-holding children without Linears (LayerNorm, RMSNorm)
+    activation_shape: tuple = ()  # the block's activation (main argument) at the probed micro-batch
+    # What the block returns: "tensor", ("tuple", n) when every element after
+    # the first is None, or a description of what else it returns (pipeline
+    # stand-ins for skipped blocks must return the same).
+    returns: object = "tensor"
 
 
 def _first_tensor(value):
@@ -185,42 +189,91 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
                 sub.rowwise = last[0]
             if sub.colwise and sub.rowwise:
                 subs.append(sub)
+        main = next((a for a in rec["args"] if isinstance(a, torch.Tensor)), rec["kwargs"].get("hidden_states"))
+        returns = _returns(rec["out"])
         plans[bi] = BlockPlan(arg_is_tensor=[isinstance(a, torch.Tensor) for a in rec["args"]], subs=subs,
-                              norms=norms)
+                              norms=norms, activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
+                              returns=returns)
     return plans
 
 
-def _layouts(mask: list[bool], first, rest):
-    return tuple((first if i == 0 else rest) if t else None for i, t in enumerate(mask))
+def _returns(out):
+    """A block's output structure: what a pipeline stand-in must return."""
+    if isinstance(out, torch.Tensor):
+        return "tensor"
+    if type(out) in (tuple, list) and out and isinstance(out[0], torch.Tensor):
+        extra = [type(o).__name__ for o in out[1:] if o is not None]
+        return ("tuple", len(out)) if not extra else f"a tuple whose later elements ({', '.join(extra)}) are not None"
+    return f"a {type(out).__name__}"
+
+
+def _main_argument(plan: BlockPlan):
+    """The block's activation: its first positional tensor argument (Hugging
+    Face layers take `hidden_states` first), else a `hidden_states` keyword."""
+    return next((i for i, is_tensor in enumerate(plan.arg_is_tensor) if is_tensor), "hidden_states")
+
+
+def check_sequence_split(path: str, plan: BlockPlan, tp: int) -> None:
+    """Sequence parallelism cuts the block's activation into tp equal pieces
+    along dim 1; torch's collectives need equal pieces (an uneven split
+    aborts a rank inside gloo/NCCL), so refuse it here, on every rank alike."""
+    shape = plan.activation_shape
+    if len(shape) < 3 or shape[1] % tp:
+        what = f"sequence of {shape[1]}" if len(shape) >= 3 else f"activation of shape {list(shape)}"
+        raise PlanMismatchError(
+            f"block {path!r}: sequence parallelism over tp={tp} needs tp to divide the sequence dim (dim 1) of "
+            f"the block's (batch, sequence, hidden) activation; it has a {what}",
+            hint="plan without sequence parallelism (--no-sequence-parallel / sequence_parallel=False), "
+                 "or use a sequence length tp divides")
 
 
 def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_parallel: bool,
                       first: bool, last: bool) -> None:
+    """The whole block is one DTensor region.
+
+    Inside it every parameter is a DTensor (Linears of an attention / MLP
+    pair column- and row-parallel, everything else replicated), the block's
+    activation enters as a DTensor, and tensors the block makes or reads on
+    its own (positions from `arange`, buffers, masks) are taken as
+    replicated by DTensor's implicit replication, which the training step
+    switches on (`tp_region`). DTensor's sharding propagation then computes
+    the function the author wrote, whatever runs between the split Linears
+    (q/k norms, in-place residual adds, custom attention, tuples), and
+    inserts the communication an op needs; the layouts below only say where
+    the planned communication happens. Sequence parallelism: the block's
+    activation is a sequence shard (dim 1) outside attention / MLP, which
+    gather it on entry and reduce-scatter on exit; consecutive blocks hand
+    each other shards, the first scatters and the last gathers."""
     sp = sequence_parallel
+    hidden = Shard(1) if sp else Replicate()
     styles: dict[str, object] = {}
     for sub in plan.subs:
         prefix = f"{sub.name}." if sub.name else ""
-        # Every tensor argument becomes a replicated DTensor so ops inside mix
-        # only DTensors (RoPE cos/sin buffers times sharded q, for instance).
-        styles[sub.name] = ReplicateModuleInputs(sub.main_input, Shard(1) if sp else Replicate())
+        styles[sub.name] = ModuleInputs(sub.main_input, hidden, Replicate())
         for name in sub.colwise:
             styles[prefix + name] = TransposedColwiseParallel(use_local_output=False)
-        styles[prefix + sub.rowwise] = TransposedRowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
-                                                                 use_local_output=True)
+        styles[prefix + sub.rowwise] = TransposedRowwiseParallel(output_layouts=hidden, use_local_output=False)
     if sp:
-        for name in plan.norms:
-            styles[name] = SequenceParallel(use_local_output=True)
+        # Children autopar does not split (attention it cannot divide by
+        # heads, such as nn.MultiheadAttention's packed in_proj, or Linears
+        # called directly by the block) may mix sequence positions: they get
+        # the whole sequence and run replicated. Norms stay on shards.
+        split = {sub.name for sub in plan.subs} | set(plan.norms)
+        for name, child in block.named_children():
+            if name not in split and any(True for _ in child.parameters()):
+                styles[name] = ModuleInputs(None, gather_all=True)
     parallelize_module(block, tp_mesh, styles)
-    if sp:
-        # Block boundary: sequence shards between consecutive blocks; the first
-        # block scatters the replicated input, the last gathers its output.
-        parallelize_module(block, tp_mesh, PrepareModuleInput(
-            input_layouts=_layouts(plan.arg_is_tensor, Replicate() if first else Shard(1), None),
-            desired_input_layouts=_layouts(plan.arg_is_tensor, Shard(1), None),
-            use_local_output=True))
-        parallelize_module(block, tp_mesh, PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate() if last else Shard(1),
-            use_local_output=True))
+    replicate_parameters(block, tp_mesh)
+    parallelize_module(block, tp_mesh, ModuleInputs(_main_argument(plan), Replicate() if first or not sp else hidden,
+                                                    hidden))
+    parallelize_module(block, tp_mesh, ModuleOutputs(Replicate() if last or not sp else hidden))
+
+
+def tp_region():
+    """The context the forward and backward of TP blocks run in: plain tensors
+    meeting DTensors count as replicated (see `parallelize_block`)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    return implicit_replication()
 
 
 def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str, loss_parallel: bool = False) -> None:

@@ -72,33 +72,103 @@ class TransposedRowwiseParallel(RowwiseParallel):
                                                              m, outputs, mesh))
 
 
-class ReplicateModuleInputs(ParallelStyle):
-    """Every tensor argument (positional, keyword, nested in tuples) becomes a
-    replicated DTensor. The main input (`main`: a position or a keyword name)
-    arrives in `main_layout` (sequence shards under sequence parallelism)
-    and is gathered; other tensors (RoPE cos/sin, masks, position ids) are
-    the same on every tp rank already, so they are wrapped without traffic."""
+def _as_dtensor(t: torch.Tensor, mesh, layout, desired):
+    """`t` as a DTensor in `desired`: a plain tensor is taken to be `layout`
+    (its local part), a DTensor is redistributed."""
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, mesh, [layout], run_check=False)
+    return t if t.placements == (desired,) else t.redistribute(mesh, [desired])
 
-    def __init__(self, main: int | str | None, main_layout=Replicate()):
+
+def _needs_autograd_wrap(t) -> bool:
+    # Plain tensors that need no gradient may stay plain inside a TP region:
+    # autopar runs TP regions under DTensor's implicit replication, which
+    # treats them as replicated where they meet a DTensor (they are the same
+    # on every tp rank: tp ranks see the same batch). A plain tensor that
+    # needs a gradient must become a DTensor here, so that its gradient is
+    # reduced over the tp ranks on its way back (from_local's backward).
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad
+
+
+class ModuleInputs(ParallelStyle):
+    """The arguments of a module inside or at the edge of a TP region.
+
+    `main` (a position or a keyword name) is the activation the module works
+    on: a plain tensor arriving in `main_layout` (a sequence shard under
+    sequence parallelism, else whole) or a DTensor, redistributed to
+    `desired`. Every other tensor argument (positional, keyword, nested in
+    tuples) that needs a gradient becomes a replicated DTensor; the rest
+    stays as it is (see `_needs_autograd_wrap`). `gather_all`: every DTensor
+    argument is made whole (a module autopar does not split, e.g.
+    `nn.MultiheadAttention`, meeting sequence shards: it mixes positions)."""
+
+    def __init__(self, main: int | str | None, main_layout=Replicate(), desired=Replicate(), *,
+                 gather_all: bool = False):
         super().__init__()
-        self.main, self.main_layout = main, main_layout
+        self.main, self.main_layout, self.desired, self.gather_all = main, main_layout, desired, gather_all
 
     def _apply(self, module, device_mesh):
-        def wrap(t, layout):
+        def one(t):
             if isinstance(t, DTensor):
-                return t if t.placements == (Replicate(),) else t.redistribute(device_mesh, [Replicate()])
-            d = DTensor.from_local(t, device_mesh, [layout], run_check=False)
-            return d if layout == Replicate() else d.redistribute(device_mesh, [Replicate()])
+                return t.redistribute(device_mesh, [Replicate()]) if self.gather_all else t
+            if _needs_autograd_wrap(t):
+                return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+            return t
 
-        def replicate_all(value):
-            return tree_map_only(torch.Tensor, lambda t: wrap(t, Replicate()), value)
+        def other(value):
+            return tree_map_only(torch.Tensor, one, value)
+
+        def convert(key, value):
+            if key == self.main and isinstance(value, torch.Tensor):
+                return _as_dtensor(value, device_mesh, self.main_layout, self.desired)
+            return other(value)
 
         def hook(_, args, kwargs):
-            args = tuple(wrap(a, self.main_layout) if i == self.main and isinstance(a, torch.Tensor)
-                         else replicate_all(a) for i, a in enumerate(args))
-            kwargs = {k: wrap(v, self.main_layout) if k == self.main and isinstance(v, torch.Tensor)
-                      else replicate_all(v) for k, v in kwargs.items()}
-            return args, kwargs
+            return (tuple(convert(i, a) for i, a in enumerate(args)),
+                    {k: convert(k, v) for k, v in kwargs.items()})
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+class ModuleOutputs(ParallelStyle):
+    """The end of a TP region: every DTensor the module returns (alone, in a
+    tuple, in a ModelOutput) leaves as a plain tensor, the first one (the
+    activation) in `main_layout`, the others whole. Redistributing first
+    makes the layout a promise: whatever placement DTensor's propagation
+    left a tensor in, the next region reads what it expects."""
+
+    def __init__(self, main_layout=Replicate()):
+        super().__init__()
+        self.main_layout = main_layout
+
+    def _apply(self, module, device_mesh):
+        def hook(_, args, output):
+            first = [True]
+
+            def plain(t):
+                layout = self.main_layout if first[0] else Replicate()
+                first[0] = False
+                return _as_dtensor(t, device_mesh, layout, layout).to_local()
+            return tree_map_only(DTensor, plain, output)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def replicate_parameters(module: nn.Module, mesh) -> None:
+    """Every parameter of `module` that no parallel style sharded becomes a
+    replicated DTensor (norm weights, q/k norms, biases, learned scales,
+    `nn.MultiheadAttention`'s packed projections): inside a TP region every
+    parameter is a DTensor, so DTensor's sharding propagation computes the
+    function the author wrote and reduces these parameters' gradients over
+    the tp ranks. Tied parameters stay one object."""
+    done: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()], src_data_rank=None),
+                                           requires_grad=p.requires_grad)
+            sub.register_parameter(name, done[id(p)])

@@ -22,17 +22,29 @@ from cost_models.hardware import ClusterSpec
 
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import LayerChoice, Mesh, Plan, Predicted, Stage
-from autopar.solve.constraints import Constraints, check_against_cluster, parse_constraints
+from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
 from autopar.solve.layout import assignment_layout
 from autopar.solve.cpsat import solve_cpsat
 from autopar.solve.fusion_costs import charge_fusions, plan_fusions
 from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
+from autopar.solve.refine import assignment_of, fits, polish, tidy, uniform_layouts
 from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import Candidate, enumerate_candidates
 from autopar.solve.table import TableBuilder
+from autopar.solve.what_fits import checking_a_fix, hint_text, tried_text, what_would_fit
 
 TP_KINDS = ("transformer_block", "attention", "mlp", "moe_block")
 GB = 1e9
+# Share of usable GPU memory (device memory minus the profile's reserve) the planner
+# leaves free: predicted peak <= (1 - headroom) x usable. What the cost model does not
+# see lives there: the optimizer step's temporaries (torch's foreach AdamW allocates
+# per-group scratch tensors), NCCL communicators and their buffers beyond the reserve,
+# allocator fragmentation beyond the modelled 8 % (reserved vs allocated differ by
+# 5-10 % on large runs), and the cost model's own error on activations. A plan at
+# 97-100 % of memory also runs slower than predicted before it runs out: the caching
+# allocator frees and retries (torch.cuda.memory_stats num_alloc_retries > 0) once it
+# cannot cache. 10 % of an 80 GB GPU is 7.5 GB.
+DEFAULT_MEMORY_HEADROOM = 0.10
 
 
 # -- inputs ------------------------------------------------------------------
@@ -115,7 +127,7 @@ def _price(model, cluster, result, precision, optimizer):
     return layout, estimate(model, layout, cluster)
 
 
-def _repair(spec, cluster, r, est, precision, optimizer, time_limit_s, rounds: int = 2):
+def _repair(spec, cluster, r, est, precision, optimizer, time_limit_s, limit, rounds: int = 2):
     """Re-solve a candidate whose priced layout overflows memory, with each
     overflowing rank's capacity lowered by its overshoot. A safety net only:
     the solver's memory rule is the estimate's (exact per-chunk activations,
@@ -124,8 +136,7 @@ def _repair(spec, cluster, r, est, precision, optimizer, time_limit_s, rounds: i
     Returns a priced (result, layout, estimate) that fits, or None."""
     problem = r.problem
     for _ in range(rounds):
-        cap = est.memory_breakdown[0].get("capacity", cluster.device_profile.usable_memory_bytes)
-        over = [max(0.0, peak - cap) for peak in est.peak_memory_bytes]
+        over = [max(0.0, peak - limit) for peak in est.peak_memory_bytes]
         if not any(over) or len(over) != problem.pp:
             return None
         problem = dataclasses.replace(problem, capacity=[c - to_mem_units(1.02 * o + 2**20) if o else c
@@ -135,28 +146,30 @@ def _repair(spec, cluster, r, est, precision, optimizer, time_limit_s, rounds: i
             return None
         fixed = CandidateResult(r.candidate, problem, r.lower_bound_s, solution=sol, status="ok")
         layout, est = _price(spec, cluster, fixed, precision, optimizer)
-        if est.fits:
+        if fits(est, limit):
             return fixed, layout, est
     return None
 
 
-def _gpu_overflow(est) -> bool:
-    """Some pp rank over its GPU's usable memory (host-memory limits of offload are separate)."""
-    return any(peak > b.get("capacity", math.inf) for peak, b in zip(est.peak_memory_bytes, est.memory_breakdown))
+def _gpu_overflow(est, limit_bytes: float) -> bool:
+    """Some pp rank over the memory limit (host-memory limits of offload are separate)."""
+    return any(peak > limit_bytes for peak in est.peak_memory_bytes)
 
 
-def _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, limit: int = 2, counter=None):
+def _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, limit_bytes, limit: int = 2,
+                  counter=None):
     """Priced layouts, the first `limit` overflowing ones replaced by their repair when it fits.
     counter (a dict) gets the number of solver-feasible layouts the estimate found overflowing."""
     out, tried = [], 0
     if counter is not None:
-        counter["memory_repairs"] = counter.get("memory_repairs", 0) + sum(_gpu_overflow(x[2]) for x in priced)
-    best_fit = min((x[2].step_time_s for x in priced if x[2].fits), default=float("inf"))
+        counter["memory_repairs"] = counter.get("memory_repairs", 0) + sum(_gpu_overflow(x[2], limit_bytes)
+                                                                           for x in priced)
+    best_fit = min((x[2].step_time_s for x in priced if fits(x[2], limit_bytes)), default=float("inf"))
     for x in priced:
         # only worth it when the solver thought it faster than the best layout that already fits
-        if not x[2].fits and tried < limit and x[0].step_s < best_fit:
+        if not fits(x[2], limit_bytes) and tried < limit and x[0].step_s < best_fit:
             tried += 1
-            fixed = _repair(spec, cluster, x[0], x[2], precision, optimizer, time_limit_s)
+            fixed = _repair(spec, cluster, x[0], x[2], precision, optimizer, time_limit_s, limit_bytes)
             if fixed is not None:
                 x = fixed
         out.append(x)
@@ -164,9 +177,10 @@ def _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, lim
 
 
 def _run_search(model, cluster, constraints, global_batch_size, precision, optimizer, keep, time_limit_s,
-                progress=None, offload=False):
+                progress=None, offload=False, limit_bytes=None):
     world = cluster.world_size
-    cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints)
+    cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints,
+                                       seq_len=getattr(model, "seq_len", None))
     if not cands:
         raise InfeasibleError(
             f"no valid mesh for {world} GPUs, global batch {global_batch_size} and {len(model.layers)} layers"
@@ -174,12 +188,13 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
             hint="choose a GPU count with pp x dp x tp factorisations the model and batch allow "
                  "(dp must divide the global batch, tp the attention heads), or relax the pinned flags")
     builder = TableBuilder(model, cluster, constraints=constraints, precision=precision, optimizer=optimizer,
-                           offload=offload)
+                           offload=offload, capacity_bytes=limit_bytes)
     # First pass: 6 work units, not search's 15. Candidates it does not reach are still
     # ranked by their warm start; on GPT-3 175B / 64 GPUs (the slowest benchmark case)
     # the other 9 units changed no plan and cost 35 s.
     result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s, progress=progress,
                     distinct=_mesh_key, sweep=lambda c: int(c.schedule == "interleaved"), first_pass_budget=6.0)
+    result.stats["candidate_list"] = cands  # the space the uniform-layout check walks (not in the Plan)
     return result, builder
 
 
@@ -196,14 +211,15 @@ def _mesh_key(c: Candidate) -> tuple:
 
 def _to_price(result: SearchResult, keep: int) -> list:
     """The solver's best eight (the cost model's pipeline simulation can reorder
-    close ones), plus the best of each mesh kept exact."""
+    close ones), plus the best of each mesh kept exact; each with its layers at
+    the fastest option that keeps the solver's answer (`refine.tidy`)."""
     out, meshes = list(result.ranked[:8]), set()
     for r in result.ranked:
         if _mesh_key(r.candidate) not in meshes and len(meshes) < keep:
             meshes.add(_mesh_key(r.candidate))
             if r not in out:
                 out.append(r)
-    return out
+    return [dataclasses.replace(r, solution=tidy(r.problem, r.solution)) for r in out]
 
 
 def _min_memory_per_gpu(result: SearchResult, reserve: float) -> float:
@@ -215,7 +231,8 @@ def _min_memory_per_gpu(result: SearchResult, reserve: float) -> float:
     return best
 
 
-def _smallest_world(model, cluster, constraints, global_batch_size, precision, optimizer) -> int | None:
+def _smallest_world(model, cluster, constraints, global_batch_size, precision, optimizer,
+                    headroom: float = 0.0) -> int | None:
     """Smallest GPU count (whole nodes, doubling) at which some layout fits."""
     free = Constraints(**{**constraints.__dict__, "dp": None, "pp": None})
     g = cluster.gpus_per_node
@@ -223,12 +240,13 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
     for _ in range(12):
         nodes *= 2
         bigger = scaled_cluster(cluster, nodes)
+        limit = (1 - headroom) * bigger.device_profile.usable_memory_bytes
         try:
             result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 3, 2.0,
-                                    offload=free.offload is None)
+                                    offload=free.offload is None, limit_bytes=limit)
         except InfeasibleError:
             continue
-        if any(_price(model, bigger, r, precision, optimizer)[1].fits for r in result.ranked):
+        if any(fits(_price(model, bigger, r, precision, optimizer)[1], limit) for r in result.ranked):
             return nodes * g
     return None
 
@@ -236,7 +254,7 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
 def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None = None, constraints=None,
          seq_len: int | None = None, precision: str = "bf16", top_k: int = 5, *, optimizer: str = "adam",
          time_limit_s: float = 1.0, progress=None, name: str | None = None, source: str | None = None,
-         fusion: bool = True, module=None) -> Plan:
+         fusion: bool = True, module=None, memory_headroom: float | None = None) -> Plan:
     """Search the best parallel layout of `model` on `cluster_spec` and return it as a Plan.
 
     model: an nn.Module (captured with example_inputs) or a ModelSpec/ModelGraph.
@@ -247,9 +265,15 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     GPU device profile the cost model then charges the fused kernels' bytes.
     module: the nn.Module behind `model` when `model` is an already captured
     ModelGraph (the fusion pass traces modules, not the graph).
+    memory_headroom: share of usable GPU memory left free (0 <= h < 1; default
+    DEFAULT_MEMORY_HEADROOM = 0.1): every pp rank's predicted peak stays within
+    (1 - h) x usable memory. Also accepted as constraints["memory_headroom"]
+    (what `autopar.compile(constraints=...)` passes on). Recorded in
+    `Plan.solver["memory_headroom"]` with the limit in bytes.
     """
     cluster = resolve_cluster(cluster_spec)
     pins = parse_constraints(constraints)
+    headroom = resolve_headroom(memory_headroom, pins)
     spec = model_spec(model, example_inputs, seq_len=seq_len, name=name)
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
@@ -267,33 +291,35 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     # Distinct meshes kept exact by the search (the winner and two runners-up): more
     # would loosen the pruning cutoff and multiply the solves for little insight.
     keep = 3 if top_k > 0 else 1
+    device = cluster.device_profile
+    limit = (1 - headroom) * device.usable_memory_bytes  # what every pp rank's predicted peak must stay within
     result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep, time_limit_s,
-                                  progress)
+                                  progress, limit_bytes=limit)
     if result.best is None and pins.offload is None:
         # Second pass: nothing fits without CPU offload; let layers offload.
         result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
-                                      time_limit_s, progress, offload=True)
-    device = cluster.device_profile
+                                      time_limit_s, progress, offload=True, limit_bytes=limit)
     first, first_builder = result, builder
     priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in _to_price(result, keep)]
     first_peaks = [max(x[2].peak_memory_bytes) + device.reserve_bytes for x in priced]
     repairs: dict = {}
-    priced = _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, counter=repairs)
-    fitting = [x for x in priced if x[2].fits]
+    priced = _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, limit, counter=repairs)
+    fitting = [x for x in priced if fits(x[2], limit)]
     if not fitting and not pins.offload and result.ranked and not any(
             o != "none" for _, _, o in builder.options):
         # The solver's memory model passed them but the full estimate did not: try with offload too.
         result, builder = _run_search(spec, cluster, pins, global_batch_size, precision, optimizer, keep,
-                                      time_limit_s, progress, offload=True)
+                                      time_limit_s, progress, offload=True, limit_bytes=limit)
         priced = [(r, *_price(spec, cluster, r, precision, optimizer)) for r in _to_price(result, keep)]
-        priced = _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, counter=repairs)
-        fitting = [x for x in priced if x[2].fits]
+        priced = _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, limit, counter=repairs)
+        fitting = [x for x in priced if fits(x[2], limit)]
     _fill_problems(result, builder)
     if not fitting:
         _fill_problems(first, first_builder)
         need = min([_min_memory_per_gpu(first, device.reserve_bytes)] + first_peaks)
         why = next((x[2].why_not_fit for x in priced if x[2].why_not_fit), "")
-        smallest = _smallest_world(spec, cluster, pins, global_batch_size, precision, optimizer)
+        smallest = (None if checking_a_fix() else  # a what_fits re-plan: "does not fit" is its whole answer
+                    _smallest_world(spec, cluster, pins, global_batch_size, precision, optimizer, headroom))
         pinned = f" with {', '.join(f'{k}={v}' for k, v in pins.to_dict().items())}" if pins.to_dict() else ""
         if math.isfinite(need) and need > device.memory_bytes:
             need_txt = f"it needs at least {need / GB:.1f} GB per GPU without CPU offload"
@@ -304,22 +330,36 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
             need_txt = "no layout fits in GPU memory without CPU offload"
         if why:
             need_txt += f", and with offload the best layout does not fit either ({why})"
+        within = (f" ({limit / GB:.1f} GB usable after the {headroom:.0%} memory headroom)" if headroom else "")
+        # What the search was allowed (pins held, not "allowed") and the changes re-planned and found to fit.
+        fixes = what_would_fit(spec, cluster, pins, global_batch_size, precision, optimizer, headroom=headroom,
+                               smallest_world=smallest, time_limit_s=time_limit_s)
         raise InfeasibleError(
             f"{spec.name} does not fit on {world} x {device.name}{pinned}: {need_txt} "
-            f"(even with ZeRO-3, full checkpointing and CPU offload allowed); "
-            f"{device.memory_bytes / GB:.1f} GB per GPU available",
-            hint=(f"the smallest GPU count that fits is {smallest}" if smallest else
-                  "no GPU count up to 4096x this one fits; use a larger-memory device") +
-                 ("; or relax the pinned flags" if pinned else ""),
+            f"({tried_text(pins)}); "
+            f"{device.memory_bytes / GB:.1f} GB per GPU available{within}",
+            hint=hint_text(fixes),
             min_bytes_per_gpu=need if math.isfinite(need) else None, capacity_bytes=device.memory_bytes,
-            smallest_world=smallest, device=device.name)
+            smallest_world=smallest, device=device.name, fixes=fixes)
 
-    # The best few, priced exactly: the fastest that fits wins.
-    pool = sorted(fitting, key=lambda x: (x[2].step_time_s, x[0].candidate))
-    winner = pool[0]
-    plan_obj = _build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, result)
+    # The best few, priced exactly, against the best uniform layouts of the same space;
+    # the fastest that fits wins, then its stage boundaries move while estimate agrees.
+    solver_pick = min(fitting, key=lambda x: (x[2].step_time_s, x[0].candidate))
+    uniform, uniform_priced = uniform_layouts(
+        spec, cluster, result.stats.get("candidate_list", []), builder.options, bound_problem=builder.bound_problem,
+        precision=precision, optimizer=optimizer, limit_bytes=limit, best_s=solver_pick[2].step_time_s)
+    uniform = [(CandidateResult(c, None, None, status="uniform"), layout, est) for c, _, layout, est in uniform]
+    pool = sorted(fitting + uniform[:keep], key=lambda x: (x[2].step_time_s, x[0].status == "uniform",
+                                                           x[0].candidate))
+    chosen = pool[0]
+    layout, est, moves = polish(spec, cluster, chosen[1], chosen[2], limit_bytes=limit)
+    winner = chosen if not moves else (dataclasses.replace(chosen[0], status="polished"), layout, est)
+    selection = _selection(result, solver_pick, chosen, winner, uniform, uniform_priced, moves)
+    plan_obj = _build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, result, selection)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
-    plan_obj.alternatives = _alternatives(winner, [x for x in priced if x is not winner], result, top_k)
+    plan_obj.alternatives = _alternatives(winner, [x for x in priced + uniform[:keep] if x is not chosen], result,
+                                          top_k, limit)
+    plan_obj.set_throughput()  # samples/s everywhere, tokens/s only for a token model (seq_len set)
     plan_obj.fusions = fusions
     plan_obj.assumptions["fusion"] = {
         "enabled": bool(fusion), "chains": len(fusions),
@@ -333,14 +373,54 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     # priced layouts the solver called feasible and the estimate did not (0 when the
     # two memory models agree, which the tests require)
     plan_obj.solver["memory_repairs"] = repairs.get("memory_repairs", 0)
+    plan_obj.solver["memory_headroom"] = headroom
+    plan_obj.solver["memory_limit_bytes"] = limit
     return plan_obj
 
 
+def resolve_headroom(memory_headroom, pins: Constraints) -> float:
+    """The headroom in force: the argument, else constraints["memory_headroom"], else the default."""
+    value = memory_headroom if memory_headroom is not None else pins.memory_headroom
+    if value is None:
+        return DEFAULT_MEMORY_HEADROOM
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConstraintError(f"memory headroom must be a fraction of usable memory in [0, 1), got {value!r}",
+                              hint="e.g. 0.1 leaves 10% of each GPU's usable memory free; 0 plans to the limit")
+    return float(value)
+
+
+def _selection(result: SearchResult, solver_pick, chosen, winner, uniform, uniform_priced: int, moves: int) -> dict:
+    """How the returned layout was chosen, and whether "optimal" may be claimed: only when
+    the solver proved its optimum, the Plan is that optimum, and neither a uniform layout
+    nor a stage-boundary move priced faster under the cost model (what the Plan reports)."""
+    is_solver_best = chosen[0].status != "uniform" and result.best is not None and (
+        chosen[0].candidate == result.best.candidate)
+    if chosen[0].status == "uniform":
+        how = "uniform layout"
+    elif is_solver_best:
+        how = "solver optimum"
+    else:
+        how = "solver runner-up"  # the pipeline simulation re-ranked the solver's best few
+    if moves:
+        how += " + stage boundaries moved"
+    pick = solver_pick[2].step_time_s
+    out = {"selected": how, "solver_pick_step_time_s": pick,
+           "uniform_layouts_priced": uniform_priced,
+           "best_uniform_step_time_s": uniform[0][2].step_time_s if uniform else None,
+           "stage_moves": moves,
+           "proven_optimal": bool(result.all_optimal and is_solver_best and not moves)}
+    if winner[2].step_time_s < pick:
+        out["note"] = (f"{how}: {1 - winner[2].step_time_s / pick:.1%} faster than the solver's pick "
+                       f"({pick * 1e3:.1f} ms) under the cost model's pipeline simulation, which the solver's "
+                       "closed-form step model does not follow exactly; optimality is not proven")
+    return out
+
+
 # -- building the Plan -------------------------------------------------------------
-def _build_plan(spec, cluster, pins, gbs, precision, optimizer, winner, result) -> Plan:
+def _build_plan(spec, cluster, pins, gbs, precision, optimizer, winner, result, selection) -> Plan:
     r, layout, est = winner
     c: Candidate = r.candidate
-    choices = _choices(r.problem, r.solution)
+    choices = assignment_of(layout)
     stages = []
     start = 0
     per_stage = list(getattr(est, "per_stage", []) or [])
@@ -373,25 +453,35 @@ def _build_plan(spec, cluster, pins, gbs, precision, optimizer, winner, result) 
         mesh=Mesh(pp=c.pp, dp=c.dp, tp=c.tp), sequence_parallel=c.sequence_parallel, schedule=c.schedule,
         virtual_stages=c.virtual_stages, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
         stages=stages, predicted=predicted,
-        solver=_solver_info(result, r),
+        solver=_solver_info(result, r, selection),
         assumptions=_assumptions(cluster, est, precision, optimizer),
         constraints=pins.to_dict())
 
 
-def _solver_info(result: SearchResult, winner) -> dict:
+def _solver_info(result: SearchResult, winner, selection: dict) -> dict:
+    """`status` speaks for the Plan, whose numbers are the cost model's: "optimal" only when
+    the solver proved its optimum and nothing priced faster (`selection`); otherwise
+    "feasible", with `gap` None when the Plan is not the solver's answer (no bound holds
+    for it). `solver_status` / `solver_gap` are the solver's own, over its step model."""
     sol = winner.solution
+    proven = selection["proven_optimal"]
     return {
         "engine": "ortools CP-SAT (per candidate) + bound pruning over candidates",
-        "status": "optimal" if result.all_optimal else "feasible",
-        "gap": round(result.max_gap, 6),
-        "objective_step_time_s": round(winner.step_s, 9),
+        "status": "optimal" if proven else "feasible",
+        "gap": round(result.max_gap, 6) if selection["selected"] == "solver optimum" else None,
+        "solver_status": "optimal" if result.all_optimal else "feasible",
+        "solver_gap": round(result.max_gap, 6),
+        "optimal_for": "the solver's closed-form step model; the Plan's numbers are cost_models.estimate's "
+                       "pipeline simulation, checked against uniform layouts and stage-boundary moves",
+        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in selection.items() if k != "proven_optimal"},
+        "objective_step_time_s": round(winner.step_s, 9) if winner.step_s is not None else None,
         "candidates": result.candidates,
         "solved": result.solved,
         "pruned_by_bound": result.pruned,
         "oom": len(result.oom),
         "unresolved": result.stats.get("unresolved"),
         "unexplored": result.stats.get("unexplored"),
-        "winner_status": sol.status,
+        "winner_status": sol.status if sol is not None else winner.status,
         "workers": 1,
         "units": {"time": "1 ns", "memory": "1 KiB"},
     }
@@ -447,18 +537,41 @@ def _summary(c: Candidate, choices) -> dict:
             "zero": zeros[0] if len(zeros) == 1 else zeros, "checkpoint": ckpts[0] if len(ckpts) == 1 else ckpts}
 
 
-def _why_slower(est, best) -> str:
+_TIME_WORDS = {"compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
+               "pp_comm_s": "pipeline communication", "dp_comm_exposed_s": "exposed data-parallel communication",
+               "bubble_s": "pipeline bubble", "optimizer_s": "optimizer step"}
+
+
+def _sched(a: dict) -> str:
+    # pp = 1 is schedule `accumulate` (autopar.plan.ACCUMULATE), its one name everywhere
+    return a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
+
+
+def _differences(alt: dict, best: dict) -> list[str]:
+    """What the alternative changes against the plan, in the plan's words ('schedule
+    interleaved:2 (plan interleaved:3)'); empty when only the stage split / per-layer mix differs."""
+    out = []
+    mesh = lambda a: "pp{pp} x dp{dp} x tp{tp}".format(**a["mesh"])  # noqa: E731
+    for what, value in (("mesh", mesh), ("schedule", _sched),
+                        ("micro-batch", lambda a: f"{a['micro_batch_size']} x {a['num_micro_batches']}"),
+                        ("sequence parallel", lambda a: "on" if a["sequence_parallel"] else "off"),
+                        ("zero", lambda a: str(a["zero"])), ("checkpoint", lambda a: str(a["checkpoint"]))):
+        if value(alt) != value(best):
+            out.append(f"{what} {value(alt)} (plan {value(best)})")
+    return out
+
+
+def _why_slower(est, best, diffs: list[str]) -> str:
     slower = est.step_time_s / best.step_time_s - 1 if best.step_time_s else 0.0
-    diffs = {k: est.time_breakdown.get(k, 0.0) - best.time_breakdown.get(k, 0.0)
-             for k in ("compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_exposed_s", "bubble_s",
-                       "optimizer_s")}
-    key = max(sorted(diffs), key=lambda k: diffs[k])
-    words = {"compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
-             "pp_comm_s": "pipeline communication", "dp_comm_exposed_s": "exposed data-parallel communication",
-             "bubble_s": "pipeline bubble", "optimizer_s": "optimizer step"}
-    if diffs[key] <= 0:
-        return f"{slower:.1%} slower"
-    return f"{slower:.1%} slower: more {words[key]} (+{diffs[key]:.3g} s per step)"
+    deltas = {k: est.time_breakdown.get(k, 0.0) - best.time_breakdown.get(k, 0.0) for k in _TIME_WORDS}
+    key = max(sorted(deltas), key=lambda k: deltas[k])
+    digits = 1 if slower >= 0.001 else 3  # a near-tie still shows a difference
+    text = f"{slower:.{digits}%} slower (+{(est.step_time_s - best.step_time_s) * 1e3:.{digits}f} ms per step)"
+    if deltas[key] > 0:
+        text += f": more {_TIME_WORDS[key]} (+{deltas[key] * 1e3:.{digits}f} ms)"
+    what = ("; ".join(diffs) if diffs else
+            "same mesh, schedule and micro-batching, other stage split / per-layer choices")
+    return f"{text}; {what}"
 
 
 def _predicted_dict(est) -> dict:
@@ -467,26 +580,48 @@ def _predicted_dict(est) -> dict:
             "peak_memory_bytes": [float(x) for x in est.peak_memory_bytes]}
 
 
-def _alternatives(winner, others, result: SearchResult, top_k: int) -> list[dict]:
-    best_est = winner[2]
-    out = []
-    others = sorted(others, key=lambda x: (not x[2].fits, x[2].step_time_s, x[0].candidate))
-    # One runner-up per mesh (other meshes first): a reader compares layouts, not micro-batch sizes.
-    seen = {_mesh_key(winner[0].candidate)}
-    picked = []
+def _alternatives(winner, others, result: SearchResult, top_k: int, limit_bytes: float) -> list[dict]:
+    """Runners-up, fastest first: the priced layouts (the solver's best few and the best
+    uniform ones) that fit, by predicted step time, each saying how much slower it is and
+    what differs from the plan; then the priced ones over the memory limit (by step time);
+    then candidates whose memory bound alone rules them out (by the step time their bound
+    allows). Which layouts make the list: one per mesh first (a reader compares layouts,
+    not micro-batch sizes), then the rest."""
+    r0, layout0, best_est = winner
+    best = _summary(r0.candidate, assignment_of(layout0))
+
+    def identity(x):  # the same layout reached twice (a uniform layout the solver also found)
+        return x[0].candidate, tuple(x[1].stage_layers or ()), tuple(assignment_of(x[1]))
+
+    unique, seen_layouts = [], {identity(winner)}
     for x in others:
+        if identity(x) not in seen_layouts:
+            seen_layouts.add(identity(x))
+            unique.append(x)
+    ranked = sorted(unique, key=lambda x: (not fits(x[2], limit_bytes), x[2].step_time_s, x[0].candidate))
+    seen, picked = {_mesh_key(r0.candidate)}, []
+    for x in ranked:
         if _mesh_key(x[0].candidate) not in seen:
             seen.add(_mesh_key(x[0].candidate))
             picked.append(x)
-    picked += [x for x in others if x not in picked]
-    for r, layout, est in picked[:top_k]:
-        alt = _summary(r.candidate, _choices(r.problem, r.solution))
+    picked += [x for x in ranked if x not in picked]
+    picked = sorted(picked[:top_k], key=lambda x: (not fits(x[2], limit_bytes), x[2].step_time_s, x[0].candidate))
+    out = []
+    for r, layout, est in picked:
+        alt = _summary(r.candidate, assignment_of(layout))
         alt["predicted"] = _predicted_dict(est)
-        if est.fits:
-            alt.update(status="slower", why=_why_slower(est, best_est))
+        alt["source"] = "uniform layout" if r.status == "uniform" else "solver"
+        alt["slower_by"] = est.step_time_s / best_est.step_time_s - 1 if best_est.step_time_s else 0.0
+        alt["differs"] = _differences(alt, best)
+        if fits(est, limit_bytes) and est.step_time_s <= best_est.step_time_s:
+            what = "; ".join(alt["differs"]) or "another stage split / per-layer choices"
+            alt.update(status="ok", why=f"ties the plan ({est.step_time_s * 1e3:.1f} ms per step); {what}")
+        elif fits(est, limit_bytes):
+            alt.update(status="slower", why=_why_slower(est, best_est, alt["differs"]))
         else:
             peak = max(est.peak_memory_bytes)
-            alt.update(status="oom", why=f"needs {peak / GB:.1f} GB on its fullest GPU (cost model), more than fits")
+            alt.update(status="oom", why=f"out of memory: needs {peak / GB:.1f} GB on its fullest GPU (cost model), "
+                                         f"over the {limit_bytes / GB:.1f} GB limit")
         out.append(alt)
     # The most promising layouts that cannot fit (by bound), so a reader sees why they are absent.
     # Ordered by the step time they could reach if memory allowed.
@@ -499,8 +634,9 @@ def _alternatives(winner, others, result: SearchResult, top_k: int) -> list[dict
                "schedule": r.candidate.schedule, "virtual_stages": r.candidate.virtual_stages,
                "micro_batch_size": r.candidate.micro_batch_size, "num_micro_batches": r.candidate.num_micro_batches,
                "sequence_parallel": r.candidate.sequence_parallel, "zero": None, "checkpoint": None,
-               "predicted": {}, "status": "oom",
+               "predicted": {}, "status": "oom", "source": "memory bound",
+               "bound_step_time_s": time_lower_bound(p) * NS / p.virtual_stages,
                "why": f"out of memory: needs at least {need / GB:.1f} GB per GPU for layers alone, "
-                      f"{p.capacity[0] * KIB / GB:.1f} GB usable"}
+                      f"{p.capacity[0] * KIB / GB:.1f} GB available to layers"}
         out.append(alt)
     return out

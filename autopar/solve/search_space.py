@@ -13,7 +13,7 @@ left to the stage solver (`cpsat.py`). Enumeration rules, and why:
 - pp <= number of layers (every stage holds at least one layer).
 - dp divides the global batch; the micro-batch size divides the per-replica
   batch; the number of micro-batches follows.
-- pp = 1: one schedule (gradient accumulation over the micro-batches).
+- pp = 1: one schedule, `accumulate` (gradient accumulation over the micro-batches).
   pp > 1: GPipe always; 1F1B only with at least pp micro-batches (torch's
   Schedule1F1B raises "Number of microbatches must be greater than or equal
   to the number of stages" otherwise); interleaved 1F1B with V virtual stages
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from autopar.plan import ACCUMULATE
 from autopar.solve.constraints import Constraints
 
 INTERLEAVE_CHOICES = (2, 3, 4, 6, 8)  # virtual stages per pp rank tried when unpinned
@@ -83,8 +84,13 @@ class SpaceReport:
 
 def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: int, tp_degrees,
                          constraints: Constraints | None = None, *, max_micro_batch: int | None = None,
-                         interleave_choices=INTERLEAVE_CHOICES) -> tuple[list[Candidate], SpaceReport]:
-    """All candidates allowed by the cluster, the model and the pins, in a fixed order."""
+                         interleave_choices=INTERLEAVE_CHOICES, seq_len: int | None = None
+                         ) -> tuple[list[Candidate], SpaceReport]:
+    """All candidates allowed by the cluster, the model and the pins, in a fixed order.
+
+    `seq_len` (the training sequence length) rules out sequence parallelism
+    where tp does not divide it: every tp rank must hold an equal shard of
+    the sequence (torch's collectives need equal pieces)."""
     c = constraints or Constraints()
     report = SpaceReport({})
     tp_ok = set(tp_degrees)
@@ -117,7 +123,7 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                 m = per_replica // mbs
                 for schedule, v in _schedules(pp, m, num_layers, c, interleave_choices, report,
                                               f"{mesh} with {m} micro-batches"):
-                    for sp in _sequence_parallel(tp, c):
+                    for sp in _sequence_parallel(tp, c, seq_len, report, mesh):
                         out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
                                              schedule=schedule, virtual_stages=v, sequence_parallel=sp))
     return out, report
@@ -125,10 +131,11 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
 
 def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choices, report=None, what=""):
     if pp == 1:
-        # No pipeline: micro-batches are plain gradient accumulation. A pinned
-        # gpipe/1f1b is accepted (they coincide); interleaving needs pp > 1.
+        # No pipeline: micro-batches are plain gradient accumulation, the schedule
+        # named `accumulate`. A pinned gpipe/1f1b is accepted (without a pipeline they
+        # are the same schedule); interleaving needs pp > 1.
         if c.schedule != "interleaved":
-            yield (c.schedule or "1f1b"), 1
+            yield ACCUMULATE, 1
         return
     for schedule in ("gpipe", "1f1b", "interleaved"):
         if c.schedule is not None and schedule != c.schedule:
@@ -152,11 +159,15 @@ def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choi
                 yield schedule, v
 
 
-def _sequence_parallel(tp: int, c: Constraints):
+def _sequence_parallel(tp: int, c: Constraints, seq_len: int | None = None, report=None, what: str = ""):
     if tp == 1:
         if not c.sequence_parallel:
             yield False
         return
     for sp in (False, True):
+        if sp and seq_len and seq_len % tp:
+            if c.sequence_parallel and report is not None:
+                report.add(f"sequence parallelism needs tp to divide the sequence length {seq_len}", what)
+            continue
         if c.sequence_parallel is None or c.sequence_parallel == sp:
             yield sp
