@@ -51,7 +51,7 @@ def _plan_on_rank0(make) -> Plan:
 def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global_batch_size: int | None = None,
             loss_fn=None, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
-            local_batch: bool = False, precision: str | None = None) -> ParallelModel:
+            local_batch: bool = False, precision: str | None = None, memory_headroom: float | None = None) -> ParallelModel:
     """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
 
     Call it in every process of a torchrun/SLURM job (or after
@@ -64,6 +64,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     Hugging Face models: their `_init_weights`); real weights are kept.
     `precision` ('bf16', 'fp16', 'fp32'; None: the plan's, or bf16 when
     planning here) is the training compute dtype, planned and run.
+    `memory_headroom` (fraction of device memory the plan leaves free; None:
+    the planner's default, 0.1) applies when planning here.
     """
     if precision is not None:
         check_precision(precision)
@@ -80,6 +82,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             kwargs["constraints"] = constraints
         if precision is not None:
             kwargs["precision"] = precision
+        if memory_headroom is not None:
+            kwargs["memory_headroom"] = memory_headroom
         def make():
             from autopar.lower.model_layers import model_signature
             made = make_plan(model, cluster_spec, **kwargs)
