@@ -1,0 +1,718 @@
+"""The lowering matrix: every architecture x layout, lowered by autopar on CPU
+gloo ranks, against one process training the same model (issue 12).
+
+    python3 benchmarks/lowering_matrix/run.py [--arch A,B] [--layout L,M] [--out benchmarks/results]
+
+Each cell builds the plan (`plan_for_model` for the fixed layouts,
+`autopar.plan` on a CPU cluster of 4 in fp32 for "planner"), lowers it with
+`autopar.compile(plan=...)`, trains 3 SGD (lr 0.5, momentum 0.9) steps on 3
+global batches of 8 and compares the loss at every step and every parameter
+(`full_state_dict`) with one process training the same model on the same
+batches the way the user would (`model(*x, labels=y).loss`, or
+`loss_fn(output, y)`). A cell is
+
+  pass      losses and parameters within 1e-5 relative (per tensor:
+            max|p - ref| / max(max|ref|, 1e-3); the floor covers parameters
+            whose reference gradient is zero, e.g. zero-initialised biases)
+  refused   an AutoparError raised before training (planning or compile),
+            with the same message on every rank
+  mismatch  ran, but the numbers differ (worst loss / parameter recorded)
+  crash     an exception (or a refusal not shared by every rank, or raised
+            while training); first line and where it arose
+  abort     a rank process died
+  hang      no rank finished the cell within --cell-timeout
+
+One spawned world per (arch, world size) runs its layouts in sequence; after
+each cell the ranks meet at the TCP store (not a collective, so a rank stuck
+in a collective cannot confuse it) and go on only if every rank ended the cell
+the same way (all ran, all refused, all raised). A hang, an abort or a split
+outcome kills the world, records the cell, and a new world runs the rest.
+Every process started is killed before exit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+GLOBAL_BATCH = 8
+STEPS = 3
+LR, MOMENTUM = 0.5, 0.9
+TOL = 1e-5
+PARAM_FLOOR = 1e-3
+DATA_SEED = 123
+GRACE_S = 20.0  # after one rank raised, how long the others may take to report before counting as blocked
+
+# name: (world size, plan_for_model keywords; None = the planner's choice)
+LAYOUTS = {
+    "dp": (2, dict(dp=2, micro_batch_size=4)),
+    "zero3": (2, dict(dp=2, zero=3, num_micro_batches=2, micro_batch_size=2)),
+    "tp": (2, dict(tp=2, micro_batch_size=8)),
+    "tp_sp": (2, dict(tp=2, sequence_parallel=True, micro_batch_size=8)),
+    "pp_1f1b": (2, dict(pp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=4)),
+    "pp_interleaved": (2, dict(pp=2, schedule="interleaved", virtual_stages=2, num_micro_batches=4,
+                               micro_batch_size=2)),
+    "dp_tp": (4, dict(dp=2, tp=2, micro_batch_size=4)),
+    "pp_dp": (4, dict(pp=2, dp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=2)),
+    "pp_tp": (4, dict(pp=2, tp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=4)),
+    "planner": (4, None),
+}
+TP_PP = [n for n in LAYOUTS if "tp" in n or "pp" in n]
+CODES = {"pass": "ok", "refused": "R", "mismatch": "**M**", "crash": "**C**", "abort": "**A**", "hang": "**H**"}
+STATUSES = list(CODES)
+
+
+# ---------------------------------------------------------------------------------------------
+# rank side
+# ---------------------------------------------------------------------------------------------
+def _short_path(filename: str) -> str:
+    for marker in ("/autopar/", "/site-packages/", "/benchmarks/"):
+        if marker in filename:
+            return marker.strip("/") + "/" + filename.split(marker, 1)[1]
+    return filename
+
+
+def _where(exc: BaseException) -> dict:
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if "/autopar/" in f.filename]
+    fmt = lambda f: f"{_short_path(f.filename)}:{f.lineno} ({f.name})"  # noqa: E731
+    return {"autopar": fmt(own[-1]) if own else None, "innermost": fmt(frames[-1]) if frames else None,
+            "autopar_stack": [fmt(f) for f in own[-4:]]}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+def _describe(plan) -> str:
+    m = plan.mesh
+    parts = [f"pp{m.pp} dp{m.dp} tp{m.tp}"]
+    if plan.sequence_parallel:
+        parts.append("sp")
+    if m.pp > 1:
+        parts.append(plan.schedule + (f"x{plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
+    zeros = sorted({c.zero for c in plan.layer_choices})
+    ckpt = sorted({c.checkpoint for c in plan.layer_choices} - {"none"})
+    parts.append("zero" + "/".join(map(str, zeros)))
+    if ckpt:
+        parts.append("ckpt " + "/".join(ckpt))
+    parts.append(f"mb {plan.num_micro_batches}x{plan.micro_batch_size} {plan.precision}")
+    return " ".join(parts)
+
+
+def _planner_plan(spec, world):
+    """autopar.plan on rank 0 (CPU cluster of `world`, fp32), shared with every rank."""
+    import torch.distributed as dist
+
+    from autopar.errors import AutoparError
+    from autopar.lower.model_layers import model_signature
+    from autopar.plan import Plan
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            import autopar
+            from autopar.solve.planner import scaled_cluster
+            from cost_models.hardware import ClusterSpec
+            cluster = scaled_cluster(ClusterSpec.resolve("cpu"), 1, world)
+            plan = autopar.plan(spec.model, cluster, example_inputs=spec.example_inputs,
+                                global_batch_size=GLOBAL_BATCH, precision="fp32")
+            plan.model.setdefault("param_shapes", model_signature(spec.model)["param_shapes"])
+            box[0] = {"plan": plan.to_dict()}
+        except AutoparError as exc:
+            box[0] = {"refused": str(exc)}
+        except Exception as exc:
+            box[0] = {"crash": _first_line(exc), "where": _where(exc)}
+    dist.broadcast_object_list(box, src=0)
+    got = box[0]
+    if "refused" in got:
+        raise AutoparError(f"planner: {got['refused']}")
+    if "crash" in got:
+        raise RuntimeError(f"planner on rank 0 raised {got['crash']} at {got['where']['innermost']}")
+    return Plan.from_dict(got["plan"])
+
+
+def run_cell(arch_name: str, layout: str, batches, rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    from archs import ARCHS
+    from autopar.errors import AutoparError
+    from autopar.lower import compile as ap_compile
+    from autopar.lower import plan_for_model
+
+    t0 = time.time()
+    phase = "build"
+    try:
+        spec = ARCHS[arch_name]()
+        phase = "plan"
+        if LAYOUTS[layout][1] is None:
+            plan = _planner_plan(spec, world)
+        else:
+            plan = plan_for_model(spec.model, example_inputs=spec.example_inputs, **LAYOUTS[layout][1])
+        phase = "compile"
+        pm = ap_compile(spec.model, example_inputs=spec.example_inputs, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.SGD, optimizer_kwargs={"lr": LR, "momentum": MOMENTUM}, plan=plan)
+        phase = "train"
+        losses = [pm.train_step(x, y) for x, y in batches]
+        phase = "gather"
+        state = pm.full_state_dict()
+        tp_sharded = 0
+        if pm.plan.mesh.tp > 1:
+            for p in pm._local_params().values():
+                if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+                    if isinstance(p.placements[p.device_mesh.mesh_dim_names.index("tp")], Shard):
+                        tp_sharded += 1
+        return {"status": "ran", "losses": [float(x) for x in losses],
+                "state": {k: v.detach().cpu() for k, v in state.items()} if rank == 0 else None,
+                "notes": list(pm.notes), "layout": _describe(pm.plan), "loss_parallel": bool(pm.loss_parallel),
+                "tp_sharded": tp_sharded, "seconds": time.time() - t0}
+    except AutoparError as exc:
+        if phase in ("plan", "compile"):
+            return {"status": "refused", "message": _first_line(exc), "full": str(exc)[:2000], "phase": phase,
+                    "where": _where(exc), "seconds": time.time() - t0}
+        return {"status": "raised", "message": _first_line(exc), "phase": phase, "where": _where(exc),
+                "traceback": traceback.format_exc()[-4000:], "seconds": time.time() - t0}
+    except Exception as exc:
+        return {"status": "raised", "message": _first_line(exc), "phase": phase, "where": _where(exc),
+                "traceback": traceback.format_exc()[-4000:], "seconds": time.time() - t0}
+
+
+def rank_main(rank, world, port, arch_name, cells, batches, cell_timeout, log_path, results):
+    # Each rank's own output goes to a log file (gloo's abort text lands there).
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    batches = pickle.loads(batches)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        store = dist.distributed_c10d._get_default_store()
+        for i, layout in enumerate(cells):
+            print(f"=== cell {i}: {arch_name} / {layout}", flush=True)
+            out = run_cell(arch_name, layout, batches, rank, world)
+            if out["status"] == "raised":
+                print(out["traceback"], flush=True)
+            results.put((rank, i, pickle.dumps(out)))  # bytes: no shared-memory tensors to outlive the rank
+            # Meet at the store: go on only if every rank ended this cell the same way.
+            store.set(f"cell{i}/rank{rank}", out["status"])
+            store.wait([f"cell{i}/rank{r}" for r in range(world)], _dt.timedelta(seconds=cell_timeout))
+            ends = {store.get(f"cell{i}/rank{r}").decode() for r in range(world)}
+            if len(ends) != 1:
+                print(f"ranks ended cell {i} differently ({sorted(ends)}): leaving", flush=True)
+                break
+    except BaseException:
+        print(traceback.format_exc(), flush=True)
+    finally:
+        results.put((rank, None, None))
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        os._exit(0)  # skip interpreter teardown: gloo can abort there
+
+
+# ---------------------------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------------------------
+_LIVE: list = []
+
+
+def _kill_all(*_):
+    for p in list(_LIVE):
+        try:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        except Exception:
+            pass
+    _LIVE.clear()
+
+
+def _on_signal(signum, frame):
+    _kill_all()
+    raise SystemExit(128 + signum)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_batches(arch_name: str):
+    import torch
+
+    from archs import ARCHS
+    spec = ARCHS[arch_name]()
+    g = torch.Generator().manual_seed(DATA_SEED)
+    out = []
+    for _ in range(STEPS):
+        x = spec.example_inputs(GLOBAL_BATCH, generator=g)
+        out.append((tuple(x), spec.targets_fn(x, g)))
+    return out
+
+
+def reference(arch_name: str, batches):
+    """One process, no autopar: the user's training loop."""
+    import torch
+
+    from archs import ARCHS, reference_loss
+    spec = ARCHS[arch_name]()
+    model = spec.model
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = reference_loss(spec, model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _rel(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(out0: dict, per_rank: list[dict], ref) -> dict:
+    ref_losses, ref_params = ref
+    rec = {"losses": out0["losses"], "ref_losses": ref_losses}
+    rec["loss_rel"] = max(_rel(a, b) for a, b in zip(out0["losses"], ref_losses))
+    rec["ranks_agree"] = all(r["losses"] == out0["losses"] for r in per_rank)
+    state = out0["state"]
+    missing, extra = sorted(set(ref_params) - set(state)), sorted(set(state) - set(ref_params))
+    worst, worst_name, worst_abs = 0.0, None, 0.0
+    for k, ref_p in ref_params.items():
+        if k not in state:
+            continue
+        p = state[k]
+        if tuple(p.shape) != tuple(ref_p.shape):
+            rel, diff = math.inf, math.inf
+        else:
+            diff = (p.float() - ref_p.float()).abs().max().item()
+            rel = diff / max(ref_p.abs().max().item(), PARAM_FLOOR)
+            rel = math.inf if not math.isfinite(rel) else rel
+        if rel > worst or worst_name is None:
+            worst, worst_name, worst_abs = rel, k, diff
+    rec.update(param_rel=worst, worst_param=worst_name, worst_param_abs=worst_abs)
+    if missing or extra:
+        rec["param_names"] = {"missing": missing[:5], "extra": extra[:5]}
+    ok = rec["loss_rel"] <= TOL and worst <= TOL and rec["ranks_agree"] and not missing and not extra
+    rec["status"] = "pass" if ok else "mismatch"
+    return rec
+
+
+def classify(outs: dict[int, dict], world: int, ref) -> dict:
+    per_rank = [outs[r] for r in range(world)]
+    statuses = [o["status"] for o in per_rank]
+    seconds = max(o.get("seconds", 0) for o in per_rank)
+    if all(s == "ran" for s in statuses):
+        rec = compare(per_rank[0], per_rank, ref)
+        rec.update(layout_run=per_rank[0]["layout"], notes=per_rank[0]["notes"],
+                   loss_parallel=per_rank[0]["loss_parallel"], tp_sharded=per_rank[0]["tp_sharded"])
+    elif all(s == "refused" for s in statuses) and len({o["message"] for o in per_rank}) == 1:
+        o = per_rank[0]
+        rec = {"status": "refused", "message": o["message"], "full": o["full"], "phase": o["phase"],
+               "where": o["where"]}
+    else:
+        bad = next((r, o) for r, o in enumerate(per_rank) if o["status"] != "ran")
+        r, o = bad
+        rec = {"status": "crash", "message": o["message"], "phase": o["phase"], "where": o["where"],
+               "rank": r, "rank_statuses": statuses, "traceback": o.get("traceback", "")}
+        if all(s == "refused" for s in statuses):
+            rec["detail"] = "refused on every rank with different messages"
+        elif "refused" in statuses:
+            rec["detail"] = "refused on some ranks only"
+    rec["seconds"] = round(seconds, 1)
+    return rec
+
+
+def _log_tail(path: str, n: int = 6) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [l.rstrip() for l in f if l.strip()]
+        return " | ".join(lines[-n:])[-800:]
+    except OSError:
+        return ""
+
+
+def run_world(arch_name, world, cells, batches, ref, cell_timeout, log_dir, progress, attempt):
+    """Run `cells` in one spawned world; returns (records for a prefix of cells, number consumed)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    logs = [os.path.join(log_dir, f"{arch_name}_w{world}_{attempt}_rank{r}.log") for r in range(world)]
+    blob = pickle.dumps(batches)
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, arch_name, cells, blob, cell_timeout,
+                                                 logs[r], results), daemon=True) for r in range(world)]
+    _LIVE.extend(procs)
+    for p in procs:
+        p.start()
+    records: list[dict] = []
+    reports: dict[int, dict[int, dict]] = {}
+    exited: set[int] = set()
+    current = 0
+    start = time.monotonic()
+    cell_start, first_error = start, None
+    spawn_allowance = 90.0  # the first cell also pays for spawning and importing
+    try:
+        while current < len(cells):
+            try:
+                rank, i, out = results.get(timeout=1.0)
+                out = pickle.loads(out) if out is not None else None
+                if i is None:
+                    exited.add(rank)
+                else:
+                    reports.setdefault(i, {})[rank] = out
+                    if out["status"] != "ran" and first_error is None:  # raised, or refused
+                        first_error = time.monotonic()
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if len(reports.get(current, {})) == world:
+                rec = classify(reports[current], world, ref)
+                records.append(rec)
+                progress(cells[current], rec)
+                ends = {o["status"] for o in reports[current].values()}
+                current += 1
+                cell_start, first_error = now, None
+                if len(ends) != 1:  # the ranks leave this world
+                    break
+                continue
+            got = reports.get(current, {})
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
+            if dead:
+                time.sleep(1.0)  # a result may still be in flight
+                while True:
+                    try:
+                        rank, i, out = results.get_nowait()
+                    except queue.Empty:
+                        break
+                    out = pickle.loads(out) if out is not None else None
+                    if i is None:
+                        exited.add(rank)
+                    else:
+                        reports.setdefault(i, {})[rank] = out
+                if len(reports.get(current, {})) == world:
+                    continue
+                got = reports.get(current, {})
+                dead = [r for r in dead if r not in got]
+                if dead:
+                    codes = [procs[r].exitcode for r in dead]
+                    rec = {"status": "abort", "message": f"rank(s) {dead} died (exit codes {codes})",
+                           "log_tail": {r: _log_tail(logs[r]) for r in dead},
+                           "others": {r: (o["status"], o.get("message")) for r, o in got.items()},
+                           "seconds": round(now - cell_start, 1)}
+                    # an exception on a surviving rank is the likelier first cause: keep it
+                    records.append(rec)
+                    progress(cells[current], rec)
+                    current += 1
+                    break
+            limit = cell_timeout + (spawn_allowance if current == 0 else 0)
+            if first_error is not None and now - first_error > min(GRACE_S, cell_timeout):
+                r, o = next((r, o) for r, o in sorted(got.items()) if o["status"] != "ran")
+                blocked = sorted(set(range(world)) - set(got))
+                how = "refused on rank(s) " + str(sorted(q for q, x in got.items() if x["status"] == "refused")) + \
+                    " only; " if o["status"] == "refused" else ""
+                rec = {"status": "crash", "message": o["message"], "phase": o["phase"], "where": o["where"],
+                       "rank": r, "traceback": o.get("traceback", ""),
+                       "detail": f"{how}rank(s) {blocked} blocked (killed)",
+                       "seconds": round(now - cell_start, 1)}
+                records.append(rec)
+                progress(cells[current], rec)
+                current += 1
+                break
+            if now - cell_start > limit:
+                rec = {"status": "hang", "message": f"no result from rank(s) {sorted(set(range(world)) - set(got))} "
+                                                    f"after {limit:.0f} s",
+                       "others": {r: (o["status"], o.get("message")) for r, o in got.items()},
+                       "log_tail": {r: _log_tail(logs[r], 3) for r in range(world) if r not in got},
+                       "seconds": round(now - cell_start, 1)}
+                records.append(rec)
+                progress(cells[current], rec)
+                current += 1
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=3 if current >= len(cells) else 0.1)
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+            if p in _LIVE:
+                _LIVE.remove(p)
+        results.close()
+        results.cancel_join_thread()
+    return records, current
+
+
+def run_arch(arch_name, layouts, cell_timeout, log_dir, progress):
+    import torch
+    torch.manual_seed(0)
+    batches = make_batches(arch_name)
+    ref = reference(arch_name, batches)
+    out = {}
+    if not all(math.isfinite(x) for x in ref[0]):
+        for l in layouts:
+            out[l] = {"status": "crash", "message": f"reference losses not finite: {ref[0]}", "seconds": 0}
+        return out
+    by_world: dict[int, list[str]] = {}
+    for l in layouts:
+        by_world.setdefault(LAYOUTS[l][0], []).append(l)
+    for world, cells in by_world.items():
+        attempt = 0
+        while cells:
+            records, used = run_world(arch_name, world, cells, batches, ref, cell_timeout, log_dir,
+                                      lambda layout, rec: progress(arch_name, layout, world, rec), attempt)
+            for l, rec in zip(cells, records):
+                rec["world"] = world
+                out[l] = rec
+            cells = cells[max(used, 1):] if used else cells[1:]
+            attempt += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _git_state() -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception:
+            return ""
+    import autopar
+    path = os.path.dirname(autopar.__file__)
+    snap = not path.startswith(REPO)
+    return {"commit": git("rev-parse", "HEAD"), "snapshot_of_head": snap,
+            "dirty_autopar": "" if snap else git("status", "--short", "--", "autopar", "cost_models"),
+            "autopar_path": path}
+
+
+def _snapshot() -> str:
+    """Extract HEAD's autopar/ and cost_models/ to a temp dir and put it first on the import path."""
+    import tarfile
+    import tempfile
+    if "autopar" in sys.modules:
+        raise SystemExit("--snapshot must be set before autopar is imported")
+    dest = tempfile.mkdtemp(prefix="lowering_matrix_src_")
+    tar = os.path.join(dest, "src.tar")
+    subprocess.run(["git", "archive", "--format=tar", "-o", tar, "HEAD", "autopar", "cost_models"], cwd=REPO,
+                   check=True)
+    with tarfile.open(tar) as t:
+        t.extractall(dest)
+    os.remove(tar)
+    sys.path.insert(0, dest)
+    os.environ["PYTHONPATH"] = dest + os.pathsep + os.environ.get("PYTHONPATH", "")  # the spawned ranks too
+    return dest
+
+
+def _versions() -> dict:
+    import torch
+    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import transformers
+        v["transformers"] = transformers.__version__
+    except ImportError:
+        v["transformers"] = None
+    return v
+
+
+def _cell_text(rec: dict) -> str:
+    s = rec["status"]
+    if s == "pass":
+        return ""
+    if s == "mismatch":
+        extra = f"; ranks disagree" if not rec.get("ranks_agree", True) else ""
+        names = f"; parameter names differ {rec['param_names']}" if rec.get("param_names") else ""
+        return (f"loss rel {rec['loss_rel']:.2e}, param rel {rec['param_rel']:.2e} (worst `{rec['worst_param']}`)"
+                f"{extra}{names}; losses {['%.5f' % x for x in rec['losses']]} vs "
+                f"{['%.5f' % x for x in rec['ref_losses']]}")
+    text = rec.get("message", "")
+    where = rec.get("where") or {}
+    loc = where.get("autopar") or where.get("innermost")
+    if loc:
+        text += f" — at `{loc}`"
+        if where.get("innermost") and where.get("innermost") != loc:
+            text += f" (innermost `{where['innermost']}`)"
+    if rec.get("phase"):
+        text += f" [phase {rec['phase']}]"
+    if rec.get("detail"):
+        text += f" [{rec['detail']}]"
+    if rec.get("log_tail"):
+        text += f" log: {json.dumps(rec['log_tail'])[:400]}"
+    if rec.get("others"):
+        text += f" others: {json.dumps(rec['others'])[:300]}"
+    return text
+
+
+def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    cells = data["cells"]
+    archs = [a for a in data["arch_order"] if any(c["arch"] == a for c in cells)]
+    layouts = [l for l in LAYOUTS if any(c["layout"] == l for c in cells)]
+    grid = {(c["arch"], c["layout"]): c for c in cells}
+    lines = [f"# Lowering matrix (issue 12): architectures x layouts vs one process", "",
+             f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
+             f"Total wall time: {data['wall_s'] / 60:.1f} min on {data['host']}  ",
+             f"Code: autopar at commit `{data['git']['commit'][:12]}`"
+             + (" (a `git archive` snapshot of HEAD)" if data["git"].get("snapshot_of_head") else
+                " (autopar/ had uncommitted changes)" if data["git"].get("dirty_autopar") else "")
+             + f", {', '.join(f'{k} {v}' for k, v in data['versions'].items())}  ",
+             f"Not in this transformers: {', '.join(data['missing']) or 'none'}", "",
+             "Each cell: tiny random model (hidden 64, 4 blocks, fp32, dropout 0), 3 SGD steps (lr 0.5, momentum "
+             "0.9) on 3 global batches of 8, loss at every step and every parameter vs one process training the "
+             f"same model (the model's own loss where it computes one from `labels`). Tolerance {TOL:g} relative "
+             f"(parameters: max|p - ref| / max(max|ref|, {PARAM_FLOOR:g})).", "",
+             "Legend: `ok` pass · `R` refused before running, same reason on every rank · `**M**` mismatch · "
+             "`**C**` crash (exception) · `**A**` abort (a rank died) · `**H**` hang (timeout) · `-` not run · "
+             "`ok*` passed under tp > 1 with no parameter sharded over tp", "",
+             "Layouts (world size): " + "; ".join(
+                 f"`{l}` ({LAYOUTS[l][0]}: {', '.join(f'{k}={v}' for k, v in (LAYOUTS[l][1] or {'autopar.plan': 'cpu x4, fp32'}).items())})"
+                 for l in layouts), "",
+             "| arch | family | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
+    def code(c):
+        if c["status"] == "pass" and c.get("tp_sharded") == 0 and " tp1 " not in f" {c.get('layout_run', '')} ":
+            return "ok*"
+        return CODES[c["status"]]
+    for a in archs:
+        row = [code(grid[(a, l)]) if (a, l) in grid else "-" for l in layouts]
+        lines.append(f"| {a} | {data['family'].get(a, '')} | " + " | ".join(row) + " |")
+    # counts
+    lines += ["", "## Counts", "", "| layout | " + " | ".join(STATUSES) + " |", "|---|" + "---|" * len(STATUSES)]
+    for l in layouts + ["all"]:
+        sel = [c for c in cells if l == "all" or c["layout"] == l]
+        lines.append(f"| {l} | " + " | ".join(str(sum(c['status'] == s for c in sel)) for s in STATUSES) + " |")
+    beyond = [c for c in cells if data["family"].get(c["arch"]) != "control"]
+    tppp = [c for c in beyond if c["layout"] in TP_PP]
+    refused = sum(c["status"] == "refused" for c in tppp)
+    silent = sum(c["status"] == "mismatch" for c in cells)
+    lines += ["", f"Beyond the controls: {len({c['arch'] for c in beyond})} architectures, {len(beyond)} cells, "
+              f"{sum(c['status'] == 'pass' for c in beyond)} pass. "
+              f"TP/PP cells refused: {refused}/{len(tppp)} ({100 * refused / max(len(tppp), 1):.0f}%; acceptance "
+              f"<= 20%). Silent mismatches: {silent}; hangs: {sum(c['status'] == 'hang' for c in cells)}; aborts: "
+              f"{sum(c['status'] == 'abort' for c in cells)}; crashes: {sum(c['status'] == 'crash' for c in cells)}."]
+    planner = [c for c in cells if c["layout"] == "planner" and c.get("layout_run")]
+    if planner:
+        lines += ["", "Planner's choices: " + "; ".join(f"{c['arch']}: {c['layout_run']}" for c in planner) + "."]
+    lines += ["", "## Findings (every cell that is not `ok`)", ""]
+    for a in archs:
+        for l in layouts:
+            c = grid.get((a, l))
+            if c and c["status"] != "pass":
+                lines.append(f"- `{a}` / `{l}`: **{c['status']}** — {_cell_text(c)}")
+    md = os.path.join(out_dir, f"{name}.md")
+    js = os.path.join(out_dir, f"{name}.json")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(js, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    return md, js
+
+
+def main(argv=None):
+    from archs import ARCHS, FAMILY, MISSING, ORDER
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", help="comma-separated architectures (default: all): " + ",".join(ARCHS))
+    ap.add_argument("--layout", help="comma-separated layouts (default: all): " + ",".join(LAYOUTS))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--name", default=None, help="output file stem (default lowering_matrix, or "
+                                                 "lowering_matrix_partial for a filtered run)")
+    ap.add_argument("--merge", action="store_true", help="replace the cells run in an existing <name>.json")
+    ap.add_argument("--cell-timeout", type=float, default=180.0, help="seconds per cell before it counts as a hang")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="run against `git archive HEAD` of this repository (autopar/, cost_models/) extracted to a "
+                         "temporary directory, so edits to the working tree during a long run do not leak in")
+    ap.add_argument("--logs", default=os.path.join("/tmp", "lowering_matrix_logs"), help="per-rank logs")
+    args = ap.parse_args(argv)
+
+    archs = args.arch.split(",") if args.arch else list(ARCHS)
+    layouts = args.layout.split(",") if args.layout else list(LAYOUTS)
+    for a in archs:
+        if a not in ARCHS:
+            sys.exit(f"unknown arch {a!r} (missing in this transformers: {MISSING})" if a in MISSING
+                     else f"unknown arch {a!r}; one of {', '.join(ARCHS)}")
+    for l in layouts:
+        if l not in LAYOUTS:
+            sys.exit(f"unknown layout {l!r}; one of {', '.join(LAYOUTS)}")
+    name = args.name or ("lowering_matrix" if not (args.arch or args.layout) or args.merge
+                         else "lowering_matrix_partial")
+    os.makedirs(args.logs, exist_ok=True)
+    snapshot = _snapshot() if args.snapshot else None
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    import torch
+    torch.set_num_threads(1)
+
+    command = "python3 benchmarks/lowering_matrix/run.py" + "".join(
+        f" {a}" for a in sys.argv[1:]) if argv is None else "run.py " + " ".join(argv)
+    t0 = time.time()
+    cells = []
+    prev = None
+    if args.merge and os.path.exists(os.path.join(args.out, f"{name}.json")):
+        with open(os.path.join(args.out, f"{name}.json")) as f:
+            prev = json.load(f)
+        run = {(a, l) for a in archs for l in layouts}
+        cells = [c for c in prev["cells"] if (c["arch"], c["layout"]) not in run]
+
+    def progress(arch, layout, world, rec):
+        extra = _cell_text(rec)
+        print(f"[{time.time() - t0:7.0f}s] {arch:18s} {layout:15s} w{world} {rec['status']:8s} "
+              f"{rec.get('seconds', 0):5.1f}s {extra[:220]}", flush=True)
+
+    data = {"command": command, "date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "host": f"{os.cpu_count()} CPU cores", "git": _git_state(), "versions": _versions(),
+            "missing": MISSING, "arch_order": ORDER, "family": FAMILY, "layouts": {k: v for k, v in LAYOUTS.items()},
+            "settings": {"global_batch": GLOBAL_BATCH, "steps": STEPS, "lr": LR, "momentum": MOMENTUM, "tol": TOL,
+                         "param_floor": PARAM_FLOOR, "cell_timeout_s": args.cell_timeout}, "cells": cells}
+    try:
+        for a in archs:
+            try:
+                res = run_arch(a, layouts, args.cell_timeout, args.logs, progress)
+            except Exception as exc:  # the reference itself failed: every cell of the arch is a crash
+                res = {l: {"status": "crash", "message": f"harness/reference: {_first_line(exc)}",
+                           "where": _where(exc), "world": LAYOUTS[l][0]} for l in layouts}
+                print(traceback.format_exc(), flush=True)
+            for l in layouts:
+                rec = dict(res[l])
+                cells.append({"arch": a, "layout": l, **rec})
+            data["wall_s"] = time.time() - t0 + (prev["wall_s"] if prev and args.merge else 0)
+            write_report(data, args.out, name)  # after every arch: a partial matrix survives an interruption
+    finally:
+        _kill_all()
+        if snapshot:
+            import shutil
+            shutil.rmtree(snapshot, ignore_errors=True)
+    md, js = write_report(data, args.out, name)
+    print(f"wrote {md} and {js} in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()
