@@ -218,7 +218,7 @@ def bart():
 
 
 # -- vision -----------------------------------------------------------------------------------
-def vit():
+def vit(loss_fn=None):
     """ViTForImageClassification: 24x24 images, 8x8 patches -> 9 + class token = 10 positions."""
     tf = _tf()
     cfg = _no_dropout(tf.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -231,7 +231,21 @@ def vit():
 
     def labels(inputs, generator):
         return torch.randint(0, 10, (inputs[0].shape[0],), generator=generator)
-    return Arch(tf.ViTForImageClassification(cfg), images, labels, None)
+    return Arch(tf.ViTForImageClassification(cfg), images, labels, loss_fn)
+
+
+# -- explicit-loss twins: the same models with loss_fn given, so the lowering is measured apart
+#    from how autopar reproduces a model's own loss ------------------------------------------
+def masked_cross_entropy(logits, targets):
+    """Token cross-entropy ignoring -100 (masked-LM and seq2seq labels, no shift)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def _twin(build, loss_fn, targets_fn=None):
+    def make():
+        arch = build()._replace(loss_fn=loss_fn)
+        return arch._replace(targets_fn=targets_fn) if targets_fn else arch
+    return make
 
 
 # -- torch nn.Transformer / nn.TransformerEncoder in user wrappers ----------------------------
@@ -385,6 +399,13 @@ ARCHS.update({
     "torch_transformer": torch_transformer,
     "user_model": user_model,
     "llama_seq15": llama_seq15,
+    # explicit-loss twins (not counted among the architectures)
+    # every position scored: the lowering alone
+    "bert_ce": _twin(_masked_lm("BertConfig", "BertForMaskedLM"), masked_cross_entropy, _random_labels()),
+    # a quarter scored (-100 elsewhere), the user's loss a mean over scored tokens
+    "bert_ce_ignore": _twin(_masked_lm("BertConfig", "BertForMaskedLM"), masked_cross_entropy),
+    "t5_ce": _twin(t5, masked_cross_entropy),
+    "vit_ce": lambda: vit(F.cross_entropy),
 })
 ORDER = CONTROLS + [n for n in ARCHS if n not in CONTROLS]
 ARCHS = {n: ARCHS[n] for n in ORDER}
@@ -396,6 +417,7 @@ FAMILY = {
     "bert": "encoder (MLM)", "roberta": "encoder (MLM)", "electra": "encoder (MLM)", "distilbert": "encoder (MLM)",
     "t5": "encoder-decoder", "bart": "encoder-decoder", "vit": "vision", "torch_encoder": "torch nn",
     "torch_transformer": "torch nn", "user_model": "user code", "llama_seq15": "odd sequence",
+    "bert_ce": "explicit-loss twin", "bert_ce_ignore": "explicit-loss twin", "t5_ce": "explicit-loss twin", "vit_ce": "explicit-loss twin",
 }
 
 
@@ -413,6 +435,7 @@ def _missing() -> list[str]:
                  "bart": ("BartConfig", "BartForConditionalGeneration"),
                  "vit": ("ViTConfig", "ViTForImageClassification"), "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel"),
                  "llama_seq15": ("LlamaConfig", "LlamaForCausalLM")})
+    need.update({"bert_ce": need["bert"], "bert_ce_ignore": need["bert"], "t5_ce": need["t5"], "vit_ce": need["vit"]})
     return [n for n, names in need.items() if not all(hasattr(tf, x) for x in names)]
 
 

@@ -2,6 +2,12 @@
 gloo ranks, against one process training the same model (issue 12).
 
     python3 benchmarks/lowering_matrix/run.py [--arch A,B] [--layout L,M] [--out benchmarks/results]
+        [--snapshot [--rev REV]]   run against `git archive REV` of autopar/ (edits during the run do not leak in)
+        [--merge]                  replace only the cells run in an existing lowering_matrix.json
+        [--report-only]            rewrite the .md from the .json (e.g. after editing CAUSES)
+
+The baseline in benchmarks/results/ was made with `--snapshot --rev a82ebdf` (then --merge re-runs,
+listed in the .md). A full run takes about 30 min on 2 busy cores.
 
 Each cell builds the plan (`plan_for_model` for the fixed layouts,
 `autopar.plan` on a CPU cluster of 4 in fp32 for "planner"), lowers it with
@@ -39,6 +45,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -175,16 +182,19 @@ def run_cell(arch_name: str, layout: str, batches, rank: int, world: int) -> dic
         losses = [pm.train_step(x, y) for x, y in batches]
         phase = "gather"
         state = pm.full_state_dict()
-        tp_sharded = 0
+        tp_sharded = tp_sharded_blocks = 0
         if pm.plan.mesh.tp > 1:
-            for p in pm._local_params().values():
+            blocks = tuple(path + "." for c in pm.plan.layer_choices if c.tp_style in ("colwise_rowwise", "sequence")
+                           for path in c.module_paths)
+            for name, p in pm._local_params().items():
                 if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
                     if isinstance(p.placements[p.device_mesh.mesh_dim_names.index("tp")], Shard):
                         tp_sharded += 1
+                        tp_sharded_blocks += name.startswith(blocks)
         return {"status": "ran", "losses": [float(x) for x in losses],
                 "state": {k: v.detach().cpu() for k, v in state.items()} if rank == 0 else None,
                 "notes": list(pm.notes), "layout": _describe(pm.plan), "loss_parallel": bool(pm.loss_parallel),
-                "tp_sharded": tp_sharded, "seconds": time.time() - t0}
+                "tp_sharded": tp_sharded, "tp_sharded_blocks": tp_sharded_blocks, "seconds": time.time() - t0}
     except AutoparError as exc:
         if phase in ("plan", "compile"):
             return {"status": "refused", "message": _first_line(exc), "full": str(exc)[:2000], "phase": phase,
@@ -335,7 +345,8 @@ def classify(outs: dict[int, dict], world: int, ref) -> dict:
     if all(s == "ran" for s in statuses):
         rec = compare(per_rank[0], per_rank, ref)
         rec.update(layout_run=per_rank[0]["layout"], notes=per_rank[0]["notes"],
-                   loss_parallel=per_rank[0]["loss_parallel"], tp_sharded=per_rank[0]["tp_sharded"])
+                   loss_parallel=per_rank[0]["loss_parallel"], tp_sharded=per_rank[0]["tp_sharded"],
+                   tp_sharded_blocks=per_rank[0].get("tp_sharded_blocks"))
     elif all(s == "refused" for s in statuses) and len({o["message"] for o in per_rank}) == 1:
         o = per_rank[0]
         rec = {"status": "refused", "message": o["message"], "full": o["full"], "phase": o["phase"],
@@ -493,7 +504,7 @@ def run_arch(arch_name, layouts, cell_timeout, log_dir, progress):
             for l, rec in zip(cells, records):
                 rec["world"] = world
                 out[l] = rec
-            cells = cells[max(used, 1):] if used else cells[1:]
+            cells = cells[max(used, 1):]
             attempt += 1
     return out
 
@@ -510,21 +521,29 @@ def _git_state() -> dict:
     import autopar
     path = os.path.dirname(autopar.__file__)
     snap = not path.startswith(REPO)
-    return {"commit": git("rev-parse", "HEAD"), "snapshot_of_head": snap,
+    commit = git("rev-parse", "HEAD")
+    if snap and os.path.exists(os.path.join(path, "..", "COMMIT")):
+        with open(os.path.join(path, "..", "COMMIT")) as f:
+            commit = f.read().strip()
+    return {"commit": commit, "snapshot_of_head": snap,
             "dirty_autopar": "" if snap else git("status", "--short", "--", "autopar", "cost_models"),
             "autopar_path": path}
 
 
-def _snapshot() -> str:
-    """Extract HEAD's autopar/ and cost_models/ to a temp dir and put it first on the import path."""
+def _snapshot(rev: str = "HEAD") -> str:
+    """Extract `rev`'s autopar/ and cost_models/ to a temp dir and put it first on the import path."""
     import tarfile
     import tempfile
     if "autopar" in sys.modules:
         raise SystemExit("--snapshot must be set before autopar is imported")
     dest = tempfile.mkdtemp(prefix="lowering_matrix_src_")
     tar = os.path.join(dest, "src.tar")
-    subprocess.run(["git", "archive", "--format=tar", "-o", tar, "HEAD", "autopar", "cost_models"], cwd=REPO,
+    commit = subprocess.run(["git", "rev-parse", "--verify", rev + "^{commit}"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    subprocess.run(["git", "archive", "--format=tar", "-o", tar, commit, "autopar", "cost_models"], cwd=REPO,
                    check=True)
+    with open(os.path.join(dest, "COMMIT"), "w") as f:
+        f.write(commit)
     with tarfile.open(tar) as t:
         t.extractall(dest)
     os.remove(tar)
@@ -572,6 +591,161 @@ def _cell_text(rec: dict) -> str:
     return text
 
 
+# ---------------------------------------------------------------------------------------------
+# root causes: each failing cell is matched to the first cause whose symptom it shows. The code
+# locations were read in autopar at a82ebdf (the baseline); a cause that still matches after a fix
+# shows the same symptom, not necessarily the same line.
+# ---------------------------------------------------------------------------------------------
+OWN_LOSS_NOT_CAUSAL = {"bert", "roberta", "electra", "distilbert", "t5", "bart"}
+
+
+def _msg(c):
+    return f"{c.get('message', '')} {c.get('detail', '')} {json.dumps(c.get('log_tail', ''))}"
+
+
+CAUSES = [
+    dict(id="own-loss-shifted",
+         title="loss_fn=None on a non-causal transformers model scores shifted labels",
+         match=lambda c, g: c["status"] == "mismatch" and c["arch"] in OWN_LOSS_NOT_CAUSAL,
+         where="lower/model_io.py:102-109 resolve_loss_fn wraps any `model.loss_function` in HFCausalLMLoss, "
+               "whose scored_tokens (:131-134) counts `labels[..., 1:]` and sets num_items_in_batch from it "
+               "(BertForMaskedLM's ForMaskedLMLoss scores unshifted labels: wrong normaliser); T5/BART's "
+               "`loss_function` is ForCausalLMLoss (shifts) while their forward scores labels unshifted",
+         fix="reproduce the forward's own loss per task (masked LM / seq2seq: no shift, count the unshifted "
+             "labels; classification: CE over num_labels), or refuse loss_fn=None for anything else"),
+    dict(id="own-loss-needs-vocab",
+         title="loss_fn=None refused for a model without config.vocab_size (image classification)",
+         match=lambda c, g: "needs loss_fn(logits, targets)" in c.get("message", ""),
+         where="lower/model_io.py:102-106 resolve_loss_fn: the own loss only where config.vocab_size exists",
+         fix="support ForImageClassification/ForSequenceClassification own losses (CE over num_labels), "
+             "checked by the same probe as the LM losses"),
+    dict(id="capture-meta-fp32",
+         title="plan_for_model's capture fails on MoE experts (torch._grouped_mm meta kernel is bf16-only)",
+         match=lambda c, g: "_grouped_mm" in c.get("message", ""),
+         where="lower/manual_plan.py:54 `capture(model, example_inputs, dtype=torch.float32, seq_dim=None)` "
+               "traces on meta; transformers' MoE experts call torch._grouped_mm, whose meta kernel accepts "
+               "bf16 only (its CPU kernel runs fp32: one process trains; the planner captures in bf16)",
+         fix="capture under FakeTensorMode with the real device's kernels, or retry an op in the plan's "
+             "compute dtype when its meta kernel refuses fp32"),
+    dict(id="enc-dec-block-stack",
+         title="encoder-decoder: plan and lowering pick different block stacks",
+         match=lambda c, g: "must be on the last pipeline stage" in c.get("message", "")
+         or ("differently sharded ends" in c.get("message", "") and "shared.weight" in c.get("message", ""))
+         or (c["arch"] == "torch_transformer" and "got mixed torch.Tensor and DTensor" in c.get("message", "")),
+         where="capture puts the encoder's final norm into the last encoder block's paths; "
+               "manual_plan.py:73 block_container counts those paths (encoder 3, decoder 4: the decoder "
+               "stack is the blocks, encoder blocks become 'pre' layers styled 'vocab'), model_layers.py:99 "
+               "drops parameter paths before :103 block_container (4 vs 4, tie -> the encoder). So decoder "
+               "blocks are 'post' layers: pp refuses them off the last stage (pipeline_parallel.py:212), "
+               "tp column-splits every Linear in them (tensor_parallel.py:226-235; nn.MultiheadAttention's "
+               "out_proj weight is then a DTensor read functionally -> addmm mixed) and the tied "
+               "`shared` embedding gets differently sharded ends (parallel_model.py:332)",
+         fix="decide the block stack once and record it in the Plan; lower encoder-decoders as two block "
+             "stacks (both tensor-parallel, pipeline cuts through encoder then decoder)"),
+    dict(id="pp-prelayer-refusal-one-rank",
+         title="pipeline: non-Embedding pre-block modules refused, and only on ranks holding a later stage",
+         match=lambda c, g: "need a stand-in for pre-block module" in c.get("message", ""),
+         where="pipeline_parallel.py:150-157 (StageModule.__init__) raises for a weighted pre module that is "
+               "not nn.Embedding (BertEmbeddings, BLOOM's word_embeddings_layernorm); StageModule is built "
+               "only for local stages at parallel_model.py:300, after init_distributed()/build_mesh (:281-282): "
+               "pp_1f1b/pp_dp/pp_tp: pp rank 0 never refuses and blocks (crash); interleaved: every rank holds "
+               "a later stage (clean refusal)",
+         fix="run every stage's stand-in checks on every rank before init_distributed; then give later "
+             "stages a generic stand-in for any pre module (zeros of the shape capture recorded), not only "
+             "nn.Embedding"),
+    dict(id="pp-standin-structure",
+         title="pipeline stand-ins return a bare tensor and lack the block's attributes",
+         match=lambda c, g: "pp" in c["layout"] and re.search(
+             r"values to unpack|Input tensor rank|_SkipBlock' object has no attribute|_StopBlock' object has",
+             c.get("message", "")) is not None,
+         where="pipeline_parallel.py:46-52 _SkipBlock.forward returns the activation itself; models whose "
+               "blocks return tuples read `outputs[0]` (GPT-J, Falcon, user code `x, _ = block(x)`) and get "
+               "the first batch row; nn.TransformerEncoder.forward reads `self.layers[0].self_attn` "
+               "(torch/nn/modules/transformer.py:452), which a _SkipBlock lacks",
+         fix="stand-ins mirror the replaced block: same output structure (recorded by the probe: tuple with "
+             "the activation at the same index, None elsewhere) and attribute access delegated to it"),
+    dict(id="pp-tied-grad-placement",
+         title="tied embedding/head across pipeline ranks under TP: gradient all-reduce of different sizes",
+         match=lambda c, g: c["status"] == "abort" and c["layout"] == "pp_tp",
+         where="parallel_model.py:148-152 _sync_tied_grads all-reduces `g._local_tensor`; the vocab-parallel "
+               "embedding's gradient comes back Replicate() (128x32 on ex_gpt) while the head's is Shard(0) "
+               "(64x32): gloo receives more bytes than posted and aborts the rank (measured with a probe at "
+               "a82ebdf)",
+         fix="redistribute each end's gradient to its parameter's placements before all-reducing the local "
+             "tensor, and compare the ends' local shapes once at compile (before any step)"),
+    dict(id="tied-end-plain-parameter",
+         title="a tied parameter whose other end is a bare Parameter is refused under TP",
+         match=lambda c, g: "differently sharded ends" in c.get("message", ""),
+         where="parallel_model.py:322-332: ColwiseParallel replaces the head Linear's bias with a Shard(0) "
+               "DTensor; the same Parameter held by the LM-head module itself (BertLMPredictionHead.bias, "
+               "RobertaLMHead.bias) stays plain, so the re-tie refuses",
+         fix="re-point every holder of a tied parameter at the sharded Parameter when the other holders are "
+             "not modules with a style of their own; refuse only two differently styled modules"),
+    dict(id="tp-position-embedding-split",
+         title="TP vocab-splits a position embedding whose indices are computed in forward",
+         match=lambda c, g: "aten.embedding.default got mixed" in c.get("message", ""),
+         where="tensor_parallel.py:230-231 applies RowwiseParallel to every nn.Embedding of the embedding layer, "
+               "including OPTLearnedPositionalEmbedding (positions computed from the attention mask inside "
+               "its forward, modeling_opt.py:70): the plain index tensor meets the DTensor table",
+         fix="vocab-split only the table fed by the token ids (num_embeddings == vocab size, found by data "
+             "flow); replicate position tables"),
+    dict(id="tp-inplace-on-local-output",
+         title="TP: in-place add on a row-parallel output (a view returned by to_local)",
+         match=lambda c, g: "_ToTorchTensor is a view" in c.get("message", ""),
+         where="tensor_parallel.py:208-209 row-parallel Linears with use_local_output=True return "
+               "DTensor.to_local(), a view made in a custom autograd Function; Falcon's "
+               "`mlp_output += attention_output` (modeling_falcon.py:619) modifies it in place",
+         fix="row-parallel outputs leave the region as a fresh tensor (or stay DTensor to the block exit)"),
+    dict(id="tp-plain-tensor-in-region",
+         title="TP region mixes DTensors with plain tensors (q/k norms, buffers, residual passed in)",
+         match=lambda c, g: "got mixed torch.Tensor and DTensor" in c.get("message", ""),
+         where="tensor_parallel.py:205 ReplicateModuleInputs turns every argument of a split sub-module into a "
+               "DTensor (tp_styles.py:96-99) but the sub-module's other parameters and buffers stay plain "
+               "(Qwen3/OLMo2 q_norm/k_norm weights, GPT-J's embed_positions buffer gathered with DTensor "
+               "position_ids, a user's causal-mask buffer), and :208-209 makes the row-parallel output plain "
+               "while a residual argument is a DTensor (BLOOM dropout_add, ELECTRA/BERT SelfOutput, user MLP)",
+         fix="make each TP block one DTensor region: replicate every non-split parameter and buffer "
+             "(distribute_module) and keep row-parallel outputs DTensor until the region's exit"),
+    dict(id="sp-sequence-shard-attention",
+         title="TP+SP puts a block on sequence shards although no region gathers the sequence for attention",
+         match=lambda c, g: c["status"] == "mismatch" and c["layout"] == "tp_sp",
+         where="tensor_parallel.py:214-223 shards every block's input on dim 1 under SP; nn.TransformerEncoderLayer's "
+               "attention is nn.MultiheadAttention (in_proj is a bare Parameter: the probe finds no column-"
+               "parallel Linear, tensor_parallel.py:186), so no ReplicateModuleInputs gathers the sequence and "
+               "each rank attends over its half (silent)",
+         fix="sequence-shard a block only when every sequence-mixing child is a recognised region that "
+             "gathers; otherwise refuse SP for it (or split nn.MultiheadAttention's in_proj by heads)"),
+    dict(id="sp-uneven-sequence",
+         title="TP+SP with a sequence tp does not divide aborts gloo",
+         match=lambda c, g: c["status"] in ("abort", "crash", "hang") and c["layout"] == "tp_sp"
+         and c["arch"] == "llama_seq15",
+         where="no check of seq % tp in manual_plan.py / the planner / tensor_parallel.py:214-223: Shard(1) of 15 "
+               "tokens gives shards of 8 and 7, a collective posts different sizes (8192 vs 7168 bytes)",
+         fix="refuse before running when tp does not divide the sequence (or pad it)"),
+    dict(id="user-loss-mean-of-means",
+         title="a user loss that ignores -100 targets averages per-shard means (dp / micro-batches)",
+         match=lambda c, g: c["status"] == "mismatch" and c["arch"] == "bert_ce_ignore",
+         where="parallel_model.py:124-136 `_accumulate` averages micro-batch losses (loss / n) and dp averages "
+               "ranks: with -100 labels the shards score different token counts, so the step's loss is a "
+               "mean of means, not the global mean one process computes (autopar corrects this only for "
+               "transformers' own loss, HFCausalLMLoss)",
+         fix="probe the user's loss for ignored targets (as loss_parallel is probed) and weigh each "
+             "micro-batch by its scored-target count, or document that loss_fn must be token-weighted"),
+]
+
+
+def cause_of(cell: dict, grid: dict) -> str | None:
+    if cell["status"] == "pass":
+        return None
+    for cause in CAUSES:
+        try:
+            if cause["match"](cell, grid):
+                return cause["id"]
+        except Exception:
+            continue
+    return "unclassified"
+
+
 def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     cells = data["cells"]
@@ -580,9 +754,11 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
     grid = {(c["arch"], c["layout"]): c for c in cells}
     lines = [f"# Lowering matrix (issue 12): architectures x layouts vs one process", "",
              f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
-             f"Total wall time: {data['wall_s'] / 60:.1f} min on {data['host']}  ",
+             *[f"Re-run: `{r['command']}` ({r['date']}, {r['cells']} cells replaced)  " for r in data.get("reruns", [])],
+             f"Total wall time: {data['wall_s'] / 60:.1f} min on {data['host']}"
+             + (" (first run plus re-runs)" if data.get("reruns") else "") + "  ",
              f"Code: autopar at commit `{data['git']['commit'][:12]}`"
-             + (" (a `git archive` snapshot of HEAD)" if data["git"].get("snapshot_of_head") else
+             + (" (a `git archive` snapshot of that commit, not the working tree)" if data["git"].get("snapshot_of_head") else
                 " (autopar/ had uncommitted changes)" if data["git"].get("dirty_autopar") else "")
              + f", {', '.join(f'{k} {v}' for k, v in data['versions'].items())}  ",
              f"Not in this transformers: {', '.join(data['missing']) or 'none'}", "",
@@ -592,13 +768,14 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
              f"(parameters: max|p - ref| / max(max|ref|, {PARAM_FLOOR:g})).", "",
              "Legend: `ok` pass · `R` refused before running, same reason on every rank · `**M**` mismatch · "
              "`**C**` crash (exception) · `**A**` abort (a rank died) · `**H**` hang (timeout) · `-` not run · "
-             "`ok*` passed under tp > 1 with no parameter sharded over tp", "",
+             "`ok*` passed under tp > 1, but no block parameter was sharded over tp (the blocks ran replicated)", "",
              "Layouts (world size): " + "; ".join(
                  f"`{l}` ({LAYOUTS[l][0]}: {', '.join(f'{k}={v}' for k, v in (LAYOUTS[l][1] or {'autopar.plan': 'cpu x4, fp32'}).items())})"
                  for l in layouts), "",
              "| arch | family | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
     def code(c):
-        if c["status"] == "pass" and c.get("tp_sharded") == 0 and " tp1 " not in f" {c.get('layout_run', '')} ":
+        if c["status"] == "pass" and c.get("tp_sharded_blocks", c.get("tp_sharded")) == 0 \
+                and " tp1 " not in f" {c.get('layout_run', '')} ":
             return "ok*"
         return CODES[c["status"]]
     for a in archs:
@@ -609,24 +786,46 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
     for l in layouts + ["all"]:
         sel = [c for c in cells if l == "all" or c["layout"] == l]
         lines.append(f"| {l} | " + " | ".join(str(sum(c['status'] == s for c in sel)) for s in STATUSES) + " |")
-    beyond = [c for c in cells if data["family"].get(c["arch"]) != "control"]
+    beyond = [c for c in cells if data["family"].get(c["arch"]) not in ("control", "explicit-loss twin")]
     tppp = [c for c in beyond if c["layout"] in TP_PP]
     refused = sum(c["status"] == "refused" for c in tppp)
-    silent = sum(c["status"] == "mismatch" for c in cells)
-    lines += ["", f"Beyond the controls: {len({c['arch'] for c in beyond})} architectures, {len(beyond)} cells, "
-              f"{sum(c['status'] == 'pass' for c in beyond)} pass. "
-              f"TP/PP cells refused: {refused}/{len(tppp)} ({100 * refused / max(len(tppp), 1):.0f}%; acceptance "
-              f"<= 20%). Silent mismatches: {silent}; hangs: {sum(c['status'] == 'hang' for c in cells)}; aborts: "
-              f"{sum(c['status'] == 'abort' for c in cells)}; crashes: {sum(c['status'] == 'crash' for c in cells)}."]
+    n = {st: sum(c["status"] == st for c in beyond) for st in STATUSES}
+    lines += ["", f"Acceptance view (the {len({c['arch'] for c in beyond})} architectures beyond the controls and "
+              f"the explicit-loss twins, {len(beyond)} cells): {n['pass']} pass, {n['refused']} refused, "
+              f"{n['mismatch']} silent mismatches, {n['crash']} crashes, {n['abort']} aborts, {n['hang']} hangs "
+              f"(wanted: 0 / 0 / 0 / 0). TP/PP cells refused: {refused}/{len(tppp)} "
+              f"({100 * refused / max(len(tppp), 1):.0f}%; wanted <= 20%)."]
     planner = [c for c in cells if c["layout"] == "planner" and c.get("layout_run")]
     if planner:
         lines += ["", "Planner's choices: " + "; ".join(f"{c['arch']}: {c['layout_run']}" for c in planner) + "."]
-    lines += ["", "## Findings (every cell that is not `ok`)", ""]
+    by_cause: dict[str, list] = {}
+    for c in cells:
+        cid = cause_of(c, grid)
+        c["cause"] = cid
+        if cid:
+            by_cause.setdefault(cid, []).append(c)
+    lines += ["", "## Root causes", "",
+              "Each failing cell is matched to the first cause whose symptom it shows (`CAUSES` in run.py; "
+              "code locations as read at a82ebdf, the baseline).", ""]
+    for i, cause in enumerate(CAUSES + [dict(id="unclassified", title="not matched by any cause", where="-",
+                                             fix="-")], 1):
+        got = by_cause.get(cause["id"], [])
+        if not got:
+            continue
+        tally = ", ".join(f"{n} {s}" for s, n in sorted(
+            {s: sum(c["status"] == s for c in got) for s in STATUSES}.items()) if n)
+        order = {l: i for i, l in enumerate(LAYOUTS)}
+        got.sort(key=lambda c: order.get(c["layout"], 99))
+        cells_txt = "; ".join(f"{a}: {', '.join(c['layout'] for c in got if c['arch'] == a)}"
+                              for a in archs if any(c["arch"] == a for c in got))
+        lines += [f"{i}. **{cause['title']}** (`{cause['id']}`, {len(got)} cells: {tally})  ",
+                  f"   cells: {cells_txt}  ", f"   where: {cause['where']}  ", f"   fix: {cause['fix']}", ""]
+    lines += ["## Findings (every cell that is not `ok`)", ""]
     for a in archs:
         for l in layouts:
             c = grid.get((a, l))
             if c and c["status"] != "pass":
-                lines.append(f"- `{a}` / `{l}`: **{c['status']}** — {_cell_text(c)}")
+                lines.append(f"- `{a}` / `{l}`: **{c['status']}** [{c.get('cause')}] — {_cell_text(c)}")
     md = os.path.join(out_dir, f"{name}.md")
     js = os.path.join(out_dir, f"{name}.json")
     with open(md, "w") as f:
@@ -648,10 +847,18 @@ def main(argv=None):
     ap.add_argument("--merge", action="store_true", help="replace the cells run in an existing <name>.json")
     ap.add_argument("--cell-timeout", type=float, default=180.0, help="seconds per cell before it counts as a hang")
     ap.add_argument("--snapshot", action="store_true",
-                    help="run against `git archive HEAD` of this repository (autopar/, cost_models/) extracted to a "
+                    help="run against `git archive REV` of this repository (autopar/, cost_models/) extracted to a "
                          "temporary directory, so edits to the working tree during a long run do not leak in")
+    ap.add_argument("--rev", default="HEAD", help="the commit --snapshot extracts (default HEAD)")
     ap.add_argument("--logs", default=os.path.join("/tmp", "lowering_matrix_logs"), help="per-rank logs")
+    ap.add_argument("--report-only", action="store_true", help="rewrite <name>.md from <name>.json, run nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        stem = args.name or "lowering_matrix"
+        with open(os.path.join(args.out, f"{stem}.json")) as f:
+            md, _ = write_report(json.load(f), args.out, stem)
+        print(f"wrote {md}")
+        return
 
     archs = args.arch.split(",") if args.arch else list(ARCHS)
     layouts = args.layout.split(",") if args.layout else list(LAYOUTS)
@@ -665,7 +872,7 @@ def main(argv=None):
     name = args.name or ("lowering_matrix" if not (args.arch or args.layout) or args.merge
                          else "lowering_matrix_partial")
     os.makedirs(args.logs, exist_ok=True)
-    snapshot = _snapshot() if args.snapshot else None
+    snapshot = _snapshot(args.rev) if args.snapshot else None
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     import torch
@@ -692,6 +899,10 @@ def main(argv=None):
             "missing": MISSING, "arch_order": ORDER, "family": FAMILY, "layouts": {k: v for k, v in LAYOUTS.items()},
             "settings": {"global_batch": GLOBAL_BATCH, "steps": STEPS, "lr": LR, "momentum": MOMENTUM, "tol": TOL,
                          "param_floor": PARAM_FLOOR, "cell_timeout_s": args.cell_timeout}, "cells": cells}
+    if prev:  # the matrix keeps its first command and date; re-runs of some cells are listed
+        data["command"], data["date"] = prev["command"], prev["date"]
+        data["reruns"] = prev.get("reruns", []) + [{"command": command, "date": _dt.datetime.now().isoformat(
+            timespec="seconds"), "cells": len([1 for a in archs for l in layouts])}]
     try:
         for a in archs:
             try:
@@ -701,7 +912,7 @@ def main(argv=None):
                            "where": _where(exc), "world": LAYOUTS[l][0]} for l in layouts}
                 print(traceback.format_exc(), flush=True)
             for l in layouts:
-                rec = dict(res[l])
+                rec = dict(res.get(l) or {"status": "crash", "message": "harness: the world returned no record"})
                 cells.append({"arch": a, "layout": l, **rec})
             data["wall_s"] = time.time() - t0 + (prev["wall_s"] if prev and args.merge else 0)
             write_report(data, args.out, name)  # after every arch: a partial matrix survives an interruption
