@@ -33,8 +33,11 @@ def plan(model, cluster_spec, *args, **kwargs) -> Plan:
     from autopar.plan import check_precision
     from autopar.solve import plan as solve_plan
 
+    from autopar.lower.what_runs import limits
+
     if "precision" in kwargs:
         check_precision(kwargs["precision"])
+    kwargs.setdefault("check_lowering", limits)  # offer only layouts the lowering runs for this model
     return solve_plan(model, cluster_spec, *args, **kwargs)
 
 

@@ -11,7 +11,16 @@ What each model exercises:
                        under sequence parallelism attention must still see
                        the whole sequence
   bert (masked LM)     its own loss (no label shift); its BertEmbeddings pre
-                       layer has no pipeline stand-in: refused on both ranks
+                       layer on later pipeline stages becomes zeros of its
+                       output's shape; under TP the LM head's `bias` is the
+                       same Parameter as its decoder Linear's (a tied end
+                       that must follow the split one)
+  user loss, -100      a loss that is a mean over the targets that are not
+                       -100, with rows scoring different counts: dp ranks
+                       must weigh it by its targets, not average means
+  gpt2 pp x tp         tied embedding and head on different pipeline ranks,
+                       both vocab-split: their gradients are summed shard by
+                       shard (4 ranks)
   odd sequence         sequence parallelism over a sequence tp does not
                        divide: refused on both ranks
 """
@@ -59,9 +68,22 @@ def build(arch: str):
     if arch == "bert":
         return T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                               **small)), None
+    if arch == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), None
     if arch.startswith("torch_encoder"):
         return TorchEncoderLM(norm_first=arch.endswith("pre_norm")), _ce
     raise KeyError(arch)
+
+
+def _targets(x, layout):
+    """The inputs as targets; with "ignore", rows scoring 2, 5, 8 and 8 targets (-100 elsewhere)."""
+    if not layout.get("ignore"):
+        return x
+    y = x.clone()
+    y[0, :6] = -100
+    y[1, :3] = -100
+    return y
 
 
 def _world(rank, world, cells):
@@ -70,25 +92,29 @@ def _world(rank, world, cells):
     from autopar.lower.manual_plan import plan_for_model
     out = {}
     for name, arch, seq, layout in cells:
+        cells_layout = layout
         model, loss_fn = build(arch)
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, VOCAB, (BATCH, seq), generator=g) for _ in range(STEPS)]
         ref = copy.deepcopy(model)
         opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        layout = dict(layout)
         ref_losses = []
         for x in batches:
-            loss = loss_fn(ref(x), x) if loss_fn else ref(x, labels=x).loss
+            y = _targets(x, layout)
+            loss = loss_fn(ref(x), y) if loss_fn else ref(x, labels=y).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             ref_losses.append(loss.item())
         inputs = lambda b, seq=seq: (torch.zeros(b, seq, dtype=torch.long),)  # noqa: E731
+        layout.pop("ignore", None)
         try:
             mb = BATCH // layout.get("dp", 1) // layout.get("num_micro_batches", 1)
             plan = plan_for_model(model, example_inputs=inputs, micro_batch_size=mb, **layout)
             pm = autopar.compile(model, plan=plan, example_inputs=inputs, loss_fn=loss_fn,
                                  optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
-            losses = [pm.train_step(x, x) for x in batches]
+            losses = [pm.train_step(x, _targets(x, cells_layout)) for x in batches]
         except AutoparError as exc:
             out[name] = {"refused": str(exc)}
             continue
@@ -112,7 +138,13 @@ CELLS = [
     ("encoder_pre_norm_tp_sp", "torch_encoder_pre_norm", SEQ, dict(tp=2, sequence_parallel=True)),
     ("bert_dp", "bert", SEQ, dict(dp=2)),
     ("bert_pp", "bert", SEQ, dict(pp=2, num_micro_batches=2)),
+    ("bert_tp", "bert", SEQ, dict(tp=2)),
+    ("user_loss_ignore_dp", "torch_encoder", SEQ, dict(dp=2, num_micro_batches=2, ignore=True)),
     ("qwen3_tp_sp_odd_sequence", "qwen3", SEQ + 1, dict(tp=2, sequence_parallel=True)),
+]
+CELLS_4 = [
+    ("gpt2_pp_tp", "gpt2", SEQ, dict(pp=2, tp=2, num_micro_batches=2)),
+    ("bert_pp_tp", "bert", SEQ, dict(pp=2, tp=2, num_micro_batches=2)),
 ]
 
 
@@ -124,11 +156,21 @@ def test_architectures_train_as_one_process_or_are_refused_on_every_rank():
         assert ("refused" in results[0][name]) == ("refused" in results[1][name]), name
     r = results[0]
     for name in ("qwen3_tp", "qwen3_tp_sp", "olmo2_tp_sp", "encoder_tp", "encoder_tp_sp",
-                 "encoder_pre_norm_tp_sp", "bert_dp"):
+                 "encoder_pre_norm_tp_sp", "bert_dp", "bert_pp", "bert_tp", "user_loss_ignore_dp"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # q/k norms run replicated inside head-split attention
     assert "model.model.layers.0.self_attn.q_proj.weight" in r["qwen3_tp_sp"]["tp_sharded"]  # stage.model.<user path>
-    assert "pre-block module 'bert.embeddings'" in r["bert_pp"]["refused"]
+    assert "model.cls.predictions.decoder.weight" in r["bert_tp"]["tp_sharded"]
     assert "needs tp to divide the sequence" in r["qwen3_tp_sp_odd_sequence"]["refused"]
     assert "sequence of 9" in r["qwen3_tp_sp_odd_sequence"]["refused"]
+
+
+@pytest.mark.timeout(600)
+def test_tied_ends_on_different_pipeline_ranks_under_tp_train_as_one_process():
+    results = run_world(_world, 4, CELLS_4, timeout=540)
+    for name, *_ in CELLS_4:
+        for rank in range(4):
+            assert "refused" not in results[rank][name], (rank, name, results[rank][name])
+        r = results[0][name]
+        assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, (name, r)

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.capture import ops as opinfo
+from autopar.capture.dtype_fallback import shapes_in_bf16
 from autopar.capture.gpu_kernels import gpu_kernels
 from autopar.capture.hf_masks import assume_unpadded_batches
 from autopar.capture.no_checkpointing import checkpointing_off
@@ -180,7 +181,9 @@ class _Recorder(TorchDispatchMode):
             except _CaptureAbort:
                 raise
             except Exception as exc:
-                raise _CaptureAbort(tracer.op_error(func, exc)) from None
+                out = shapes_in_bf16(func, args, kwargs)
+                if out is None:
+                    raise _CaptureAbort(tracer.op_error(func, exc)) from None
         tracer.record(func, args, kwargs, out)
         return out
 

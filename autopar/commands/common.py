@@ -283,7 +283,9 @@ def plan_from_args(args, progress=None):
     check_against_cluster(pins, cluster.world_size, args.batch_size or cluster.world_size)
     graph, loaded = load_graph(args)
     try:
-        result = plan(graph, cluster, global_batch_size=args.batch_size, constraints=constraints_from_args(args),
+        from autopar.lower.what_runs import limits
+        result = plan(graph, cluster, loaded.example_inputs, global_batch_size=args.batch_size,
+                      constraints=constraints_from_args(args), check_lowering=limits,
                       seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5),
                       time_limit_s=args.time_limit, progress=progress, source=args.model,
                       fusion=getattr(args, "fusion", True), module=loaded.model, memory_headroom=headroom)

@@ -77,7 +77,9 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
                                hint="pass plan=Plan or a plan JSON path") from exc
         if cluster_spec is None or global_batch_size is None:
             raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)")
-        kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size}
+        from autopar.lower.what_runs import limits
+        kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
+                  "check_lowering": limits}
         if constraints:
             kwargs["constraints"] = constraints
         if precision is not None:

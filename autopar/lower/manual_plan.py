@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import PlanMismatchError
-from autopar.lower.model_layers import block_container, model_signature
+from autopar.lower.model_layers import block_stacks, model_signature
 from autopar.lower.pipeline_parallel import check_schedule
 from autopar.plan import CHECKPOINTS, SCHEDULES, LayerChoice, Mesh, Plan, Stage
 
@@ -66,13 +66,20 @@ def model_layers(model: nn.Module, example_inputs=None, *, tp: int = 1, sequence
     return _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len)[0]
 
 
-def _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len):
-    if example_inputs is None:
-        example_inputs = _default_example_inputs(model, seq_len)
-    facts = _layer_facts(model, example_inputs)
-    container = block_container([paths for _, _, paths, _ in facts], dict(model.named_modules()))
-    is_block = [container is not None and len(paths) == 1 and paths[0].rpartition(".")[0] == container
-                for _, _, paths, _ in facts]
+def _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len, graph=None):
+    if graph is not None:  # already captured (the planner's ModelGraph): the same facts, no second trace
+        facts = [(l.name, l.kind, list(l.module_paths or [l.name]), tuple(l.tp_degrees or (1,)))
+                 for l in graph.layers]
+    else:
+        if example_inputs is None:
+            example_inputs = _default_example_inputs(model, seq_len)
+        facts = _layer_facts(model, example_inputs)
+    modules = dict(model.named_modules())
+    stacks = block_stacks([paths for _, _, paths, _ in facts], modules)
+    is_block = []
+    for _, _, paths, _ in facts:
+        mods = [p for p in paths if p in modules]  # capture may fold loose parameters into a block
+        is_block.append(len(mods) == 1 and mods[0].rpartition(".")[0] in stacks)
     if not any(is_block):
         raise PlanMismatchError(f"{type(model).__name__} has no repeated blocks to place layers from",
                                 hint="autopar places the repeated blocks of an nn.ModuleList/nn.Sequential")
@@ -102,21 +109,22 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
                    micro_batch_size: int = 1, num_micro_batches: int = 1, sequence_parallel: bool = False,
                    stage_layers: list[int] | None = None, precision: str = "fp32", offload: str = "none",
                    main_grads: str = "fp32", seq_len: int | None = None, name: str | None = None,
-                   example_inputs=None) -> Plan:
+                   example_inputs=None, graph=None) -> Plan:
     """A Plan with this fixed layout for `model`.
 
     `example_inputs` (a tuple for one micro-batch, or batch_size -> tuple) is
     only traced on the meta device to find the layers; token-id models may
     leave it out. `main_grads` ("same" | "fp32" | "fp32-unfused", as in
     cost_models.layout) says in which dtype gradients are reduced when
-    precision is bf16/fp16."""
+    precision is bf16/fp16. `graph`: the model's ModelGraph when it was
+    captured already (its layers are used instead of a new trace)."""
     if schedule not in SCHEDULES:
         raise PlanMismatchError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     if checkpoint not in CHECKPOINTS:
         raise PlanMismatchError(f"unknown checkpoint {checkpoint!r}; one of {', '.join(CHECKPOINTS)}")
     if main_grads not in MAIN_GRADS:
         raise PlanMismatchError(f"unknown main_grads {main_grads!r}; one of {', '.join(MAIN_GRADS)}")
-    layers, blocks = _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len)
+    layers, blocks = _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len, graph)
     block_ids = {id(c) for c in blocks}
     for c in layers:
         c.zero = zero

@@ -97,13 +97,78 @@ _NEEDS_LOSS_FN = "e.g. loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(
 
 
 def resolve_loss_fn(model: nn.Module, loss_fn):
-    """The user's loss_fn, or the loss the model computes for its own labels
-    when autopar can reproduce it exactly (`own_token_loss`)."""
+    """The user's loss_fn (token-weighed when it is a mean over the targets
+    that are not -100, see `UserTokenMeanLoss`), or the loss the model
+    computes for its own labels when autopar can reproduce it exactly
+    (`own_token_loss`)."""
     if loss_fn is not None:
         if not callable(loss_fn):
             raise AutoparError(f"loss_fn must be callable as loss_fn(logits, targets), got {type(loss_fn).__name__}")
-        return loss_fn
+        return UserTokenMeanLoss(loss_fn) if is_mean_over_scored_targets(loss_fn) else loss_fn
     return own_token_loss(model)
+
+
+def is_mean_over_scored_targets(loss_fn) -> bool:
+    """Whether loss_fn(logits, targets) is a mean over the targets that are
+    not -100 (F.cross_entropy's default ignore_index), tried on small random
+    logits: the loss of a batch whose rows score 1, 4, 5 and 6 targets must be
+    the count-weighted mean of its rows' losses, and not their plain mean.
+    Such a loss averaged per micro-batch and per dp rank is a mean of means,
+    not the one-process mean; autopar then weighs it by its targets."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 11, generator=g)
+    targets = torch.randint(0, 11, (4, 6), generator=g)
+    targets[0, :5] = -100
+    targets[1, :2] = -100
+    targets[3, 1] = -100
+    try:
+        with torch.no_grad():
+            whole = float(loss_fn(logits, targets))
+            rows = [float(loss_fn(logits[i:i + 1], targets[i:i + 1])) for i in range(4)]
+    except Exception:  # noqa: BLE001 - a loss for other shapes: used as given
+        return False
+    counts = (targets != -100).sum(1).tolist()
+    weighted = sum(c * r for c, r in zip(counts, rows)) / sum(counts)
+    plain = sum(rows) / len(rows)
+    close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))  # noqa: E731
+    return close(whole, weighted) and not close(whole, plain)
+
+
+class TokenWeighedLoss:
+    """A loss train_step weighs over the global batch's scored targets:
+    before each step it sets `tokens_per_share` (the global count of scored
+    targets over micro-batches x dp ranks, see ParallelModel._weigh_by_tokens)."""
+
+    IGNORE_INDEX = -100  # transformers' and F.cross_entropy's default
+    shift = False
+
+    def __init__(self):
+        self.tokens_per_share: float | None = None  # None: the plain per-micro-batch mean
+
+    def scored_tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        return ((labels[..., 1:] if self.shift else labels) != self.IGNORE_INDEX).sum()
+
+
+class UserTokenMeanLoss(TokenWeighedLoss):
+    """The user's mean-over-scored-targets loss, times this micro-batch's
+    scored targets / tokens_per_share: the mean over every scored target of
+    the global batch, as one process computes it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def __call__(self, logits, targets):
+        loss = self.fn(logits, targets)
+        if self.tokens_per_share is None:
+            return loss
+        n = self.scored_tokens(targets)
+        if int(n) == 0:  # the mean over no targets is nan; this share adds nothing
+            return (logits.sum() * 0.0).float()
+        return loss * (n.to(torch.float32) / self.tokens_per_share)
+
+    def __repr__(self) -> str:
+        return f"UserTokenMeanLoss({getattr(self.fn, '__name__', self.fn)!r})"
 
 
 def own_token_loss(model: nn.Module) -> "HFTokenLoss":
@@ -135,22 +200,44 @@ def own_token_loss(model: nn.Module) -> "HFTokenLoss":
         source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         source = ""
-    kind = None
+    kind, classes = None, vocab
     if "self.loss_function(" in source:
         fn_name = getattr(getattr(model, "loss_function", None), "__name__", "")
-        kind = {"ForCausalLMLoss": "causal", "ForMaskedLMLoss": "tokens"}.get(fn_name)
-    elif "CrossEntropyLoss(" in source and name.endswith(("ForMaskedLM", "ForConditionalGeneration")):
+        kind = {"ForCausalLMLoss": "causal", "ForMaskedLMLoss": "tokens",
+                "ForSequenceClassificationLoss": "classes"}.get(fn_name)
+    elif name.endswith(("ForMaskedLM", "ForConditionalGeneration")) and (
+            "CrossEntropyLoss(" in source or _plain_cross_entropy_attribute(model, source)):
         kind = "tokens"
-    if kind is None or vocab is None:
+    if kind == "classes":
+        # ForSequenceClassificationLoss: cross-entropy over num_labels for
+        # integer labels when num_labels > 1 (single-label); regression and
+        # multi-label (MSE, BCE) are other objectives.
+        classes = getattr(config, "num_labels", None)
+        if getattr(config, "problem_type", None) not in (None, "single_label_classification") or not classes \
+                or classes < 2:
+            kind = None
+    if kind is None or classes is None:
         raise AutoparError(
             f"{name} computes its own loss in a way autopar cannot reproduce exactly from its logits "
-            f"(autopar reproduces causal-LM, masked-LM and seq2seq token cross-entropy)",
+            f"(autopar reproduces causal-LM, masked-LM, seq2seq token and single-label classification "
+            f"cross-entropy)",
             hint="pass loss_fn(logits, targets) returning the mean loss of a micro-batch; " + _NEEDS_LOSS_FN)
-    return HFTokenLoss(int(vocab), shift=kind == "causal",
-                       fn=model.loss_function if kind == "causal" else None)
+    return HFTokenLoss(int(classes), shift=kind == "causal",
+                       fn=model.loss_function if kind == "causal" else None, integer_labels=kind == "classes")
 
 
-class HFTokenLoss:
+def _plain_cross_entropy_attribute(model: nn.Module, forward_source: str) -> bool:
+    """DistilBERT keeps `self.mlm_loss_fct = nn.CrossEntropyLoss()` and calls
+    it in forward: the same loss when it has every default (mean over the
+    labels that are not -100, no class weights, no smoothing)."""
+    for attr, value in vars(model).get("_modules", {}).items():
+        if isinstance(value, nn.CrossEntropyLoss) and f"self.{attr}(" in forward_source:
+            return (value.weight is None and value.ignore_index == -100 and value.reduction == "mean"
+                    and value.label_smoothing == 0.0)
+    return False
+
+
+class HFTokenLoss(TokenWeighedLoss):
     """A Hugging Face model's token cross-entropy, weighed over the global batch.
 
     A mean over each micro-batch's own tokens would weigh micro-batches
@@ -165,15 +252,19 @@ class HFTokenLoss:
     one inside the loss); masked-LM and seq2seq losses score every position.
     """
 
-    IGNORE_INDEX = -100  # transformers' default
-
-    def __init__(self, vocab_size: int, *, shift: bool, fn=None):
+    def __init__(self, vocab_size: int, *, shift: bool, fn=None, integer_labels: bool = False):
+        super().__init__()
         self.vocab_size, self.shift, self.fn = vocab_size, shift, fn
-        self.tokens_per_share: float | None = None  # None: the plain per-micro-batch mean
+        self.integer_labels = integer_labels  # classification: float labels would make it MSE / BCE
 
     def scored_tokens(self, labels: torch.Tensor) -> torch.Tensor:
         """Tokens the loss scores (causal: labels are shifted by one inside the loss)."""
-        return ((labels[..., 1:] if self.shift else labels) != self.IGNORE_INDEX).sum()
+        if self.integer_labels and labels.is_floating_point():
+            raise AutoparError(
+                f"the model's own classification loss is cross-entropy for integer class labels; float labels "
+                f"({labels.dtype}) make transformers use MSE or BCE, which autopar does not reproduce",
+                hint="pass integer class indices as targets, or pass loss_fn")
+        return super().scored_tokens(labels)
 
     def __call__(self, logits, labels):
         if self.fn is not None:  # the model's own ForCausalLMLoss

@@ -35,6 +35,7 @@ class ResolvedLayer:
     # `pos_embedding` or `class_token`): capture lists them by parameter path.
     # They stay in the stage's root FSDP unit and are never tensor-parallel.
     param_paths: list[str] = field(default_factory=list)
+    stack: str | None = None  # the ModuleList a block sits in
 
 
 @dataclass
@@ -42,9 +43,17 @@ class ModelLayout:
     """The plan's layers resolved against one model."""
 
     layers: list[ResolvedLayer]
-    blocks_path: str | None  # path of the nn.ModuleList holding the blocks
-    num_blocks: int
+    blocks_path: str | None  # the nn.ModuleList holding the blocks, when there is one stack
+    num_blocks: int  # over all stacks
     tied: list[list[str]] = field(default_factory=list)  # parameter names sharing one tensor
+    stacks: list[str] = field(default_factory=list)  # block ModuleLists in execution order (2: encoder-decoder)
+    stack_ends: dict = field(default_factory=dict)  # stack -> (first, last) block_index
+
+    def first_last(self, layer: ResolvedLayer) -> tuple[bool, bool]:
+        """Whether a block starts / ends its stack (sequence parallelism
+        scatters into and gathers out of each stack)."""
+        first, last = self.stack_ends[layer.stack]
+        return layer.block_index == first, layer.block_index == last
 
     def layers_of_stage(self, stage: int) -> list[ResolvedLayer]:
         return [l for l in self.layers if l.stage == stage]
@@ -67,17 +76,23 @@ def _parent(path: str) -> tuple[str, str]:
     return parent, leaf
 
 
-def block_container(layer_paths: list[list[str]], modules: dict[str, nn.Module]) -> str | None:
-    """Path of the nn.ModuleList holding the most single-module layers (the
-    blocks, at any depth: `blocks`, `model.layers`, `transformer.h`), or None."""
+def block_stacks(layer_paths: list[list[str]], modules: dict[str, nn.Module]) -> list[str]:
+    """Paths of the nn.ModuleLists whose entries are layers (the block stacks,
+    at any depth: `blocks`, Hugging Face's `model.layers`, `transformer.h`),
+    in the order their layers run. An encoder-decoder has two. Paths that
+    are not modules (parameters capture folds into a layer, such as T5's
+    encoder final norm) do not count: lowering sees module paths only."""
     containers: dict[str, int] = {}
     for paths in layer_paths:
+        paths = [p for p in paths if p in modules]
         if len(paths) == 1:
             parent, leaf = _parent(paths[0])
             if parent in modules and isinstance(modules[parent], nn.ModuleList) and leaf.isdigit():
                 containers[parent] = containers.get(parent, 0) + 1
-    # ties: the first in module order, so every rank picks the same one
-    return max(containers, key=lambda k: containers[k]) if containers else None
+    if not containers:
+        return []
+    stacks = [k for k, n in containers.items() if n >= 2]
+    return stacks or [max(containers, key=lambda k: containers[k])]
 
 
 def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
@@ -100,18 +115,23 @@ def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
                                         param_paths=[p for p in paths if p not in modules]))
     _check_parameters(model, plan, layers)
 
-    blocks_path = block_container([l.paths for l in layers], modules)
-    num_blocks = len(modules[blocks_path]) if blocks_path else 0
-    seen_block = False
+    stacks = block_stacks([l.paths for l in layers], modules)
+    seen_block, n, ends = False, 0, {}
     for l in layers:
         parent, leaf = _parent(l.paths[0]) if len(l.paths) == 1 else ("", "")
-        if blocks_path is not None and parent == blocks_path:
-            l.block_index, l.position = int(leaf), "block"
+        if parent in stacks:
+            # Numbered across stacks in execution order (encoder 0..3, decoder 4..7);
+            # with one stack this is the index in its ModuleList.
+            l.block_index, l.position, l.stack = n, "block", parent
+            ends.setdefault(parent, [n, n])[1] = n
+            n += 1
             seen_block = True
         else:
             l.position = "post" if seen_block else "pre"
-    return ModelLayout(layers=layers, blocks_path=blocks_path, num_blocks=num_blocks,
-                       tied=tied_parameter_names(model))
+    return ModelLayout(layers=layers, blocks_path=stacks[0] if len(stacks) == 1 else None,
+                       num_blocks=len(modules[stacks[0]]) if len(stacks) == 1 else n,
+                       tied=tied_parameter_names(model), stacks=stacks,
+                       stack_ends={k: tuple(v) for k, v in ends.items()})
 
 
 def _check_parameters(model: nn.Module, plan: Plan, layers: list[ResolvedLayer]) -> None:

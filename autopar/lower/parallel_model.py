@@ -23,14 +23,14 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
-from autopar.lower.model_io import HFTokenLoss, default_init_fn, forward_kwargs, resolve_loss_fn
+from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
 from autopar.lower.model_layers import ModelLayout, resolve
 from autopar.lower.tp_styles import is_linear
 from autopar.plan import Plan
@@ -96,7 +96,7 @@ class ParallelModel:
                 f"{self.plan.num_micro_batches} micro-batches of {self.plan.micro_batch_size}",
                 hint=f"feed global batches of {self.plan.global_batch_size} samples (or re-plan)")
         self.optimizer.zero_grad(set_to_none=True)
-        if isinstance(self.loss_fn, HFTokenLoss):
+        if isinstance(self.loss_fn, TokenWeighedLoss):
             self._weigh_by_tokens(targets)
         with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()), \
                 (tensor_parallel.tp_region() if self.plan.mesh.tp > 1 else contextlib.nullcontext()):
@@ -148,6 +148,13 @@ class ParallelModel:
     def _sync_tied_grads(self) -> None:
         for param_of, group in self._tied_groups:
             p = param_of()
+            if p.grad is None:  # an end this step did not reach still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # DTensor's backward may leave a gradient in another layout than
+                # its parameter (a vocab-split embedding's comes back Replicate):
+                # the ends must post the same local shard to the all-reduce.
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             g = p.grad
             local = g._local_tensor if isinstance(g, DTensor) else g
             dist.all_reduce(local, group=group)
@@ -281,6 +288,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             pipeline_parallel.check_stand_ins(model, layout, i, n_stages)
     elif n_stages != 1:
         raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
+    if tp > 1:
+        check_tied_styles(layout)
     init_distributed()
     mesh = build_mesh(plan)  # checks the world size before creating any group
     device = local_device()
@@ -291,15 +300,16 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # Tensor-parallel roles come from one traced forward of the whole model.
     # Every block is probed on every rank (not only this rank's), so a
     # refusal below is raised by all ranks alike, before any schedule runs.
-    block_plans = {}
+    block_plans, pre_outputs = {}, {}
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
     if pp > 1 or (tp > 1 and any(l.position == "block" for l in tp_layers)):
         block_paths = {l.block_index: l.paths[0] for l in layout.layers if l.position == "block"}
+        stand_ins = pipeline_parallel.stand_in_modules(model, layout) if pp > 1 else {}
         block_plans = tensor_parallel.probe_blocks(model, {i: model.get_submodule(p) for i, p in block_paths.items()},
                                                    _example_args(example_inputs, plan.micro_batch_size),
-                                                   forward_kwargs(model))
+                                                   forward_kwargs(model), outputs_of=stand_ins, outputs=pre_outputs)
         if pp > 1:
-            pipeline_parallel.check_block_outputs(block_plans, block_paths)
+            pipeline_parallel.check_block_outputs(block_plans, block_paths, pre_outputs)
     if tp > 1 and any(l.position == "block" for l in tp_layers):
         tensor_parallel.register_cpu_attention_sharding()
         for l in tp_layers:
@@ -309,7 +319,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)
     returns = {i: bp.returns for i, bp in block_plans.items()}
-    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy, returns) for i in local]
+    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy, returns, pre_outputs,
+                                            plan.micro_batch_size) for i in local]
 
     # 2. tensor parallel
     tp_mesh = mesh["tp"]
@@ -321,7 +332,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                 tensor_parallel.parallelize_block(
                     model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
                     sequence_parallel=plan.sequence_parallel or l.choice.tp_style == "sequence",
-                    first=l.block_index == 0, last=l.block_index == layout.num_blocks - 1)
+                    first=layout.first_last(l)[0], last=layout.first_last(l)[1])
             else:
                 for p in l.paths:
                     tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position,
@@ -336,13 +347,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             continue
         here = [(m, a) for m, a in hs if id(m) in local_modules]
         if len(here) > 1:
-            p = getattr(*here[0])
-            for m, a in here[1:]:
-                other = getattr(m, a)
-                if isinstance(p, DTensor) != isinstance(other, DTensor) or (
-                        isinstance(p, DTensor) and p.placements != other.placements):
-                    raise PlanMismatchError(f"tied parameter {name!r} has differently sharded ends under this plan")
-                setattr(m, a, p)
+            _retie(name, here, tp_mesh if tp > 1 else None)
             tied_local.update(_names_of(model, hs))
         tied_remote.append((name, hs))
 
@@ -398,6 +403,52 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         for note in pm.notes:
             warnings.warn(note, LoweringWarning, stacklevel=3)
     return pm
+
+
+def _retie(name: str, ends: list, tp_mesh=None) -> None:
+    """Point every holder of a tied weight at one Parameter after
+    parallelize_module swapped in new ones. A sharded end wins over a plain
+    one held by a module that has no tensor-parallel style of its own
+    (BertLMPredictionHead.bias, the other end of its decoder Linear's bias):
+    such a holder only keeps the reference. An nn.Embedding no planned layer
+    names (T5's decoder.embed_tokens, sharing `shared` with the encoder's)
+    is split like the vocab-split embedding it shares with. Two ends sharded
+    differently, or another split module's plain end, cannot share one tensor."""
+    sharded = [(m, a) for m, a in ends if isinstance(getattr(m, a), DTensor)]
+    p = getattr(*(sharded[0] if sharded else ends[0]))
+    for m, a in ends:
+        other = getattr(m, a)
+        if other is p:
+            continue
+        if (isinstance(p, DTensor) and not isinstance(other, DTensor) and type(m) is nn.Embedding
+                and a == "weight" and tp_mesh is not None and tuple(p.placements) == (Shard(0),)):
+            tensor_parallel.parallelize_vocab(m, tp_mesh, position="pre")
+            other = getattr(m, a)
+        if isinstance(other, DTensor) and other.placements != p.placements or (
+                not isinstance(other, DTensor) and (isinstance(m, nn.Embedding) or is_linear(m))):
+            raise PlanMismatchError(
+                f"tied parameter {name!r} has differently sharded ends under this plan "
+                f"({type(m).__name__}.{a} is {'split' if isinstance(other, DTensor) else 'whole'})",
+                hint="give the layers holding both ends the same tensor-parallel style (both 'vocab' or both "
+                     "'replicate'), or plan with tp=1")
+        setattr(m, a, p)
+
+
+def check_tied_styles(layout: ModelLayout) -> None:
+    """Both ends of a tied weight (embedding and head) must be split alike
+    under tp: their gradients are summed shard by shard. Checked from the
+    plan alone, on every rank, before any process group exists."""
+    for names in layout.tied:
+        styles = {}
+        for n in names:
+            layer = next((l for l in layout.layers for p in l.paths if n.startswith(p + ".")), None)
+            if layer is not None:
+                styles[layer.choice.name] = "split" if layer.choice.tp_style != "replicate" else "replicate"
+        if len(set(styles.values())) > 1:
+            raise PlanMismatchError(
+                f"tied weight {' = '.join(names)}: its ends' layers are tensor-parallel differently "
+                f"({', '.join(f'{k}: {v}' for k, v in styles.items())})",
+                hint="give both layers the same tp_style, or re-plan with `autopar plan`")
 
 
 def _names_of(model, hs):

@@ -92,6 +92,13 @@ def check_stand_ins(model: nn.Module, layout: ModelLayout, stage: int, num_stage
     first, last = stage == 0, stage == num_stages - 1
     if num_stages > 1 and not first and layout.num_blocks == 0:
         raise PlanMismatchError("pipeline stages need a block ModuleList to cut between")
+    if num_stages > 1 and len(layout.stacks) > 1:
+        # The decoder's blocks read the encoder's output (cross-attention) on
+        # every stage, besides the activation the schedule hands on.
+        raise PlanMismatchError(
+            f"pipeline parallelism over {len(layout.stacks)} block stacks ({', '.join(layout.stacks)}: an "
+            f"encoder-decoder) is not supported: decoder stages would need the encoder's output too",
+            hint="plan with pp=1 (tensor and data parallelism apply to both stacks)")
     for l in layout.layers:
         if l.param_paths and ((l.position == "pre" and not first) or (l.position == "post" and not last)):
             # Glue code on every stage would read the root-held parameter
@@ -100,25 +107,55 @@ def check_stand_ins(model: nn.Module, layout: ModelLayout, stage: int, num_stage
                 f"layer {l.choice.name!r} owns parameters held by no module of it "
                 f"({', '.join(l.param_paths)}); pipeline stages cannot give later stages a stand-in",
                 hint="move the parameter into a module (e.g. an nn.Module holding it), or plan without pp")
-        if l.position == "pre" and not first:
+
+
+def stand_in_modules(model: nn.Module, layout: ModelLayout) -> dict[str, nn.Module]:
+    """Pre-block modules with weights other than nn.Embedding (BERT's
+    BertEmbeddings, BLOOM's embedding LayerNorm, ViT's patch embedding):
+    later stages replace them by zeros of the output shape the probe records."""
+    out = {}
+    for l in layout.layers:
+        if l.position == "pre":
             for p in l.paths:
                 m = model.get_submodule(p)
                 if any(True for _ in m.parameters()) and not isinstance(m, nn.Embedding):
-                    raise PlanMismatchError(
-                        f"pipeline stages after the first need a stand-in for pre-block module {p!r} "
-                        f"({type(m).__name__}); only nn.Embedding is supported there",
-                        hint="plan without pipeline parallelism (pp=1) for this model")
+                    out[p] = m
+    return out
 
 
-def check_block_outputs(block_plans: dict, paths: dict) -> None:
+def check_block_outputs(block_plans: dict, paths: dict, pre_outputs: dict | None = None) -> None:
     """Stages hand each other one activation; a block that returns more
-    (T5's position bias, a cache) would leave later stages without it."""
+    (T5's position bias, a cache) would leave later stages without it.
+    A pre-block module later stages replace must return one tensor."""
+    for p, out in sorted((pre_outputs or {}).items()):
+        if not isinstance(out, tuple):
+            raise PlanMismatchError(
+                f"pre-block module {p!r} returns {out}; pipeline stages after the first replace it by zeros "
+                f"of its output, which needs a single tensor",
+                hint="plan without pipeline parallelism (pp=1) for this model")
     for i, bp in sorted(block_plans.items()):
         if bp.returns != "tensor" and not isinstance(bp.returns, tuple):
             raise PlanMismatchError(
                 f"block {paths[i]!r} returns {bp.returns}; pipeline stages hand the next stage only the block's "
                 f"activation, so blocks on later stages would not receive the rest",
                 hint="plan without pipeline parallelism (pp=1) for this model")
+
+
+class _ZeroOutput(nn.Module):
+    """Zeros shaped like a pre-block module's output (its batch dim from the
+    call's first tensor): the real output is discarded on later stages,
+    where the first block's input is the received activation."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, probe_batch: int):
+        super().__init__()
+        self.shape, self.dtype, self.probe_batch = tuple(shape), dtype, probe_batch
+
+    def forward(self, *args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        shape = list(self.shape)
+        if x is not None and x.dim() and shape and shape[0] == self.probe_batch:
+            shape[0] = x.shape[0]
+        return torch.zeros(shape, dtype=self.dtype, device=x.device if x is not None else None)
 
 
 class _ZeroEmbedding(nn.Module):
@@ -167,7 +204,8 @@ class StageModule(nn.Module):
     others the activation from the previous stage."""
 
     def __init__(self, model: nn.Module, layout: ModelLayout | None, stage: int, num_stages: int,
-                 dummy_inputs=None, block_returns: dict | None = None):
+                 dummy_inputs=None, block_returns: dict | None = None, pre_outputs: dict | None = None,
+                 probe_batch: int = 1):
         super().__init__()
         self.stage_index, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -207,8 +245,11 @@ class StageModule(nn.Module):
             if l.position == "pre" and not self.is_first:
                 for p in l.paths:
                     m = view.get_submodule(p)
-                    if any(True for _ in m.parameters()):  # else (dropout...): runs as it is on the stand-in zeros
+                    if isinstance(m, nn.Embedding):
                         _set(view, p, _ZeroEmbedding(m.embedding_dim, m.weight.dtype))
+                    elif any(True for _ in m.parameters()):  # else (dropout...): runs as it is on the zeros
+                        shape, dtype = pre_outputs[p]
+                        _set(view, p, _ZeroOutput(shape, dtype, probe_batch))
             elif l.position == "post" and not self.is_last:
                 # A stage that ends with the last block (the head alone on the
                 # next stage): the first post module called ends the stage.

@@ -119,15 +119,21 @@ def _first_tensor(value):
 
 
 def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple,
-                 model_kwargs: dict | None = None) -> dict[int, BlockPlan]:
+                 model_kwargs: dict | None = None, outputs_of: dict[str, nn.Module] | None = None,
+                 outputs: dict | None = None) -> dict[int, BlockPlan]:
     """One forward under FakeTensorMode, hooks recording which tensor object flows where.
 
     In each direct child of a block: Linears (or transposed Conv1D linears)
     whose input *is* one of the child's tensor arguments are column-parallel;
     the last other Linear called, when its output has the shape of the
     child's output, is row-parallel (its output may still pass a dropout or
-    a bias before it leaves). Children with no such pair stay replicated."""
+    a bias before it leaves). Children with no such pair stay replicated.
+    The same forward fills `outputs[path]` for each module of `outputs_of`:
+    (shape, dtype) of the tensor it returns, else what it returns (pipeline
+    stand-ins replace those modules on later stages)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.capture.dtype_fallback import Bf16ShapeFallback
 
     seen: dict[int, dict] = {}
     order = [0]
@@ -146,13 +152,20 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
             for lname, lin in child.named_modules():
                 if is_linear(lin):
                     hooks.append(lin.register_forward_hook(record(id(lin)), with_kwargs=True))
+    for path, m in (outputs_of or {}).items():
+        hooks.append(m.register_forward_hook(record(path), with_kwargs=True))
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad():
             model(*example_args, **(model_kwargs or {}))
     finally:
         for h in hooks:
             h.remove()
 
+    for path in outputs_of or {}:
+        out = seen.get(path, {}).get("out")
+        if outputs is not None:
+            outputs[path] = ((tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor)
+                             else "nothing (it was not called)" if path not in seen else f"a {type(out).__name__}")
     plans = {}
     for bi, block in blocks.items():
         rec = seen.get(id(block))

@@ -180,7 +180,8 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
                 progress=None, offload=False, limit_bytes=None):
     world = cluster.world_size
     cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints,
-                                       seq_len=getattr(model, "seq_len", None))
+                                       seq_len=getattr(model, "seq_len", None),
+                                       lowering_limits=getattr(model, "lowering_limits", None))
     if not cands:
         raise InfeasibleError(
             f"no valid mesh for {world} GPUs, global batch {global_batch_size} and {len(model.layers)} layers"
@@ -254,7 +255,7 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
 def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None = None, constraints=None,
          seq_len: int | None = None, precision: str = "bf16", top_k: int = 5, *, optimizer: str = "adam",
          time_limit_s: float = 1.0, progress=None, name: str | None = None, source: str | None = None,
-         fusion: bool = True, module=None, memory_headroom: float | None = None) -> Plan:
+         fusion: bool = True, module=None, memory_headroom: float | None = None, check_lowering=None) -> Plan:
     """Search the best parallel layout of `model` on `cluster_spec` and return it as a Plan.
 
     model: an nn.Module (captured with example_inputs) or a ModelSpec/ModelGraph.
@@ -270,17 +271,26 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     (1 - h) x usable memory. Also accepted as constraints["memory_headroom"]
     (what `autopar.compile(constraints=...)` passes on). Recorded in
     `Plan.solver["memory_headroom"]` with the limit in bytes.
+    check_lowering: `f(module, graph, example_inputs) -> dict` saying which
+    layouts the lowering can run (autopar.lower.what_runs.limits; the
+    orchestrators pass it, the solver never imports the lowering). Layouts it
+    rules out are not searched; the dict is kept in `Plan.solver["lowering_limits"]`.
     """
     cluster = resolve_cluster(cluster_spec)
     pins = parse_constraints(constraints)
     headroom = resolve_headroom(memory_headroom, pins)
     spec = model_spec(model, example_inputs, seq_len=seq_len, name=name)
+    is_module = callable(getattr(model, "forward", None))  # as model_spec decides
+    torch_module = module if module is not None else (model if is_module else None)
+    lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
+    if check_lowering is not None and torch_module is not None:
+        lowering_limits = check_lowering(torch_module, spec, example_inputs)
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
-        is_module = callable(getattr(model, "forward", None))  # as model_spec decides
-        torch_module = module if module is not None else (model if is_module else None)
         fusions, no_fusion_why = plan_fusions(torch_module, spec)
     unfused_spec, spec = spec, charge_fusions(spec, fusions, cluster.device_profile)
+    for s in (unfused_spec, spec):
+        s.lowering_limits = lowering_limits
     world = cluster.world_size
     batch_assumed = global_batch_size is None
     if batch_assumed:
@@ -374,6 +384,8 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     # two memory models agree, which the tests require)
     plan_obj.solver["memory_repairs"] = repairs.get("memory_repairs", 0)
     plan_obj.solver["memory_headroom"] = headroom
+    if lowering_limits is not None:
+        plan_obj.solver["lowering_limits"] = lowering_limits
     plan_obj.solver["memory_limit_bytes"] = limit
     return plan_obj
 

@@ -84,15 +84,20 @@ class SpaceReport:
 
 def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: int, tp_degrees,
                          constraints: Constraints | None = None, *, max_micro_batch: int | None = None,
-                         interleave_choices=INTERLEAVE_CHOICES, seq_len: int | None = None
-                         ) -> tuple[list[Candidate], SpaceReport]:
+                         interleave_choices=INTERLEAVE_CHOICES, seq_len: int | None = None,
+                         lowering_limits: dict | None = None) -> tuple[list[Candidate], SpaceReport]:
     """All candidates allowed by the cluster, the model and the pins, in a fixed order.
 
     `seq_len` (the training sequence length) rules out sequence parallelism
     where tp does not divide it: every tp rank must hold an equal shard of
-    the sequence (torch's collectives need equal pieces)."""
+    the sequence (torch's collectives need equal pieces). `lowering_limits`
+    (autopar.lower.what_runs) rules out what the lowering cannot run for
+    this model: pipelines, tp degrees, sequence parallelism, with reasons."""
     c = constraints or Constraints()
     report = SpaceReport({})
+    limits = lowering_limits if (lowering_limits or {}).get("checked") else {}
+    no_tp = limits.get("tp") or {}
+    no_sp = limits.get("sequence_parallel") or {}
     tp_ok = set(tp_degrees)
     out: list[Candidate] = []
     for tp in divisors(world_size):
@@ -100,6 +105,9 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
             continue
         if tp not in tp_ok:
             report.add("tp does not divide the layers' heads/ffn", f"tp{tp}")
+            continue
+        if no_tp.get(str(tp)):
+            report.add(f"lowering cannot run it ({no_tp[str(tp)]})", f"tp{tp}")
             continue
         for pp in divisors(world_size // tp):
             if c.pp is not None and pp != c.pp:
@@ -110,6 +118,9 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
             mesh = f"pp{pp}xdp{dp}xtp{tp}"
             if pp > num_layers:
                 report.add(f"more pipeline stages than the {num_layers} layers", mesh)
+                continue
+            if pp > 1 and limits.get("pipeline"):
+                report.add(f"lowering cannot run it ({limits['pipeline']})", mesh)
                 continue
             if global_batch_size % dp:
                 report.add(f"dp does not divide the global batch {global_batch_size}", mesh)
@@ -123,7 +134,7 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                 m = per_replica // mbs
                 for schedule, v in _schedules(pp, m, num_layers, c, interleave_choices, report,
                                               f"{mesh} with {m} micro-batches"):
-                    for sp in _sequence_parallel(tp, c, seq_len, report, mesh):
+                    for sp in _sequence_parallel(tp, c, seq_len, report, mesh, no_sp.get(str(tp))):
                         out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
                                              schedule=schedule, virtual_stages=v, sequence_parallel=sp))
     return out, report
@@ -159,7 +170,8 @@ def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choi
                 yield schedule, v
 
 
-def _sequence_parallel(tp: int, c: Constraints, seq_len: int | None = None, report=None, what: str = ""):
+def _sequence_parallel(tp: int, c: Constraints, seq_len: int | None = None, report=None, what: str = "",
+                       cannot_run: str | None = None):
     if tp == 1:
         if not c.sequence_parallel:
             yield False
@@ -168,6 +180,10 @@ def _sequence_parallel(tp: int, c: Constraints, seq_len: int | None = None, repo
         if sp and seq_len and seq_len % tp:
             if c.sequence_parallel and report is not None:
                 report.add(f"sequence parallelism needs tp to divide the sequence length {seq_len}", what)
+            continue
+        if sp and cannot_run:
+            if report is not None:
+                report.add(f"lowering cannot run sequence parallelism ({cannot_run})", what)
             continue
         if c.sequence_parallel is None or c.sequence_parallel == sp:
             yield sp

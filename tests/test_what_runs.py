@@ -1,0 +1,140 @@
+"""Plan only what runs (issue 12): the planner is told which layouts the
+lowering can run for a model (autopar/lower/what_runs.py) and offers no
+other, with the reason in the plan; and the losses autopar weighs by their
+targets.
+
+Each refusal here is checked against what the real lowering does on gloo
+ranks in benchmarks/results/lowering_matrix.md: T5 under sequence
+parallelism crashes there ("view size is not compatible"), pipelines over
+its two block stacks are refused; Llama runs every layout.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.lower.model_io import UserTokenMeanLoss, is_mean_over_scored_targets, own_token_loss
+from autopar.lower.what_runs import limits
+
+transformers = pytest.importorskip("transformers")
+VOCAB, SEQ = 64, 8
+
+
+def _t5():
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    inputs = lambda b: (torch.ones(b, SEQ, dtype=torch.long),) * 3  # noqa: E731  ids, mask, decoder ids
+    return model, inputs
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg), lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)
+
+
+def test_encoder_decoder_limits_name_the_pipeline_and_sequence_parallel_reasons():
+    model, inputs = _t5()
+    graph = autopar.capture(model, inputs)
+    hook = sys.excepthook
+    got = limits(model, graph, inputs)
+    assert got["checked"] is True
+    assert "2 block stacks" in got["pipeline"] and "encoder.block" in got["pipeline"]
+    assert got["tp"] == {}  # T5 runs under plain tensor parallelism (matrix: t5/tp ok)
+    assert "sequence parallelism" in got["sequence_parallel"]["2"]
+    assert "encoder.block" in got["sequence_parallel"]["2"]
+    # the fake process group is gone, and tracebacks are not prefixed "[rank0]" afterwards
+    assert not dist.is_initialized() and sys.excepthook is hook
+
+
+def test_a_model_that_runs_every_layout_is_not_limited():
+    model, inputs = _llama()
+    got = limits(model, autopar.capture(model, inputs), inputs)
+    assert got == {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": []}
+
+
+def test_planner_offers_no_layout_the_lowering_refuses_and_says_why():
+    model, inputs = _t5()
+    plan = autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32")
+    assert plan.mesh.pp == 1 and not plan.sequence_parallel
+    assert "2 block stacks" in plan.solver["lowering_limits"]["pipeline"]
+    with pytest.raises(InfeasibleError, match="lowering cannot run it .pipeline parallelism over 2 block stacks"):
+        autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32", constraints={"pp": 2})
+    with pytest.raises(InfeasibleError, match="lowering cannot run sequence parallelism"):
+        autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32",
+                     constraints={"tp": 2, "sequence_parallel": True})
+
+
+def test_limits_never_raise_inside_a_process_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    model, inputs = _llama()
+    graph = autopar.capture(model, inputs)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        got = limits(model, graph, inputs)
+    finally:
+        dist.destroy_process_group()
+    assert got["checked"] is False and "process group already exists" in got["why"]
+
+
+# -- losses weighed by their targets ------------------------------------------------------
+def _flat_ce(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _mean_of_row_means(logits, y):
+    return torch.stack([F.cross_entropy(l, t) for l, t in zip(logits, y)]).mean()
+
+
+def test_a_mean_over_scored_targets_is_recognised_and_other_losses_are_not():
+    assert is_mean_over_scored_targets(_flat_ce)
+    assert not is_mean_over_scored_targets(_mean_of_row_means)  # a mean of means: used as given
+    assert not is_mean_over_scored_targets(lambda l, y: F.cross_entropy(l.flatten(0, 1), y.flatten(),
+                                                                         reduction="sum"))
+    assert not is_mean_over_scored_targets(lambda l, y: l[..., 0].mean())  # not a per-target loss at all
+
+
+def test_weighed_micro_batches_give_the_whole_batch_mean():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 6, 11, generator=g)
+    y = torch.randint(0, 11, (4, 6), generator=g)
+    y[0, :5] = -100
+    y[2, :1] = -100
+    loss = UserTokenMeanLoss(_flat_ce)
+    loss.tokens_per_share = float((y != -100).sum()) / 4  # 4 shares: one row each
+    total = sum(loss(logits[i:i + 1], y[i:i + 1]) for i in range(4)) / 4
+    assert torch.allclose(total, _flat_ce(logits, y), rtol=1e-6)
+    plain = sum(_flat_ce(logits[i:i + 1], y[i:i + 1]) for i in range(4)) / 4
+    assert not torch.allclose(plain, _flat_ce(logits, y), rtol=1e-3)  # what dp used to compute
+
+
+def test_own_loss_of_classifiers_and_distilbert():
+    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, num_labels=5))
+    loss = own_token_loss(vit)
+    pixels, labels = torch.randn(3, 3, 16, 16), torch.tensor([0, 4, 2])
+    assert torch.allclose(loss(vit(pixels).logits, labels), vit(pixels, labels=labels).loss)
+    with pytest.raises(AutoparError, match="float labels"):
+        loss.scored_tokens(torch.rand(3, 5))
+    vit.config.problem_type = "multi_label_classification"
+    with pytest.raises(AutoparError, match="cannot reproduce"):
+        own_token_loss(vit)
+    distil = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, n_layers=1, n_heads=4, hidden_dim=64, dropout=0.0, attention_dropout=0.0))
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    y = x.clone()
+    y[0, :3] = -100
+    assert torch.allclose(own_token_loss(distil)(distil(x).logits, y), distil(x, labels=y).loss)
+    distil.mlm_loss_fct = nn.CrossEntropyLoss(label_smoothing=0.1)  # another objective: refused
+    with pytest.raises(AutoparError, match="cannot reproduce"):
+        own_token_loss(distil)
