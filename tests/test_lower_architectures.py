@@ -161,7 +161,7 @@ def test_architectures_train_as_one_process_or_are_refused_on_every_rank():
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # q/k norms run replicated inside head-split attention
     assert "model.model.layers.0.self_attn.q_proj.weight" in r["qwen3_tp_sp"]["tp_sharded"]  # stage.model.<user path>
-    assert "model.cls.predictions.decoder.weight" in r["bert_tp"]["tp_sharded"]
+    assert "model.bert.embeddings.word_embeddings.weight" in r["bert_tp"]["tp_sharded"]  # = the decoder's weight
     assert "needs tp to divide the sequence" in r["qwen3_tp_sp_odd_sequence"]["refused"]
     assert "sequence of 9" in r["qwen3_tp_sp_odd_sequence"]["refused"]
 
