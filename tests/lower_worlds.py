@@ -147,14 +147,47 @@ def equivalence_world(rank, world, model_name, layouts, optim):
         cls, okw = make_optimizer(optim)
         pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=cls, optimizer_kwargs=okw,
                      plan=plan)
+        between = _watch_second_block(model, plan)
         losses = [pm.train_step((x, padding_mask(x)), padded_labels(x, y)) if masked else pm.train_step((x,), y)
                   for x, y in batches()]
         state = pm.full_state_dict()
         out[name] = {"losses": losses, "ref_losses": ref_losses,
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                      "param_rel": compare(state, ref_params), "loss_parallel": pm.loss_parallel,
-                     "tp_sharded": tp_sharded(pm), "notes": pm.notes}
+                     "tp_sharded": tp_sharded(pm), "notes": pm.notes,
+                     "seq_between_blocks": between.get("seq"), "optimizer_state_share": optimizer_state_share(pm)}
     return out
+
+
+def _watch_second_block(model, plan) -> dict:
+    """The sequence length this rank holds in the activation the second
+    block hands on (local shard: seq / tp under sequence parallelism), from a
+    forward hook: proof that sequence parallelism is on, not only planned."""
+    seen: dict = {}
+    blocks = [c for c in plan.layer_choices if c.kind not in ("embedding", "head") and len(c.module_paths) == 1]
+    if len(blocks) < 3:
+        return seen
+
+    def hook(module, args, output):
+        t = output[0] if isinstance(output, (tuple, list)) else output
+        t = getattr(t, "_local_tensor", t)
+        seen.setdefault("seq", int(t.shape[1]))
+    model.get_submodule(blocks[1].module_paths[0]).register_forward_hook(hook)
+    return seen
+
+
+def optimizer_state_share(pm) -> float:
+    """Share of the model's parameter elements whose optimizer state this
+    rank holds: 1 when replicated, 1/dp when ZeRO shards it (ZeRO-1's
+    ZeroRedundancyOptimizer keeps this rank's shard in `.optim`)."""
+    from torch.distributed.tensor import DTensor
+    opt = getattr(pm.optimizer, "optim", pm.optimizer)
+    local = lambda p: (p._local_tensor if isinstance(p, DTensor) else p).numel()  # noqa: E731
+    held = sum(local(p) for p, st in opt.state.items() if st)
+    total = sum(p.numel() for p in {id(p): p for g in pm.optimizer.param_groups for p in g["params"]}.values())
+    if pm.plan.mesh.pp > 1 or pm.plan.mesh.tp > 1:
+        return float("nan")  # other ranks hold other stages / tp shards: not comparable
+    return held / total
 
 
 def tp_sharded(pm) -> list[str]:

@@ -18,6 +18,9 @@ What each model exercises:
   user loss, -100      a loss that is a mean over the targets that are not
                        -100, with rows scoring different counts: dp ranks
                        must weigh it by its targets, not average means
+  tuple blocks (pp)    blocks return (activation, weights) and the model
+                       reads only [0]: later stages' stand-ins return None
+                       for the unread weights
   gpt2 pp x tp         tied embedding and head on different pipeline ranks,
                        both vocab-split: their gradients are summed shard by
                        shard (4 ranks)
@@ -52,6 +55,32 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.enc(self.emb(x)))
 
 
+class TupleBlock(nn.Module):
+    """A block returning (activation, attention weights) as GPT-J's does; the model reads only [0]."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return x + h, h.softmax(-1)
+
+
+class TupleLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.ModuleList(TupleBlock() for _ in range(4))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)[0]
+        return self.head(x)
+
+
 def _ce(logits, y):
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
@@ -71,6 +100,8 @@ def build(arch: str):
     if arch == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), None
+    if arch == "tuple_blocks":
+        return TupleLM(), _ce
     if arch.startswith("torch_encoder"):
         return TorchEncoderLM(norm_first=arch.endswith("pre_norm")), _ce
     raise KeyError(arch)
@@ -140,6 +171,7 @@ CELLS = [
     ("bert_pp", "bert", SEQ, dict(pp=2, num_micro_batches=2)),
     ("bert_tp", "bert", SEQ, dict(tp=2)),
     ("user_loss_ignore_dp", "torch_encoder", SEQ, dict(dp=2, num_micro_batches=2, ignore=True)),
+    ("tuple_blocks_pp", "tuple_blocks", SEQ, dict(pp=2, num_micro_batches=2)),
     ("qwen3_tp_sp_odd_sequence", "qwen3", SEQ + 1, dict(tp=2, sequence_parallel=True)),
 ]
 CELLS_4 = [
@@ -156,7 +188,8 @@ def test_architectures_train_as_one_process_or_are_refused_on_every_rank():
         assert ("refused" in results[0][name]) == ("refused" in results[1][name]), name
     r = results[0]
     for name in ("qwen3_tp", "qwen3_tp_sp", "olmo2_tp_sp", "encoder_tp", "encoder_tp_sp",
-                 "encoder_pre_norm_tp_sp", "bert_dp", "bert_pp", "bert_tp", "user_loss_ignore_dp"):
+                 "encoder_pre_norm_tp_sp", "bert_dp", "bert_pp", "bert_tp", "user_loss_ignore_dp",
+                 "tuple_blocks_pp"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # q/k norms run replicated inside head-split attention

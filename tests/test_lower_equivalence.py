@@ -70,6 +70,13 @@ def test_two_rank_layouts_match_single_process(model):
     # the models' cross-entropy runs on vocab-sharded logits (loss_parallel) under TP
     assert all(r[name]["loss_parallel"] for r in results for name in ("tp", "tp_sp", "tp_sp_full_ckpt"))
     assert not any(r["dp_zero3"]["loss_parallel"] for r in results)
+    # The fields run, not only match: sequence parallelism hands blocks sequence
+    # shards, ZeRO >= 1 keeps only this rank's share of the optimizer state.
+    for r in results:
+        assert r["tp_sp"]["seq_between_blocks"] * 2 == r["tp"]["seq_between_blocks"], (r["tp_sp"], r["tp"])
+        assert r["dp_zero0"]["optimizer_state_share"] == 1.0
+        for zero in ("dp_zero1", "dp_zero2", "dp_zero3"):
+            assert 0.35 < r[zero]["optimizer_state_share"] < 0.65, (zero, r[zero]["optimizer_state_share"])
     # Recomputation changes no number: checkpointed == the same layout without it.
     r = results[0]
     for ckpt, plain in (("tp_sp_full_ckpt", "tp_sp"), ("pp_1f1b_selective_ckpt", "pp_1f1b")):

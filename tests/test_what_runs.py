@@ -138,3 +138,40 @@ def test_own_loss_of_classifiers_and_distilbert():
     distil.mlm_loss_fct = nn.CrossEntropyLoss(label_smoothing=0.1)  # another objective: refused
     with pytest.raises(AutoparError, match="cannot reproduce"):
         own_token_loss(distil)
+
+
+# -- pipeline stand-ins for blocks returning tuples ---------------------------------------
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x), self.fc(x).softmax(-1)  # (activation, weights), like GPT-J's attention
+
+
+class _TupleLM(nn.Module):
+    def __init__(self, read_weights: bool):
+        super().__init__()
+        self.read_weights = read_weights
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        x, extra = self.emb(idx), 0
+        for block in self.blocks:
+            out = block(x)
+            x = out[0]
+            if self.read_weights:  # the second output is used: a skipped block cannot provide it
+                extra = extra + out[1].mean()
+        return self.head(x) + extra
+
+
+def test_a_blocks_unread_extra_output_does_not_rule_out_pipelines():
+    inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
+    for read, ok in ((False, True), (True, False)):
+        model = _TupleLM(read)
+        got = limits(model, autopar.capture(model, inputs, loss_fn=_flat_ce), inputs)
+        assert (got["pipeline"] is None) == ok, (read, got["pipeline"])
+    assert "later elements (FakeTensor) are read" in got["pipeline"]

@@ -122,6 +122,10 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
         raise PlanMismatchError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     if checkpoint not in CHECKPOINTS:
         raise PlanMismatchError(f"unknown checkpoint {checkpoint!r}; one of {', '.join(CHECKPOINTS)}")
+    if offload == "optimizer":
+        raise PlanMismatchError(
+            "offload='optimizer' cannot run: FSDP2's CPUOffloadPolicy offloads parameters, gradients and "
+            "optimizer state together", hint="use offload='params' with zero=3")
     if main_grads not in MAIN_GRADS:
         raise PlanMismatchError(f"unknown main_grads {main_grads!r}; one of {', '.join(MAIN_GRADS)}")
     layers, blocks = _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len, graph)

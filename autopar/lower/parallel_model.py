@@ -290,6 +290,12 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
     if tp > 1:
         check_tied_styles(layout)
+    optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
+    if optimizer_only:
+        raise PlanMismatchError(
+            f"layer(s) {', '.join(optimizer_only[:4])} offload only the optimizer state, which this lowering "
+            f"cannot run: FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together",
+            hint="re-plan (the planner offers offload 'params' with zero 3), or edit the plan's offload")
     init_distributed()
     mesh = build_mesh(plan)  # checks the world size before creating any group
     device = local_device()

@@ -124,8 +124,9 @@ def stand_in_modules(model: nn.Module, layout: ModelLayout) -> dict[str, nn.Modu
 
 
 def check_block_outputs(block_plans: dict, paths: dict, pre_outputs: dict | None = None) -> None:
-    """Stages hand each other one activation; a block that returns more
-    (T5's position bias, a cache) would leave later stages without it.
+    """Stages hand each other one activation; a block that returns more, which
+    the model reads (T5's position bias, a cache) would leave later stages
+    without it.
     A pre-block module later stages replace must return one tensor."""
     for p, out in sorted((pre_outputs or {}).items()):
         if not isinstance(out, tuple):

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import PlanMismatchError
 from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, TransposedColwiseParallel,
@@ -105,8 +106,9 @@ class BlockPlan:
     norms: list[str]  # parameter-holding children without Linears (LayerNorm, RMSNorm)
     activation_shape: tuple = ()  # the block's activation (main argument) at the probed micro-batch
     # What the block returns: "tensor", ("tuple", n) when every element after
-    # the first is None, or a description of what else it returns (pipeline
-    # stand-ins for skipped blocks must return the same).
+    # the first is None or a tensor nothing reads, or a description of what
+    # else it returns (pipeline stand-ins for skipped blocks return the same
+    # structure, None after the activation).
     returns: object = "tensor"
 
 
@@ -139,10 +141,12 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
     order = [0]
     hooks = []
 
+    reads = _Reads()
+
     def record(key):
         def hook(mod, args, kwargs, out):
             order[0] += 1
-            seen[key] = {"args": args, "kwargs": kwargs, "out": out, "order": order[0]}
+            seen[key] = {"args": args, "kwargs": kwargs, "out": out, "order": order[0], "ops_before": reads.n}
         return hook
 
     for bi, block in blocks.items():
@@ -155,8 +159,9 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
     for path, m in (outputs_of or {}).items():
         hooks.append(m.register_forward_hook(record(path), with_kwargs=True))
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad():
-            model(*example_args, **(model_kwargs or {}))
+        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), reads, torch.no_grad():
+            final = model(*example_args, **(model_kwargs or {}))
+        reads.see(final)
     finally:
         for h in hooks:
             h.remove()
@@ -203,20 +208,50 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
             if sub.colwise and sub.rowwise:
                 subs.append(sub)
         main = next((a for a in rec["args"] if isinstance(a, torch.Tensor)), rec["kwargs"].get("hidden_states"))
-        returns = _returns(rec["out"])
+        returns = _returns(rec["out"], reads.read_after(rec["ops_before"]))
         plans[bi] = BlockPlan(arg_is_tensor=[isinstance(a, torch.Tensor) for a in rec["args"]], subs=subs,
                               norms=norms, activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
                               returns=returns)
     return plans
 
 
-def _returns(out):
+class _Reads(TorchDispatchMode):
+    """When each tensor was last read by an op of the forward (by object
+    identity; op count), the model's own outputs counting as read at the
+    end: a block's extra output (GPT-J's attention weights, output_attentions
+    off) that nothing reads after the block may be None on a pipeline stage
+    that skips the block. The block outputs stay alive in the probe's
+    records, so their ids are not reused meanwhile; a reused id of a dead
+    tensor can only make an output look read (a refusal, never a wrong run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.last: dict[int, int] = {}
+
+    def see(self, tree) -> None:
+        from torch.utils._pytree import tree_flatten
+        self.n += 1
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                self.last[id(t)] = self.n
+
+    def read_after(self, n: int) -> set[int]:
+        return {i for i, at in self.last.items() if at > n}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.see((args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _returns(out, read_ids: set[int] = frozenset()):
     """A block's output structure: what a pipeline stand-in must return."""
     if isinstance(out, torch.Tensor):
         return "tensor"
     if type(out) in (tuple, list) and out and isinstance(out[0], torch.Tensor):
-        extra = [type(o).__name__ for o in out[1:] if o is not None]
-        return ("tuple", len(out)) if not extra else f"a tuple whose later elements ({', '.join(extra)}) are not None"
+        extra = [type(o).__name__ for o in out[1:]
+                 if o is not None and not (isinstance(o, torch.Tensor) and id(o) not in read_ids)]
+        return ("tuple", len(out)) if not extra else f"a tuple whose later elements ({', '.join(extra)}) are read"
     return f"a {type(out).__name__}"
 
 

@@ -160,8 +160,11 @@ def _check_contradictions(c: Constraints) -> None:
                               "without a pipeline", hint="drop --pp, or pin --schedule gpipe, 1f1b or interleaved")
     if c.offload == "params" and c.zero is not None and c.zero != 3:
         raise ConstraintError(f"--offload params needs --zero 3 (parameters are offloaded shard by shard), got --zero {c.zero}")
-    if c.offload == "optimizer" and c.zero == 0:
-        raise ConstraintError("--offload optimizer needs --zero >= 1 (the optimizer state is offloaded per shard)")
+    if c.offload == "optimizer":
+        raise ConstraintError(
+            "--offload optimizer cannot run: autopar offloads with FSDP2's CPUOffloadPolicy, which keeps "
+            "parameters, gradients and optimizer state on the host together (the cost model prices that as "
+            "--offload params)", hint="use --offload params --zero 3, or drop --offload")
 
 
 def check_against_cluster(c: Constraints, world_size: int, global_batch_size: int) -> None:

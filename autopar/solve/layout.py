@@ -14,9 +14,28 @@ from autopar.plan import ACCUMULATE
 from autopar.solve.search_space import Candidate
 
 
+def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str]) -> list[int]:
+    """The ZeRO level each layer runs at once lowered, which the plan states
+    and the cost model prices (issue 12: every plan field runs as priced).
+
+    ZeRO 0 and 1 keep whole gradients: the lowering runs them with DDP's
+    `replicate` (+ ZeroRedundancyOptimizer for 1), but only on a pure
+    data-parallel mesh where no layer uses FSDP2 (zero >= 2 or offload).
+    Anywhere else data parallelism is FSDP2 (DDP takes no DTensor
+    parameters nor a pipeline's per-micro-batch backward), which has no
+    whole-gradient mode: those layers run as ZeRO 2, the same bytes on the
+    wire and less memory. The rule mirrors
+    `autopar.lower.data_parallel.uses_replicate` (tests check they agree)."""
+    if c.dp == 1:
+        return list(zeros)
+    replicate = c.tp == 1 and c.pp == 1 and all(z <= 1 and o == "none" for z, o in zip(zeros, offloads))
+    return list(zeros) if replicate else [2 if z <= 1 and o == "none" else z for z, o in zip(zeros, offloads)]
+
+
 def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
                      checkpoint: str = "none", offload: str = "none") -> Layout:
     """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model)."""
+    zero = lowered_zero_levels(c, [zero], [offload])[0]
     # The cost model names no schedule for pp = 1 (it runs one 1F1B stage whatever it is told).
     return Layout(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.micro_batch_size,
                   num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
@@ -34,9 +53,9 @@ def _mode(values):
 def assignment_layout(c: Candidate, stage_layers: list[int], choices: list[tuple], *, precision: str,
                       optimizer: str = "adam") -> Layout:
     """Layout for a candidate with explicit stages and per-layer (zero, checkpoint, offload)."""
-    zeros = [z for z, _, _ in choices]
-    ckpts = [k for _, k, _ in choices]
     offs = [o for _, _, o in choices]
+    zeros = lowered_zero_levels(c, [z for z, _, _ in choices], offs)
+    ckpts = [k for _, k, _ in choices]
     layout = candidate_layout(c, precision=precision, optimizer=optimizer, zero=_mode(zeros),
                               checkpoint=_mode(ckpts), offload=_mode(offs))
     layout.stage_layers = list(stage_layers)

@@ -371,6 +371,12 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                                           top_k, limit)
     plan_obj.set_throughput()  # samples/s everywhere, tokens/s only for a token model (seq_len set)
     plan_obj.fusions = fusions
+    if pins.zero in (0, 1) and any(c.zero != pins.zero for c in plan_obj.layer_choices):
+        plan_obj.assumptions["zero"] = (
+            f"ZeRO {pins.zero} was pinned; on this mesh the lowering runs it as ZeRO 2 (FSDP2, the only data "
+            f"parallelism that composes with tensor/pipeline parallelism or other FSDP2 layers, has no "
+            f"whole-gradient mode), so the plan states and prices ZeRO 2: the same bytes on the wire, "
+            f"gradients sharded")
     plan_obj.assumptions["fusion"] = {
         "enabled": bool(fusion), "chains": len(fusions),
         "charged": spec is not unfused_spec,  # False on a cpu profile (torch fallback) or with nothing fused

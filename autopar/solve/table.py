@@ -44,7 +44,10 @@ def option_space(constraints: Constraints | None = None, *, offload: bool = Fals
             continue
         for ckpt in CHECKPOINTS:
             for off in OFFLOADS:
-                if off == "optimizer" and zero == 0 or off == "params" and zero != 3:
+                # No optimizer-only offload: the lowering's offload is FSDP2's
+                # CPUOffloadPolicy, which moves parameters, gradients and
+                # optimizer state together ("params", with ZeRO 3).
+                if off == "optimizer" or off == "params" and zero != 3:
                     continue
                 if off != "none" and not offload and c.offload is None:
                     continue
@@ -127,6 +130,12 @@ class TableBuilder:
         for layer in self.representative:
             row = []
             for zero, ckpt, off in self.options:
+                # ZeRO 0/1 priced as the level the lowering runs on this mesh
+                # (ZeRO 2 under tp/pp: layout.lowered_zero_levels); a mix of
+                # whole-gradient and FSDP2 layers on a pure dp mesh is
+                # relabelled when the assignment is priced (assignment_layout).
+                if cand.dp > 1 and (cand.tp > 1 or cand.pp > 1) and zero <= 1 and off == "none":
+                    zero = 2
                 lc = layer_cost(layer, self.model, layout, self.cluster, zero=zero, checkpoint=ckpt, offload=off)
                 self.layer_cost_calls += 1
                 row.append((self._option_cost(layer, lc, cand, zero), (zero, ckpt, off)))

@@ -10,7 +10,8 @@ The baseline in benchmarks/results/ was made with `--snapshot --rev a82ebdf` (th
 listed in the .md). A full run takes about 30 min on 2 busy cores.
 
 Each cell builds the plan (`plan_for_model` for the fixed layouts,
-`autopar.plan` on a CPU cluster of 4 in fp32 for "planner"), lowers it with
+`autopar.plan` on a CPU cluster of 4 in fp32 for "planner", and with pp=2, tp=2 pinned
+for "planner_pp_tp"), lowers it with
 `autopar.compile(plan=...)`, trains 3 SGD (lr 0.5, momentum 0.9) steps on 3
 global batches of 8 and compares the loss at every step and every parameter
 (`full_state_dict`) with one process training the same model on the same
@@ -81,7 +82,10 @@ LAYOUTS = {
     "pp_dp": (4, dict(pp=2, dp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=2)),
     "pp_tp": (4, dict(pp=2, tp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=4)),
     "planner": (4, None),
+    "planner_pp_tp": (4, None),
 }
+# the planner's own layouts: autopar.plan with these pins (the rest is its choice)
+PLANNER_PINS = {"planner": {}, "planner_pp_tp": {"pp": 2, "tp": 2}}
 TP_PP = [n for n in LAYOUTS if "tp" in n or "pp" in n]
 CODES = {"pass": "ok", "refused": "R", "mismatch": "**M**", "crash": "**C**", "abort": "**A**", "hang": "**H**"}
 STATUSES = list(CODES)
@@ -126,7 +130,7 @@ def _describe(plan) -> str:
     return " ".join(parts)
 
 
-def _planner_plan(spec, world):
+def _planner_plan(spec, world, pins):
     """autopar.plan on rank 0 (CPU cluster of `world`, fp32), shared with every rank."""
     import torch.distributed as dist
 
@@ -141,7 +145,7 @@ def _planner_plan(spec, world):
             from cost_models.hardware import ClusterSpec
             cluster = scaled_cluster(ClusterSpec.resolve("cpu"), 1, world)
             plan = autopar.plan(spec.model, cluster, example_inputs=spec.example_inputs,
-                                global_batch_size=GLOBAL_BATCH, precision="fp32")
+                                global_batch_size=GLOBAL_BATCH, precision="fp32", constraints=pins or None)
             plan.model.setdefault("param_shapes", model_signature(spec.model)["param_shapes"])
             box[0] = {"plan": plan.to_dict()}
         except AutoparError as exc:
@@ -172,7 +176,7 @@ def run_cell(arch_name: str, layout: str, batches, rank: int, world: int) -> dic
         spec = ARCHS[arch_name]()
         phase = "plan"
         if LAYOUTS[layout][1] is None:
-            plan = _planner_plan(spec, world)
+            plan = _planner_plan(spec, world, PLANNER_PINS[layout])
         else:
             plan = plan_for_model(spec.model, example_inputs=spec.example_inputs, **LAYOUTS[layout][1])
         phase = "compile"
@@ -770,7 +774,7 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
              "`**C**` crash (exception) · `**A**` abort (a rank died) · `**H**` hang (timeout) · `-` not run · "
              "`ok*` passed under tp > 1, but no block parameter was sharded over tp (the blocks ran replicated)", "",
              "Layouts (world size): " + "; ".join(
-                 f"`{l}` ({LAYOUTS[l][0]}: {', '.join(f'{k}={v}' for k, v in (LAYOUTS[l][1] or {'autopar.plan': 'cpu x4, fp32'}).items())})"
+                 f"`{l}` ({LAYOUTS[l][0]}: {', '.join(f'{k}={v}' for k, v in (LAYOUTS[l][1] or {'autopar.plan': 'cpu x4, fp32', **PLANNER_PINS[l]}).items())})"
                  for l in layouts), "",
              "| arch | family | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
     def code(c):
@@ -795,9 +799,12 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
               f"{n['mismatch']} silent mismatches, {n['crash']} crashes, {n['abort']} aborts, {n['hang']} hangs "
               f"(wanted: 0 / 0 / 0 / 0). TP/PP cells refused: {refused}/{len(tppp)} "
               f"({100 * refused / max(len(tppp), 1):.0f}%; wanted <= 20%)."]
-    planner = [c for c in cells if c["layout"] == "planner" and c.get("layout_run")]
-    if planner:
-        lines += ["", "Planner's choices: " + "; ".join(f"{c['arch']}: {c['layout_run']}" for c in planner) + "."]
+    for name, pins in PLANNER_PINS.items():
+        planner = [c for c in cells if c["layout"] == name and c.get("layout_run")]
+        if planner:
+            pinned = f" (pinned {', '.join(f'{k}={v}' for k, v in pins.items())})" if pins else ""
+            lines += ["", f"Planner's choices{pinned}: " + "; ".join(f"{c['arch']}: {c['layout_run']}"
+                                                                  for c in planner) + "."]
     by_cause: dict[str, list] = {}
     for c in cells:
         cid = cause_of(c, grid)
