@@ -127,3 +127,25 @@ def test_every_planning_command_passes_the_loss(command, model_file, monkeypatch
     assert seen and seen[0] is not None and seen[0].__name__ == "loss_fn"
     if command == "plan":
         Plan.from_json(capsys.readouterr().out)
+
+
+def test_compile_plans_with_the_users_loss(model_file, monkeypatch):
+    """autopar.compile(plan=None, loss_fn=...) prices the loss it trains with, as `autopar plan` does."""
+    import autopar.solve as solve
+    from autopar.lower.api import _captured_with_loss
+    loaded = _module(model_file)
+    graph = _captured_with_loss(loaded.model, loaded.example_inputs, loaded.loss_fn)
+    head = graph.layers[-1]
+    assert head.attrs.get("loss") and any(op.name.startswith("loss:") for op in head.ops)
+    # a loss the meta trace cannot run: the model as it is (planning still works)
+    assert _captured_with_loss(loaded.model, loaded.example_inputs, lambda out, y: out.sum().item()) is loaded.model
+    seen = {}
+    monkeypatch.setattr(solve, "plan", lambda model, *a, **k: seen.setdefault("model", model) and (_ for _ in ()).throw(
+        RuntimeError("stop after planning")))
+    import autopar
+    import autopar.lower.api as api
+    monkeypatch.setattr(api, "_plan_on_rank0", lambda make: make())  # no process group needed to plan
+    with pytest.raises(RuntimeError, match="stop after planning"):
+        autopar.compile(loaded.model, "cpu:1", example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                        global_batch_size=8)
+    assert seen["model"].layers[-1].attrs.get("loss")

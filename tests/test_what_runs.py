@@ -67,6 +67,14 @@ def test_planner_offers_no_layout_the_lowering_refuses_and_says_why():
     plan = autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32")
     assert plan.mesh.pp == 1 and not plan.sequence_parallel
     assert "2 block stacks" in plan.solver["lowering_limits"]["pipeline"]
+    # ... and the terminal plan and the HTML report say what was not offered, and why
+    from autopar.report.html import render_html
+    from autopar.report.tables import not_offered
+    lines = not_offered(plan)
+    assert lines[0].startswith("pipeline parallelism: pipeline parallelism over 2 block stacks")
+    assert any(l.startswith("sequence parallelism over 2: block 'encoder.block.") for l in lines)
+    html = render_html(plan)
+    assert "Not offered: autopar cannot lower them for this model" in html and "2 block stacks" in html
     with pytest.raises(InfeasibleError, match="lowering cannot run it .pipeline parallelism over 2 block stacks"):
         autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32", constraints={"pp": 2})
     with pytest.raises(InfeasibleError, match="lowering cannot run sequence parallelism"):

@@ -15,6 +15,7 @@ import time
 from autopar.commands.common import add_plan_arguments, check_report_path, plan_from_args, stderr_is_tty
 from autopar.errors import AutoparError
 from autopar.report.format import bytes_
+from autopar.report.tables import not_offered
 
 GB = 1e9
 
@@ -201,6 +202,11 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
             why = f"[red]{a['why']}[/]" if a["status"] == "oom" else a["why"]
             alt.add_row(str(i), layout, _fmt_time(step) if step else "-", why)
         console.print(alt)
+    limits = not_offered(plan)
+    if limits:
+        console.print("[bold]Not offered[/] (autopar cannot lower them for this model):")
+        for line in limits:
+            console.print(f"  {line}", markup=False)
     s = plan.solver
     gap = s.get("gap", 0)
     console.print(f"[dim]solver: {s.get('status')}" + (f" (gap {gap:.2%})" if gap is not None else "")

@@ -88,7 +88,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             kwargs["memory_headroom"] = memory_headroom
         def make():
             from autopar.lower.model_layers import model_signature
-            made = make_plan(model, cluster_spec, **kwargs)
+            made = make_plan(_captured_with_loss(model, example_inputs, loss_fn), cluster_spec, module=model,
+                             **kwargs)
             made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
             return made
         plan = _plan_on_rank0(make)
@@ -111,3 +112,21 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         example_inputs = lambda batch: split(batch)[0]  # noqa: E731
     return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                  optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch)
+
+
+def _captured_with_loss(model, example_inputs, loss_fn):
+    """What the planner prices: the model with the loss it trains with (the
+    user's loss_fn adds its saved log-softmax and FLOPs to the head layer, as
+    `autopar plan` does for a model file's loss_fn). A loss the meta-device
+    trace cannot run is left out, as the CLI does; without loss_fn the
+    planner captures the model as it is."""
+    if loss_fn is None or example_inputs is None:  # inferred inputs may carry labels: the model's own loss
+        return model
+    from autopar.capture import capture
+    from autopar.lower.model_io import logits_of
+
+    try:
+        # The lowering hands loss_fn the logits (`.logits` of a Hugging Face output)
+        return capture(model, example_inputs, loss_fn=lambda out, y: loss_fn(logits_of(out), y))
+    except AutoparError:
+        return model

@@ -110,6 +110,7 @@ class BlockPlan:
     # else it returns (pipeline stand-ins for skipped blocks return the same
     # structure, None after the activation).
     returns: object = "tensor"
+    main_argument: int | str = 0  # where the activation is passed: a position, or a keyword
 
 
 def _first_tensor(value):
@@ -207,11 +208,14 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
                 sub.rowwise = last[0]
             if sub.colwise and sub.rowwise:
                 subs.append(sub)
-        main = next((a for a in rec["args"] if isinstance(a, torch.Tensor)), rec["kwargs"].get("hidden_states"))
+        # The block's activation: its first positional tensor argument (Hugging
+        # Face layers take `hidden_states` first), else a `hidden_states` keyword.
+        where = next((i for i, a in enumerate(rec["args"]) if isinstance(a, torch.Tensor)), "hidden_states")
+        main = rec["args"][where] if isinstance(where, int) else rec["kwargs"].get(where)
         returns = _returns(rec["out"], reads.read_after(rec["ops_before"]))
         plans[bi] = BlockPlan(arg_is_tensor=[isinstance(a, torch.Tensor) for a in rec["args"]], subs=subs,
                               norms=norms, activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
-                              returns=returns)
+                              returns=returns, main_argument=where)
     return plans
 
 
@@ -253,12 +257,6 @@ def _returns(out, read_ids: set[int] = frozenset()):
                  if o is not None and not (isinstance(o, torch.Tensor) and id(o) not in read_ids)]
         return ("tuple", len(out)) if not extra else f"a tuple whose later elements ({', '.join(extra)}) are read"
     return f"a {type(out).__name__}"
-
-
-def _main_argument(plan: BlockPlan):
-    """The block's activation: its first positional tensor argument (Hugging
-    Face layers take `hidden_states` first), else a `hidden_states` keyword."""
-    return next((i for i, is_tensor in enumerate(plan.arg_is_tensor) if is_tensor), "hidden_states")
 
 
 def check_sequence_split(path: str, plan: BlockPlan, tp: int) -> None:
@@ -312,7 +310,7 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
                 styles[name] = ModuleInputs(None, gather_all=True)
     parallelize_module(block, tp_mesh, styles)
     replicate_parameters(block, tp_mesh)
-    parallelize_module(block, tp_mesh, ModuleInputs(_main_argument(plan), Replicate() if first or not sp else hidden,
+    parallelize_module(block, tp_mesh, ModuleInputs(plan.main_argument, Replicate() if first or not sp else hidden,
                                                     hidden))
     parallelize_module(block, tp_mesh, ModuleOutputs(Replicate() if last or not sp else hidden))
 

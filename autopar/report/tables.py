@@ -198,3 +198,24 @@ def flatten(d, prefix: str = "") -> list[tuple[str, str]]:
         out.append((prefix, number(d)))
     return out
 
+
+
+def not_offered(plan) -> list[str]:
+    """Layouts the planner did not offer because the lowering cannot run them
+    for this model (`plan.solver["lowering_limits"]`, autopar/lower/what_runs.py),
+    one sentence each; or why they were not checked."""
+    limits = plan.solver.get("lowering_limits") if isinstance(plan.solver, dict) else None
+    if not isinstance(limits, dict):
+        return []
+    if not limits.get("checked"):
+        return [f"layouts were not checked against the lowering here: {limits.get('why', 'no reason recorded')}"]
+    out = []
+    if limits.get("pipeline"):
+        out.append(f"pipeline parallelism: {limits['pipeline']}")
+    for tp, why in sorted((limits.get("tp") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(f"tensor parallelism over {tp}: {why}")
+    for tp, why in sorted((limits.get("sequence_parallel") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(f"sequence parallelism over {tp}: {why}")
+    for what in limits.get("unverified") or []:
+        out.append(f"offered without proof (the fake-tensor run cannot decide it): {what}")
+    return out
