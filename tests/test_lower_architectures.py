@@ -97,6 +97,9 @@ def build(arch: str):
     if arch == "bert":
         return T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                               **small)), None
+    if arch == "bert_dropout":
+        return T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                                              **small)), None
     if arch == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), None
@@ -207,3 +210,35 @@ def test_tied_ends_on_different_pipeline_ranks_under_tp_train_as_one_process():
             assert "refused" not in results[rank][name], (rank, name, results[rank][name])
         r = results[0][name]
         assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, (name, r)
+
+
+def _dropout_world(rank, world):
+    """Dropout under TP + SP: one process's masks cannot be reproduced, but
+    the tp ranks must stay one model. Parameters every tp rank holds whole
+    (norms, biases of row-parallel Linears) get no cross-rank reduction, so a
+    mask drawn differently on the ranks for a replicated activation would
+    let them drift apart silently."""
+    import autopar
+    from torch.distributed.tensor import DTensor
+    from autopar.lower.manual_plan import plan_for_model
+    torch.manual_seed(0)
+    model, _ = build("bert_dropout")
+    inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
+    plan = plan_for_model(model, example_inputs=inputs, tp=2, sequence_parallel=True, micro_batch_size=BATCH)
+    pm = autopar.compile(model, plan=plan, example_inputs=inputs, optimizer=torch.optim.SGD,
+                         optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+    g = torch.Generator().manual_seed(1)
+    losses = [pm.train_step(x, x) for x in (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS))]
+    whole = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in pm.module.named_parameters()
+             if not (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))}
+    # plain lists: tensors sent back from a spawned rank would travel as shared memory the exiting rank closes
+    return {"losses": losses, "whole": {n: t.detach().flatten().tolist() for n, t in whole.items()}}
+
+
+@pytest.mark.timeout(300)
+def test_dropout_under_tp_and_sp_keeps_the_tp_ranks_one_model():
+    a, b = run_world(_dropout_world, 2, timeout=240)
+    assert a["losses"] == b["losses"] and all(l == l for l in a["losses"])  # same, finite
+    assert a["whole"].keys() == b["whole"].keys() and len(a["whole"]) > 10
+    for name, t in a["whole"].items():
+        assert t == b["whole"][name], name

@@ -37,12 +37,16 @@ TWO_RANK = [
     ("pp_embedding_alone_on_stage0", dict(pp=2, schedule="gpipe", num_micro_batches=2, stage_layers=[1, 5])),
     ("pp_1f1b", dict(pp=2, schedule="1f1b", num_micro_batches=4)),
     ("pp_1f1b_selective_ckpt", dict(pp=2, schedule="1f1b", num_micro_batches=4, checkpoint="selective")),
+    ("tp_grad_accumulation", dict(tp=2, num_micro_batches=2)),
+    ("pp_interleaved_more_micro_batches", dict(pp=2, schedule="interleaved", virtual_stages=2, num_micro_batches=4)),
 ]
 FOUR_RANK = [
     ("dp_x_tp", dict(dp=2, tp=2, zero=3)),
     ("pp_x_dp", dict(pp=2, dp=2, schedule="1f1b", num_micro_batches=2, zero=2)),
     ("pp_interleaved", dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, num_micro_batches=2)),
     ("pp_head_alone_on_last_stage", dict(pp=2, dp=2, schedule="gpipe", num_micro_batches=2, stage_layers=[5, 1])),
+    ("dp_x_tp_zero2", dict(dp=2, tp=2, zero=2)),
+    ("pp_interleaved_x_tp", dict(pp=2, tp=2, schedule="interleaved", virtual_stages=2, num_micro_batches=4)),
 ]
 EIGHT_RANK = [  # both models in one world: an 8-rank spawn is the most expensive part of the suite
     ("gpt_pp_x_dp_x_tp", dict(model="gpt", pp=2, dp=2, tp=2, schedule="1f1b", num_micro_batches=2, zero=3,
