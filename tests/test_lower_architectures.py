@@ -24,6 +24,10 @@ What each model exercises:
   gpt2 pp x tp         tied embedding and head on different pipeline ranks,
                        both vocab-split: their gradients are summed shard by
                        shard (4 ranks)
+  mixtral (MoE)        pipelines run; tensor parallelism in fp32 is refused on
+                       every rank before any step (its grouped_mm cannot be
+                       sharded in fp32: found by a fake-tensor run of the split
+                       block over the real tp mesh)
   odd sequence         sequence parallelism over a sequence tp does not
                        divide: refused on both ranks
 """
@@ -97,6 +101,9 @@ def build(arch: str):
     if arch == "bert":
         return T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                               **small)), None
+    if arch == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
+                                                    num_experts_per_tok=2, **small)), None
     if arch == "bert_dropout":
         return T.BertForMaskedLM(T.BertConfig(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
                                               **small)), None
@@ -176,6 +183,8 @@ CELLS = [
     ("user_loss_ignore_dp", "torch_encoder", SEQ, dict(dp=2, num_micro_batches=2, ignore=True)),
     ("tuple_blocks_pp", "tuple_blocks", SEQ, dict(pp=2, num_micro_batches=2)),
     ("qwen3_tp_sp_odd_sequence", "qwen3", SEQ + 1, dict(tp=2, sequence_parallel=True)),
+    ("mixtral_tp", "mixtral", SEQ, dict(tp=2)),
+    ("mixtral_pp", "mixtral", SEQ, dict(pp=2, num_micro_batches=2)),
 ]
 CELLS_4 = [
     ("gpt2_pp_tp", "gpt2", SEQ, dict(pp=2, tp=2, num_micro_batches=2)),
@@ -192,13 +201,17 @@ def test_architectures_train_as_one_process_or_are_refused_on_every_rank():
     r = results[0]
     for name in ("qwen3_tp", "qwen3_tp_sp", "olmo2_tp_sp", "encoder_tp", "encoder_tp_sp",
                  "encoder_pre_norm_tp_sp", "bert_dp", "bert_pp", "bert_tp", "user_loss_ignore_dp",
-                 "tuple_blocks_pp"):
+                 "tuple_blocks_pp", "mixtral_pp"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # q/k norms run replicated inside head-split attention
     assert "model.model.layers.0.self_attn.q_proj.weight" in r["qwen3_tp_sp"]["tp_sharded"]  # stage.model.<user path>
     assert "model.bert.embeddings.word_embeddings.weight" in r["bert_tp"]["tp_sharded"]  # = the decoder's weight
     assert "needs tp to divide the sequence" in r["qwen3_tp_sp_odd_sequence"]["refused"]
+    # MoE experts (transformers' grouped_mm, whose meta kernel DTensor's sharding propagation runs is
+    # bf16-only) cannot run split in fp32: refused on every rank before any step, found by running the
+    # block on fake tensors over the real tp mesh
+    assert "block 'model.layers.0' cannot run split over tp=2" in r["mixtral_tp"]["refused"]
     assert "sequence of 9" in r["qwen3_tp_sp_odd_sequence"]["refused"]
 
 

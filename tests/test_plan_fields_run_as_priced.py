@@ -73,3 +73,20 @@ def test_optimizer_only_offload_is_not_offered_and_refused_when_asked():
     lm = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
     with pytest.raises(AutoparError, match="offload='optimizer' cannot run"):
         plan_for_model(lm, dp=2, zero=2, offload="optimizer")
+
+
+def test_a_layer_of_several_modules_is_never_planned_as_recomputed():
+    """The lowering wraps one module per layer; a head of final norm + output
+    Linear runs without recomputation, so the plan never says otherwise."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    inputs = lambda b: (torch.zeros(b, 8, dtype=torch.long),)  # noqa: E731
+    plan = autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32",
+                        constraints={"checkpoint": "full"})
+    for c in plan.layer_choices:
+        assert c.checkpoint == ("full" if len(c.module_paths) == 1 else "none"), (c.name, c.module_paths)
+    assert any(len(c.module_paths) > 1 for c in plan.layer_choices)
+    assert layout_of(plan).layer_checkpoint == [c.checkpoint for c in plan.layer_choices]

@@ -183,3 +183,23 @@ def test_a_blocks_unread_extra_output_does_not_rule_out_pipelines():
         got = limits(model, autopar.capture(model, inputs, loss_fn=_flat_ce), inputs)
         assert (got["pipeline"] is None) == ok, (read, got["pipeline"])
     assert "later elements (FakeTensor) are read" in got["pipeline"]
+
+
+def test_every_stage_runs_its_stand_ins_on_fake_tensors_before_pipelines_are_offered(monkeypatch):
+    """ViT's forward reads `embeddings.patch_embeddings.num_patches` on every
+    stage. With stand-ins that do not pass attribute reads to the real module
+    (as before this check existed) the lowering matrix saw later stages crash
+    while the first waited; the fake-tensor run of every stage now finds it
+    before the planner offers a pipeline."""
+    from autopar.lower import pipeline_parallel
+    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=5))
+    inputs = lambda b: (torch.zeros(b, 3, 16, 16),)  # noqa: E731
+    graph = autopar.capture(vit, inputs)
+    assert limits(vit, graph, inputs)["pipeline"] is None
+    monkeypatch.setattr(pipeline_parallel._ZeroOutput, "__getattr__", nn.Module.__getattr__)
+    got = limits(vit, graph, inputs)
+    assert "pipeline stage 1 of 2 fails on its stand-ins" in got["pipeline"] and "patch_embeddings" in got["pipeline"]
+    blocks = [m for m in vit.modules() if type(m).__name__ == "ViTLayer"]
+    assert len(blocks) == 2 and not any(b._forward_pre_hooks for b in blocks)  # tried stages leave no hooks

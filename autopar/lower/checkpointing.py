@@ -49,3 +49,14 @@ def apply_checkpointing(model: nn.Module, layout: ModelLayout, local_stages: set
         parent = model.get_submodule(parent_path) if parent_path else model
         wrapped = wrap(parent._modules[leaf], l.choice.checkpoint)
         parent._modules[leaf] = wrapped
+
+
+def not_recomputed(layout: ModelLayout) -> list[str]:
+    """Layers the plan recomputes that run without: a layer is recomputed by
+    wrapping its one module, and these are several (a plan file written by
+    hand; the planner never asks for it)."""
+    names = [l.choice.name for l in layout.layers if l.choice.checkpoint != "none" and len(l.paths) != 1]
+    if not names:
+        return []
+    return [f"checkpoint left out for layer(s) {', '.join(names)}: a layer of several modules cannot be wrapped "
+            f"as one; it runs without recomputation (more activation memory than planned)"]

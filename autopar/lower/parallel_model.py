@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel
+from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel, what_runs
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
@@ -306,21 +306,44 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # Tensor-parallel roles come from one traced forward of the whole model.
     # Every block is probed on every rank (not only this rank's), so a
     # refusal below is raised by all ranks alike, before any schedule runs.
-    block_plans, pre_outputs = {}, {}
+    block_plans, block_inputs, pre_outputs = {}, {}, {}
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
-    if pp > 1 or (tp > 1 and any(l.position == "block" for l in tp_layers)):
+    split_blocks = [l for l in layout.layers if l.position == "block" and l.choice.tp_style != "replicate"]
+    if pp > 1 or (tp > 1 and split_blocks):
         block_paths = {l.block_index: l.paths[0] for l in layout.layers if l.position == "block"}
         stand_ins = pipeline_parallel.stand_in_modules(model, layout) if pp > 1 else {}
-        block_plans = tensor_parallel.probe_blocks(model, {i: model.get_submodule(p) for i, p in block_paths.items()},
-                                                   _example_args(example_inputs, plan.micro_batch_size),
-                                                   forward_kwargs(model), outputs_of=stand_ins, outputs=pre_outputs)
+        block_plans, block_inputs, pre_outputs = what_runs.record_blocks(
+            model, {i: model.get_submodule(p) for i, p in block_paths.items()},
+            _example_args(example_inputs, plan.micro_batch_size), forward_kwargs(model), stand_ins)
         if pp > 1:
             pipeline_parallel.check_block_outputs(block_plans, block_paths, pre_outputs)
-    if tp > 1 and any(l.position == "block" for l in tp_layers):
+            why = what_runs.pipeline_failure(model, layout, n_stages,
+                                             _example_args(example_inputs, plan.micro_batch_size),
+                                             {i: bp.returns for i, bp in block_plans.items()}, pre_outputs,
+                                             plan.micro_batch_size)
+            if why:
+                raise PlanMismatchError(why, hint="plan without pipeline parallelism (pp=1) for this model; "
+                                                  "`autopar plan` does not offer it")
+    if tp > 1 and split_blocks:
         tensor_parallel.register_cpu_attention_sharding()
-        for l in tp_layers:
-            if l.position == "block" and (plan.sequence_parallel or l.choice.tp_style == "sequence"):
+        for l in split_blocks:
+            if plan.sequence_parallel or l.choice.tp_style == "sequence":
                 tensor_parallel.check_sequence_split(l.paths[0], block_plans[l.block_index], tp)
+        # Each split block kind runs once, split as below, on fake tensors over
+        # the real tp mesh (no data moves) on every rank: a block DTensor
+        # cannot run is refused by all ranks before any step.
+        for sp in sorted({plan.sequence_parallel or l.choice.tp_style == "sequence" for l in split_blocks}):
+            blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in split_blocks
+                      if (plan.sequence_parallel or l.choice.tp_style == "sequence") == sp}
+            failures, _ = what_runs.block_failures(model, blocks, (), {}, tp, sp,
+                                                   recorded=(block_plans, block_inputs), mesh=mesh["tp"])
+            if failures:
+                i, why = min(failures.items())
+                raise PlanMismatchError(
+                    f"block {block_paths[i]!r} cannot run split over tp={tp}"
+                    f"{' with sequence parallelism' if sp else ''}: {why}",
+                    hint="plan with `autopar plan` / autopar.plan (it offers only layouts that run), or without "
+                         f"{'sequence parallelism' if sp else 'tensor parallelism'} for this model")
 
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)
@@ -404,7 +427,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm = ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
                        schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
                        device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel)
-    pm.notes = data_parallel.zero_substitutions(plan)
+    pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout)
     if dist.get_rank() == 0:  # once per job, not once per GPU
         for note in pm.notes:
             warnings.warn(note, LoweringWarning, stacklevel=3)

@@ -142,13 +142,14 @@ def check_block_outputs(block_plans: dict, paths: dict, pre_outputs: dict | None
                 hint="plan without pipeline parallelism (pp=1) for this model")
 
 
-class _ZeroOutput(nn.Module):
+class _ZeroOutput(_StandIn):
     """Zeros shaped like a pre-block module's output (its batch dim from the
     call's first tensor): the real output is discarded on later stages,
-    where the first block's input is the received activation."""
+    where the first block's input is the received activation. Attribute
+    reads (ViT's `embeddings.patch_embeddings.num_patches`) go to the real module."""
 
-    def __init__(self, shape: tuple, dtype: torch.dtype, probe_batch: int):
-        super().__init__()
+    def __init__(self, module: nn.Module, shape: tuple, dtype: torch.dtype, probe_batch: int):
+        super().__init__(module)
         self.shape, self.dtype, self.probe_batch = tuple(shape), dtype, probe_batch
 
     def forward(self, *args, **kwargs):
@@ -159,10 +160,13 @@ class _ZeroOutput(nn.Module):
         return torch.zeros(shape, dtype=self.dtype, device=x.device if x is not None else None)
 
 
-class _ZeroEmbedding(nn.Module):
-    def __init__(self, dim: int, dtype: torch.dtype):
-        super().__init__()
-        self.dim, self.dtype = dim, dtype
+class _ZeroEmbedding(_StandIn):
+    """Zeros of an embedding's width for each index (later stages); attribute
+    reads (`embed_tokens.weight.dtype`, `padding_idx`) go to the real table."""
+
+    def __init__(self, module: nn.Embedding):
+        super().__init__(module)
+        self.dim, self.dtype = module.embedding_dim, module.weight.dtype
 
     def forward(self, idx, *args, **kwargs):
         return torch.zeros(*idx.shape, self.dim, dtype=self.dtype, device=idx.device)
@@ -214,6 +218,7 @@ class StageModule(nn.Module):
         self.autocast_dtype = None  # set when the plan asks for bf16/fp16 without FSDP's mixed precision
         self._dummy_inputs = dummy_inputs  # batch_size -> tuple of model inputs (shape only)
         self._forward_kwargs = forward_kwargs(model)  # e.g. use_cache=False for Hugging Face models
+        self._hooks = []  # hooks this stage put on the user's modules (release() removes them)
         if num_stages == 1:
             self.model = model
             return
@@ -238,7 +243,7 @@ class StageModule(nn.Module):
             # previous stage held only embeddings): hand the received
             # activation to that block directly. The block belongs to this
             # stage alone, so the hook touches no other stage.
-            blocks[0].register_forward_pre_hook(self._inject_received)
+            self._hooks.append(blocks[0].register_forward_pre_hook(self._inject_received))
         self.model = view
         _set(view, layout.blocks_path, new_blocks)
         check_stand_ins(model, layout, stage, num_stages)
@@ -247,10 +252,10 @@ class StageModule(nn.Module):
                 for p in l.paths:
                     m = view.get_submodule(p)
                     if isinstance(m, nn.Embedding):
-                        _set(view, p, _ZeroEmbedding(m.embedding_dim, m.weight.dtype))
+                        _set(view, p, _ZeroEmbedding(m))
                     elif any(True for _ in m.parameters()):  # else (dropout...): runs as it is on the zeros
                         shape, dtype = pre_outputs[p]
-                        _set(view, p, _ZeroOutput(shape, dtype, probe_batch))
+                        _set(view, p, _ZeroOutput(m, shape, dtype, probe_batch))
             elif l.position == "post" and not self.is_last:
                 # A stage that ends with the last block (the head alone on the
                 # next stage): the first post module called ends the stage.
@@ -258,6 +263,12 @@ class StageModule(nn.Module):
                     _set(view, p, _StopBlock(view.get_submodule(p)))
         if not self.is_first and layout.num_blocks == 0:
             raise PlanMismatchError("pipeline stages need a block ModuleList to cut between")
+
+    def release(self) -> None:
+        """Remove what this stage put on the user's modules (a stage built only to be tried)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _inject_received(self, module, args):
         return (self._received, *args[1:])

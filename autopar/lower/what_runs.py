@@ -82,13 +82,13 @@ def _signature(block: nn.Module) -> tuple:
     return (type(block).__qualname__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
 
 
-def _cast(tree, dtype):
-    from torch.utils._pytree import tree_map
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool) -> None:
+    """parallelize_block on an empty copy, then forward + backward on fake tensors.
 
-
-def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, dtype) -> None:
-    """parallelize_block on a meta copy, then forward + backward on fake tensors."""
+    In the block's own dtypes and without capture's bf16 stand-in for
+    meta kernels that refuse fp32: DTensor's sharding propagation runs those
+    same meta kernels in the real step (transformers' MoE `_grouped_mm` in
+    fp32 fails there, so it must fail here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_flatten
 
@@ -96,13 +96,8 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, d
 
     args, kwargs = inputs
     device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-    from autopar.capture.dtype_fallback import Bf16ShapeFallback
-
-    with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback():
+    with FakeTensorMode(allow_non_fake_inputs=True):
         blk = _empty_copy(block, device or "cpu")
-        if dtype != torch.float32:
-            blk = blk.to(dtype)
-            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         # first and last: the activation is scattered into sequence shards on
         # entry and gathered on exit, so the block's inner SP path runs.
         tensor_parallel.parallelize_block(blk, block_plan, mesh, sequence_parallel=sequence_parallel,
@@ -113,7 +108,7 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, d
             out.float().sum().backward()
 
 
-def _record_inputs(model, blocks: dict[int, nn.Module], example_args, model_kwargs, outputs_of=None):
+def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwargs, outputs_of=None):
     """(block plans, {index: (args, kwargs)} each block was called with, pre outputs) from one fake forward."""
     from autopar.lower import tensor_parallel
 
@@ -135,19 +130,59 @@ def _record_inputs(model, blocks: dict[int, nn.Module], example_args, model_kwar
     return plans, seen, outputs
 
 
+def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tuple, returns: dict,
+                     pre_outputs: dict, probe_batch: int) -> str | None:
+    """Every stage's forward, chained as the schedule chains them, on fake
+    tensors: stage i runs the user's forward on its view of the model (stand-
+    ins for other stages' blocks and pre-block modules) and hands its output
+    to stage i + 1. Glue code that reads something a stand-in cannot give
+    (an attribute, a second output) fails here, on every rank alike, instead
+    of on one rank while the others wait in the schedule. None: it runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.capture.dtype_fallback import Bf16ShapeFallback
+    from autopar.lower.pipeline_parallel import StageModule
+
+    stages, i = [], 0
+    # A meta-device model (planning, or lowering before materialisation) runs on meta inputs:
+    # stand-ins make their zeros on the device of what they are given.
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad():
+            def dummy(batch):
+                return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in example_args)
+            x = tuple(t.to(device) for t in example_args)
+            for i in range(num_stages):
+                stages.append(StageModule(model, layout, i, num_stages, dummy, returns, pre_outputs, probe_batch))
+                out = stages[-1](*x)
+                x = out if isinstance(out, tuple) else (out,)
+    except PlanMismatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return f"pipeline stage {i} of {num_stages} fails on its stand-ins: {_first_line(exc)}"
+    finally:
+        for st in stages:
+            st.release()
+    return None
+
+
 def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple, model_kwargs: dict,
-                   tp: int, sequence_parallel: bool, *, recorded=None) -> tuple[dict[int, str], list[str]]:
+                   tp: int, sequence_parallel: bool, *, recorded=None, mesh=None) -> tuple[dict[int, str], list[str]]:
     """Blocks (index -> reason) that cannot run split over `tp` ranks, and
     what could not be decided. One block per distinct signature is run; the
-    others share its answer. Needs no process group (makes a fake one)."""
+    others share its answer. With no `mesh` a fake process group of tp ranks
+    is made (planning); lowering passes its real tp mesh: under
+    FakeTensorMode DTensor's collectives move no data, and every rank runs
+    every signature, so all ranks reach the same answer."""
     from autopar.lower import tensor_parallel
 
     if recorded is None:
-        recorded = _record_inputs(model, blocks, example_args, model_kwargs)[:2]
+        recorded = record_blocks(model, blocks, example_args, model_kwargs)[:2]
     plans, inputs = recorded
     failures, undecided, by_sig = {}, [], {}
     tensor_parallel.register_cpu_attention_sharding()
-    with fake_tp_mesh(tp) as mesh:
+    with (contextlib.nullcontext(mesh) if mesh is not None else fake_tp_mesh(tp)) as mesh:
         for i, block in sorted(blocks.items()):
             sig = _signature(block)
             if sig not in by_sig:
@@ -163,18 +198,13 @@ def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args:
 def _try(block, block_plan, inputs, mesh, sequence_parallel):
     if inputs is None:
         return "fails", "the block is not called by the model's forward"
-    error = None
-    for dtype in (torch.float32, torch.bfloat16):
-        # Some meta kernels take only their fast dtype (MoE's _grouped_mm: bf16):
-        # a block that runs in bf16 runs; its fp32 CPU kernel exists.
-        try:
-            _run_split_block(block, block_plan, inputs, mesh, sequence_parallel, dtype)
-            return "runs", None
-        except Exception as exc:  # noqa: BLE001 - any failure is the answer
-            if type(exc).__name__ in _UNDECIDABLE or "cannot be called on meta" in str(exc):
-                return "undecided", f"{type(block).__name__}: a value-dependent step ({type(exc).__name__})"
-            error = exc
-    return "fails", _first_line(error)
+    try:
+        _run_split_block(block, block_plan, inputs, mesh, sequence_parallel)
+        return "runs", None
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        if type(exc).__name__ in _UNDECIDABLE or "cannot be called on meta" in str(exc):
+            return "undecided", f"{type(block).__name__}: a value-dependent step ({type(exc).__name__})"
+        return "fails", _first_line(exc)
 
 
 def limits(model: nn.Module, graph, example_inputs) -> dict:
@@ -215,13 +245,17 @@ def _limits(model, graph, example_inputs) -> dict:
         out["pipeline"] = "the model has no block stack to cut between"
         return out
     stand_ins = pipeline_parallel.stand_in_modules(model, layout)
-    plans, inputs, pre_outputs = _record_inputs(model, blocks, args, forward_kwargs(model), stand_ins)
+    plans, inputs, pre_outputs = record_blocks(model, blocks, args, forward_kwargs(model), stand_ins)
     try:
         if layout.num_blocks >= 2:
             pipeline_parallel.check_stand_ins(model, layout, 1, 2)
         pipeline_parallel.check_block_outputs(plans, {i: l.paths[0] for l in layout.layers
                                                       if l.position == "block" for i in [l.block_index]},
                                               pre_outputs)
+        if layout.num_blocks >= 2:  # two stages, cut as a plan would cut them
+            two = resolve(model, plan_for_model(model, pp=2, num_micro_batches=2, graph=graph))
+            out["pipeline"] = pipeline_failure(model, two, 2, args, {i: p.returns for i, p in plans.items()},
+                                               pre_outputs, 1)
     except PlanMismatchError as exc:
         out["pipeline"] = exc.message
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")

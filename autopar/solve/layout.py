@@ -32,6 +32,17 @@ def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str]) -> 
     return list(zeros) if replicate else [2 if z <= 1 and o == "none" else z for z, o in zip(zeros, offloads)]
 
 
+def checkpoint_that_runs(layer, checkpoint: str) -> str:
+    """`checkpoint`, or "none" for a layer the lowering cannot recompute: it
+    recomputes a layer by wrapping its one module, so a layer of several
+    modules (a head: final norm + output Linear) runs without."""
+    return checkpoint if len(getattr(layer, "module_paths", None) or []) <= 1 else "none"
+
+
+def checkpoints_that_run(model, checkpoint: str) -> list[str]:
+    return [checkpoint_that_runs(layer, checkpoint) for layer in model.layers]
+
+
 def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
                      checkpoint: str = "none", offload: str = "none") -> Layout:
     """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model)."""

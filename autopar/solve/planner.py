@@ -377,6 +377,11 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
             f"parallelism that composes with tensor/pipeline parallelism or other FSDP2 layers, has no "
             f"whole-gradient mode), so the plan states and prices ZeRO 2: the same bytes on the wire, "
             f"gradients sharded")
+    unwrapped = [c.name for c in plan_obj.layer_choices if c.checkpoint == "none" and len(c.module_paths) > 1]
+    if pins.checkpoint not in (None, "none") and unwrapped:
+        plan_obj.assumptions["checkpoint"] = (
+            f"checkpoint {pins.checkpoint} was pinned; {', '.join(unwrapped)} run(s) without recomputation (the "
+            f"lowering recomputes a layer by wrapping its one module, and these are several), as priced")
     plan_obj.assumptions["fusion"] = {
         "enabled": bool(fusion), "chains": len(fusions),
         "charged": spec is not unfused_spec,  # False on a cpu profile (torch fallback) or with nothing fused

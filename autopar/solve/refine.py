@@ -35,7 +35,7 @@ import dataclasses
 from cost_models.errors import CostModelError
 from cost_models.estimate import estimate
 
-from autopar.solve.layout import candidate_layout
+from autopar.solve.layout import candidate_layout, checkpoints_that_run
 from autopar.solve.problem import NS, StageProblem, StageSolution, evaluate, layer_classes
 
 
@@ -106,7 +106,7 @@ def _balanced(layout, est):
     layout = dataclasses.replace(layout, stage_layers=[len(s["layers"]) for s in est.per_stage])
     n = sum(layout.stage_layers)
     layout.layer_zero = [layout.zero] * n
-    layout.layer_checkpoint = [layout.checkpoint] * n
+    layout.layer_checkpoint = list(layout.layer_checkpoint or [layout.checkpoint] * n)
     layout.layer_offload = [layout.offload] * n
     return layout
 
@@ -143,6 +143,7 @@ def uniform_layouts(model, cluster, candidates, options, *, bound_problem, preci
             continue
         layout = candidate_layout(cand, precision=precision, optimizer=optimizer, zero=zero, checkpoint=ckpt,
                                   offload=off)
+        layout.layer_checkpoint = checkpoints_that_run(model, ckpt)
         try:
             est = estimate(model, layout, cluster)
         except CostModelError:

@@ -22,7 +22,7 @@ from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION, model_state_byte
 from cost_models.workload import fast
 
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
-from autopar.solve.layout import candidate_layout
+from autopar.solve.layout import candidate_layout, checkpoint_that_runs
 from autopar.solve.problem import (KIB, NS, OptionCost, lower_bound, StageProblem, in_flight_numerators, to_mem_units,
                                    to_time_units)
 from autopar.solve.search_space import Candidate
@@ -130,6 +130,7 @@ class TableBuilder:
         for layer in self.representative:
             row = []
             for zero, ckpt, off in self.options:
+                ckpt = checkpoint_that_runs(layer, ckpt)  # a layer of several modules: no recomputation
                 # ZeRO 0/1 priced as the level the lowering runs on this mesh
                 # (ZeRO 2 under tp/pp: layout.lowered_zero_levels); a mix of
                 # whole-gradient and FSDP2 layers on a pure dp mesh is

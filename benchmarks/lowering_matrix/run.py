@@ -799,8 +799,8 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
               f"{n['mismatch']} silent mismatches, {n['crash']} crashes, {n['abort']} aborts, {n['hang']} hangs "
               f"(wanted: 0 / 0 / 0 / 0). TP/PP cells refused: {refused}/{len(tppp)} "
               f"({100 * refused / max(len(tppp), 1):.0f}%; wanted <= 20%)."]
-    for name, pins in PLANNER_PINS.items():
-        planner = [c for c in cells if c["layout"] == name and c.get("layout_run")]
+    for planner_layout, pins in PLANNER_PINS.items():
+        planner = [c for c in cells if c["layout"] == planner_layout and c.get("layout_run")]
         if planner:
             pinned = f" (pinned {', '.join(f'{k}={v}' for k, v in pins.items())})" if pins else ""
             lines += ["", f"Planner's choices{pinned}: " + "; ".join(f"{c['arch']}: {c['layout_run']}"
