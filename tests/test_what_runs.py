@@ -59,7 +59,8 @@ def test_encoder_decoder_limits_name_the_pipeline_and_sequence_parallel_reasons(
 def test_a_model_that_runs_every_layout_is_not_limited():
     model, inputs = _llama()
     got = limits(model, autopar.capture(model, inputs), inputs)
-    assert got == {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": []}
+    assert got == {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": [],
+                   "tp_checked": [2]}
 
 
 def test_planner_offers_no_layout_the_lowering_refuses_and_says_why():

@@ -23,7 +23,8 @@ The answer is a plain dict the planner reads (`ModelGraph.lowering_limits`),
 with the reason for each layout it rules out:
     {"checked": True, "pipeline": reason | None,
      "tp": {"2": reason, ...}, "sequence_parallel": {"2": reason, ...},
-     "unverified": [what the fake run could not decide]}
+     "unverified": [what the fake run could not decide],
+     "tp_checked": [the tp degrees tried: those the planner's cluster can use]}
 Fake tensors have no values, so a step that reads one (`.item()`, `tolist`
 inside a redistribution of a strided shard) cannot be decided here; such a
 layout stays offered and is listed under "unverified" (the lowering matrix,
@@ -207,22 +208,23 @@ def _try(block, block_plan, inputs, mesh, sequence_parallel):
         return "fails", _first_line(exc)
 
 
-def limits(model: nn.Module, graph, example_inputs) -> dict:
+def limits(model: nn.Module, graph, example_inputs, tp_degrees=None) -> dict:
     """What the lowering runs for `model` (captured as `graph`): the dict
-    described at the top of this file. Never raises: a check that cannot run
-    says so under "checked"/"why"."""
+    described at the top of this file, for the tp degrees given (default:
+    every degree the blocks allow; the planner passes those its cluster can
+    use). Never raises: a check that cannot run says so under "checked"/"why"."""
     if dist.is_available() and dist.is_initialized():
         return {"checked": False, "why": "a process group already exists in this process, so no fake one "
                                          "can be made: layouts are checked when the plan is lowered"}
     try:
-        return _limits(model, graph, example_inputs)
+        return _limits(model, graph, example_inputs, tp_degrees)
     except AutoparError as exc:
         return {"checked": False, "why": exc.message}
     except Exception as exc:  # noqa: BLE001 - the planner still plans; lowering checks again
         return {"checked": False, "why": f"the check failed: {_first_line(exc)}"}
 
 
-def _limits(model, graph, example_inputs) -> dict:
+def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     from autopar.lower import pipeline_parallel
     from autopar.lower.manual_plan import plan_for_model
     from autopar.lower.model_io import forward_kwargs, positional_inputs
@@ -260,6 +262,9 @@ def _limits(model, graph, example_inputs) -> dict:
         out["pipeline"] = exc.message
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")
                       for d in (l.tp_degrees or ()) if d > 1})
+    if tp_degrees is not None:
+        degrees = [d for d in degrees if d in set(tp_degrees)]
+    out["tp_checked"] = degrees  # others (advice for another GPU count) are checked when lowered
     for tp in degrees:
         for sp, key in ((False, "tp"), (True, "sequence_parallel")):
             if sp and out["tp"].get(str(tp)):

@@ -284,7 +284,10 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     torch_module = module if module is not None else (model if is_module else None)
     lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
     if check_lowering is not None and torch_module is not None:
-        lowering_limits = check_lowering(torch_module, spec, example_inputs)
+        # only the tp degrees this cluster could use (each is one fake-tensor run per block kind)
+        world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
+                    and (pins.tp is None or t == pins.tp)]
+        lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
         fusions, no_fusion_why = plan_fusions(torch_module, spec)
