@@ -306,7 +306,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # Tensor-parallel roles come from one traced forward of the whole model.
     # Every block is probed on every rank (not only this rank's), so a
     # refusal below is raised by all ranks alike, before any schedule runs.
-    block_plans, block_inputs, pre_outputs = {}, {}, {}
+    block_plans, block_inputs, pre_outputs, unverified = {}, {}, {}, []
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
     split_blocks = [l for l in layout.layers if l.position == "block" and l.choice.tp_style != "replicate"]
     if pp > 1 or (tp > 1 and split_blocks):
@@ -335,8 +335,11 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         for sp in sorted({plan.sequence_parallel or l.choice.tp_style == "sequence" for l in split_blocks}):
             blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in split_blocks
                       if (plan.sequence_parallel or l.choice.tp_style == "sequence") == sp}
-            failures, _ = what_runs.block_failures(model, blocks, (), {}, tp, sp,
-                                                   recorded=(block_plans, block_inputs), mesh=mesh["tp"])
+            failures, undecided = what_runs.block_failures(model, blocks, (), {}, tp, sp,
+                                                           recorded=(block_plans, block_inputs), mesh=mesh["tp"])
+            unverified += [f"tp={tp}{' with sequence parallelism' if sp else ''} not shown to run before the "
+                           f"first step (the fake-tensor check stopped at {u}); lowered as the plan asks"
+                           for u in undecided]
             if failures:
                 i, why = min(failures.items())
                 raise PlanMismatchError(
@@ -427,7 +430,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm = ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
                        schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
                        device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel)
-    pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout)
+    pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
     if dist.get_rank() == 0:  # once per job, not once per GPU
         for note in pm.notes:
             warnings.warn(note, LoweringWarning, stacklevel=3)

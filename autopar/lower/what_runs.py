@@ -25,10 +25,12 @@ with the reason for each layout it rules out:
      "tp": {"2": reason, ...}, "sequence_parallel": {"2": reason, ...},
      "unverified": [what the fake run could not decide],
      "tp_checked": [the tp degrees tried: those the planner's cluster can use]}
-Fake tensors have no values, so a step that reads one (`.item()`, `tolist`
-inside a redistribution of a strided shard) cannot be decided here; such a
-layout stays offered and is listed under "unverified" (the lowering matrix,
-benchmarks/lowering_matrix, runs them for real).
+Fake tensors have no values, so a step that reads one (`.item()`) cannot
+be decided here; such a layout is not offered either (the reason says so,
+and "unverified" lists it), while a hand-made plan that asks for it is
+lowered (the lowering matrix, benchmarks/lowering_matrix, runs layouts for
+real). DTensor's own index arithmetic for strided shards runs on real
+tensors during the check (`_index_math_on_real_tensors`).
 
 The fake process group is the process's default group, so the check runs
 only in a process that has none yet (planning before `init_process_group`;
@@ -83,7 +85,35 @@ def _signature(block: nn.Module) -> tuple:
     return (type(block).__qualname__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
 
 
-def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool) -> None:
+@contextlib.contextmanager
+def _index_math_on_real_tensors():
+    """DTensor's `_StridedShard` (a head-split tensor reshaped across a
+    sequence shard) computes which rows a rank holds from an `arange` and
+    `.tolist()`: index arithmetic on sizes, not on data, which fake tensors
+    cannot answer. Run it on real tensors while verifying; without it those
+    layouts could only be called undecided."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # another torch: the layouts stay undecided
+        yield
+        return
+    original = _StridedShard.__dict__.get("local_shard_size_and_offset")
+    if original is None:
+        yield
+        return
+
+    def on_real_tensors(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+    _StridedShard.local_shard_size_and_offset = on_real_tensors
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original
+
+
+def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, ends: bool = True) -> None:
     """parallelize_block on an empty copy, then forward + backward on fake tensors.
 
     In the block's own dtypes and without capture's bf16 stand-in for
@@ -97,12 +127,16 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool) -
 
     args, kwargs = inputs
     device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _index_math_on_real_tensors():
         blk = _empty_copy(block, device or "cpu")
-        # first and last: the activation is scattered into sequence shards on
-        # entry and gathered on exit, so the block's inner SP path runs.
+        if sequence_parallel and not ends:
+            # A block inside its stack receives the previous block's sequence
+            # shard (dim 1) and hands on its own: give it this rank's shard.
+            args, kwargs = _local_sequence_shard(args, kwargs, block_plan.main_argument, mesh)
+        # ends=True: the block scatters its activation into sequence shards on
+        # entry and gathers it on exit (the first and last block of a stack).
         tensor_parallel.parallelize_block(blk, block_plan, mesh, sequence_parallel=sequence_parallel,
-                                          first=True, last=True)
+                                          first=ends, last=ends)
         with tensor_parallel.tp_region():
             out = blk(*args, **kwargs)
             out = out[0] if isinstance(out, (tuple, list)) else out
@@ -196,11 +230,23 @@ def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args:
     return failures, undecided
 
 
+def _local_sequence_shard(args, kwargs, where, mesh):
+    n, i = mesh.size(), mesh.get_local_rank()
+    if isinstance(where, int):
+        args = tuple(a.tensor_split(n, dim=1)[i] if k == where else a for k, a in enumerate(args))
+    else:
+        kwargs = {k: (v.tensor_split(n, dim=1)[i] if k == where else v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
 def _try(block, block_plan, inputs, mesh, sequence_parallel):
     if inputs is None:
         return "fails", "the block is not called by the model's forward"
     try:
-        _run_split_block(block, block_plan, inputs, mesh, sequence_parallel)
+        # Under sequence parallelism the first/last blocks of a stack and the
+        # ones inside it take different paths (scatter/gather vs shards in and out).
+        for ends in ((True, False) if sequence_parallel else (True,)):
+            _run_split_block(block, block_plan, inputs, mesh, sequence_parallel, ends)
         return "runs", None
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         if type(exc).__name__ in _UNDECIDABLE or "cannot be called on meta" in str(exc):
@@ -271,10 +317,13 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                 continue  # not offered at all
             failures, undecided = block_failures(model, blocks, args, forward_kwargs(model), tp, sp,
                                                  recorded=(plans, inputs))
-            out["unverified"] += [f"tp={tp}{' + sequence parallelism' if sp else ''}: {u}" for u in undecided]
+            what = f"tp={tp}{' with sequence parallelism' if sp else ''}"
             if failures:
                 i, why = next(iter(sorted(failures.items())))
                 path = next(l.paths[0] for l in layout.layers if l.block_index == i)
-                out[key][str(tp)] = f"block {path!r} fails when split over tp={tp}" \
-                                    f"{' with sequence parallelism' if sp else ''}: {why}"
+                out[key][str(tp)] = f"block {path!r} fails when split over {what}: {why}"
+            elif undecided:
+                # Not shown to run is not offered (correct or refused); a hand plan may still ask for it.
+                out["unverified"] += [f"{what}: {u}" for u in undecided]
+                out[key][str(tp)] = f"cannot be shown to run split over {what} on fake tensors: {undecided[0]}"
     return out

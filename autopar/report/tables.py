@@ -216,6 +216,4 @@ def not_offered(plan) -> list[str]:
         out.append(f"tensor parallelism over {tp}: {why}")
     for tp, why in sorted((limits.get("sequence_parallel") or {}).items(), key=lambda kv: int(kv[0])):
         out.append(f"sequence parallelism over {tp}: {why}")
-    for what in limits.get("unverified") or []:
-        out.append(f"offered without proof (the fake-tensor run cannot decide it): {what}")
     return out

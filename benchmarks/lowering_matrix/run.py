@@ -349,8 +349,10 @@ def classify(outs: dict[int, dict], world: int, ref) -> dict:
     if all(s == "ran" for s in statuses):
         rec = compare(per_rank[0], per_rank, ref)
         rec.update(layout_run=per_rank[0]["layout"], notes=per_rank[0]["notes"],
-                   loss_parallel=per_rank[0]["loss_parallel"], tp_sharded=per_rank[0]["tp_sharded"],
-                   tp_sharded_blocks=per_rank[0].get("tp_sharded_blocks"))
+                   loss_parallel=per_rank[0]["loss_parallel"],
+                   # summed over ranks: with a pipeline, rank 0 may hold no block (the embedding alone)
+                   tp_sharded=sum(o["tp_sharded"] for o in per_rank),
+                   tp_sharded_blocks=sum(o.get("tp_sharded_blocks") or 0 for o in per_rank))
     elif all(s == "refused" for s in statuses) and len({o["message"] for o in per_rank}) == 1:
         o = per_rank[0]
         rec = {"status": "refused", "message": o["message"], "full": o["full"], "phase": o["phase"],
