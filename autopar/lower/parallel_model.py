@@ -336,7 +336,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in split_blocks
                       if (plan.sequence_parallel or l.choice.tp_style == "sequence") == sp}
             failures, undecided = what_runs.block_failures(model, blocks, (), {}, tp, sp,
-                                                           recorded=(block_plans, block_inputs), mesh=mesh["tp"])
+                                                           recorded=(block_plans, block_inputs), mesh=mesh["tp"],
+                                                           allow_replicated=True)
             unverified += [f"tp={tp}{' with sequence parallelism' if sp else ''} not shown to run before the "
                            f"first step (the fake-tensor check stopped at {u}); lowered as the plan asks"
                            for u in undecided]

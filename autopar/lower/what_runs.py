@@ -113,7 +113,7 @@ def _index_math_on_real_tensors():
         _StridedShard.local_shard_size_and_offset = original
 
 
-def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, ends: bool = True) -> None:
+def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, ends: bool = True) -> bool:
     """parallelize_block on an empty copy, then forward + backward on fake tensors.
 
     In the block's own dtypes and without capture's bf16 stand-in for
@@ -141,6 +141,8 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, e
             out = blk(*args, **kwargs)
             out = out[0] if isinstance(out, (tuple, list)) else out
             out.float().sum().backward()
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) for p in blk.parameters())
 
 
 def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwargs, outputs_of=None):
@@ -203,10 +205,14 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
 
 
 def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple, model_kwargs: dict,
-                   tp: int, sequence_parallel: bool, *, recorded=None, mesh=None) -> tuple[dict[int, str], list[str]]:
+                   tp: int, sequence_parallel: bool, *, recorded=None, mesh=None,
+                   allow_replicated: bool = False) -> tuple[dict[int, str], list[str]]:
     """Blocks (index -> reason) that cannot run split over `tp` ranks, and
     what could not be decided. One block per distinct signature is run; the
-    others share its answer. With no `mesh` a fake process group of tp ranks
+    others share its answer. A block that runs but splits nothing counts as
+    failing unless `allow_replicated` (the lowering of a hand-made plan: it
+    computes the right function, only without the planned split). With no
+    `mesh` a fake process group of tp ranks
     is made (planning); lowering passes its real tp mesh: under
     FakeTensorMode DTensor's collectives move no data, and every rank runs
     every signature, so all ranks reach the same answer."""
@@ -223,7 +229,7 @@ def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args:
             if sig not in by_sig:
                 by_sig[sig] = _try(block, plans[i], inputs.get(i), mesh, sequence_parallel)
             status, why = by_sig[sig]
-            if status == "fails":
+            if status == "fails" or status == "replicated" and not allow_replicated:
                 failures[i] = why
             elif status == "undecided" and why not in undecided:
                 undecided.append(why)
@@ -245,8 +251,14 @@ def _try(block, block_plan, inputs, mesh, sequence_parallel):
     try:
         # Under sequence parallelism the first/last blocks of a stack and the
         # ones inside it take different paths (scatter/gather vs shards in and out).
-        for ends in ((True, False) if sequence_parallel else (True,)):
-            _run_split_block(block, block_plan, inputs, mesh, sequence_parallel, ends)
+        split = [_run_split_block(block, block_plan, inputs, mesh, sequence_parallel, ends)
+                 for ends in ((True, False) if sequence_parallel else (True,))]
+        if not any(split):
+            # It runs, but every tp rank computes the whole block: not what a
+            # tensor-parallel plan prices (T5's blocks nest their attention one
+            # ModuleList deeper; nn.TransformerEncoderLayer's packed in_proj).
+            return "replicated", (f"{type(block).__name__} has no column/row-parallel Linear pair among its "
+                                  f"direct children: it would run whole on every tp rank")
         return "runs", None
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         if type(exc).__name__ in _UNDECIDABLE or "cannot be called on meta" in str(exc):
@@ -321,7 +333,7 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
             if failures:
                 i, why = next(iter(sorted(failures.items())))
                 path = next(l.paths[0] for l in layout.layers if l.block_index == i)
-                out[key][str(tp)] = f"block {path!r} fails when split over {what}: {why}"
+                out[key][str(tp)] = f"block {path!r} cannot run split over {what}: {why}"
             elif undecided:
                 # Not shown to run is not offered (correct or refused); a hand plan may still ask for it.
                 out["unverified"] += [f"{what}: {u}" for u in undecided]
