@@ -130,28 +130,45 @@ def _describe(plan) -> str:
     return " ".join(parts)
 
 
-def _planner_plan(spec, world, pins):
-    """autopar.plan on rank 0 (CPU cluster of `world`, fp32), shared with every rank."""
+def plan_only(arch_name: str, world: int, pins: dict) -> dict:
+    """autopar.plan (CPU cluster of `world`, fp32) in a process with no process
+    group, as `autopar plan` runs: what the planner is told the lowering runs
+    (autopar/lower/what_runs.py) needs a fake group of its own."""
+    from archs import ARCHS
+    from autopar.errors import AutoparError
+    from autopar.lower.model_layers import model_signature
+    try:
+        import autopar
+        from autopar.solve.planner import scaled_cluster
+        from cost_models.hardware import ClusterSpec
+        spec = ARCHS[arch_name]()
+        cluster = scaled_cluster(ClusterSpec.resolve("cpu"), 1, world)
+        plan = autopar.plan(spec.model, cluster, example_inputs=spec.example_inputs,
+                            global_batch_size=GLOBAL_BATCH, precision="fp32", constraints=pins or None)
+        plan.model.setdefault("param_shapes", model_signature(spec.model)["param_shapes"])
+        return {"plan": plan.to_dict()}
+    except AutoparError as exc:
+        return {"refused": str(exc)}
+    except Exception as exc:
+        return {"crash": _first_line(exc), "where": _where(exc)}
+
+
+def _planner_plan(arch_name, world, pins):
+    """The plan made by plan_only in a fresh process (rank 0 starts it), shared with every rank."""
     import torch.distributed as dist
 
     from autopar.errors import AutoparError
-    from autopar.lower.model_layers import model_signature
     from autopar.plan import Plan
     box = [None]
     if dist.get_rank() == 0:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--plan-only",
+                               json.dumps([arch_name, world, pins])], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         try:
-            import autopar
-            from autopar.solve.planner import scaled_cluster
-            from cost_models.hardware import ClusterSpec
-            cluster = scaled_cluster(ClusterSpec.resolve("cpu"), 1, world)
-            plan = autopar.plan(spec.model, cluster, example_inputs=spec.example_inputs,
-                                global_batch_size=GLOBAL_BATCH, precision="fp32", constraints=pins or None)
-            plan.model.setdefault("param_shapes", model_signature(spec.model)["param_shapes"])
-            box[0] = {"plan": plan.to_dict()}
-        except AutoparError as exc:
-            box[0] = {"refused": str(exc)}
-        except Exception as exc:
-            box[0] = {"crash": _first_line(exc), "where": _where(exc)}
+            box[0] = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            box[0] = {"crash": f"planner process exited {proc.returncode}: {proc.stderr.strip()[-300:]}",
+                      "where": {"innermost": "plan_only"}}
     dist.broadcast_object_list(box, src=0)
     got = box[0]
     if "refused" in got:
@@ -176,7 +193,7 @@ def run_cell(arch_name: str, layout: str, batches, rank: int, world: int) -> dic
         spec = ARCHS[arch_name]()
         phase = "plan"
         if LAYOUTS[layout][1] is None:
-            plan = _planner_plan(spec, world, PLANNER_PINS[layout])
+            plan = _planner_plan(arch_name, world, PLANNER_PINS[layout])
         else:
             plan = plan_for_model(spec.model, example_inputs=spec.example_inputs, **LAYOUTS[layout][1])
         phase = "compile"
@@ -845,6 +862,11 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--plan-only"]:  # the planner's own process (see _planner_plan)
+        arch_name, world, pins = json.loads(argv[1])
+        print(json.dumps(plan_only(arch_name, world, pins)))
+        return 0
     from archs import ARCHS, FAMILY, MISSING, ORDER
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
