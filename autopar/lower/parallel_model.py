@@ -327,14 +327,14 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if tp > 1 and split_blocks:
         tensor_parallel.register_cpu_attention_sharding()
         for l in split_blocks:
-            if plan.sequence_parallel or l.choice.tp_style == "sequence":
+            if _sequence_parallel(plan, l):
                 tensor_parallel.check_sequence_split(l.paths[0], block_plans[l.block_index], tp)
         # Each split block kind runs once, split as below, on fake tensors over
         # the real tp mesh (no data moves) on every rank: a block DTensor
         # cannot run is refused by all ranks before any step.
-        for sp in sorted({plan.sequence_parallel or l.choice.tp_style == "sequence" for l in split_blocks}):
+        for sp in sorted({_sequence_parallel(plan, l) for l in split_blocks}):
             blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in split_blocks
-                      if (plan.sequence_parallel or l.choice.tp_style == "sequence") == sp}
+                      if _sequence_parallel(plan, l) == sp}
             failures, undecided = what_runs.block_failures(model, blocks, (), {}, tp, sp,
                                                            recorded=(block_plans, block_inputs), mesh=mesh["tp"],
                                                            allow_replicated=True)
@@ -362,10 +362,11 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         use_loss_parallel = _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_inputs, plan)
         for l in tp_layers:
             if l.position == "block":
+                first, last = layout.first_last(l)
                 tensor_parallel.parallelize_block(
                     model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
-                    sequence_parallel=plan.sequence_parallel or l.choice.tp_style == "sequence",
-                    first=layout.first_last(l)[0], last=layout.first_last(l)[1])
+                    sequence_parallel=_sequence_parallel(plan, l),
+                    first=first, last=last)
             else:
                 for p in l.paths:
                     tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position,
@@ -436,6 +437,11 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         for note in pm.notes:
             warnings.warn(note, LoweringWarning, stacklevel=3)
     return pm
+
+
+def _sequence_parallel(plan: Plan, layer) -> bool:
+    """Whether a block runs on sequence shards: the plan's switch, or the layer's own style."""
+    return plan.sequence_parallel or layer.choice.tp_style == "sequence"
 
 
 def _retie(name: str, ends: list, tp_mesh=None) -> None:

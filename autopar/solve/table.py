@@ -22,7 +22,7 @@ from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION, model_state_byte
 from cost_models.workload import fast
 
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
-from autopar.solve.layout import candidate_layout, checkpoint_that_runs
+from autopar.solve.layout import candidate_layout, checkpoint_that_runs, lowered_zero_levels
 from autopar.solve.problem import (KIB, NS, OptionCost, lower_bound, StageProblem, in_flight_numerators, to_mem_units,
                                    to_time_units)
 from autopar.solve.search_space import Candidate
@@ -132,11 +132,10 @@ class TableBuilder:
             for zero, ckpt, off in self.options:
                 ckpt = checkpoint_that_runs(layer, ckpt)  # a layer of several modules: no recomputation
                 # ZeRO 0/1 priced as the level the lowering runs on this mesh
-                # (ZeRO 2 under tp/pp: layout.lowered_zero_levels); a mix of
-                # whole-gradient and FSDP2 layers on a pure dp mesh is
-                # relabelled when the assignment is priced (assignment_layout).
-                if cand.dp > 1 and (cand.tp > 1 or cand.pp > 1) and zero <= 1 and off == "none":
-                    zero = 2
+                # (ZeRO 2 under tp/pp); a mix of whole-gradient and FSDP2
+                # layers on a pure dp mesh is relabelled when the whole
+                # assignment is priced (assignment_layout).
+                zero = lowered_zero_levels(cand, [zero], [off])[0]
                 lc = layer_cost(layer, self.model, layout, self.cluster, zero=zero, checkpoint=ckpt, offload=off)
                 self.layer_cost_calls += 1
                 row.append((self._option_cost(layer, lc, cand, zero), (zero, ckpt, off)))
