@@ -25,6 +25,7 @@ COMMANDS = {
     "plan": "search for the best parallel layout and print the plan",
     "report": "write a self-contained HTML report of a plan",
     "compile": "emit a runnable build/ (train.py, plan.json, launch scripts)",
+    "calibrate": "time this machine and write a measured profile for --profile",
 }
 
 EPILOG = """examples:
@@ -33,6 +34,8 @@ EPILOG = """examples:
   autopar plan examples/gpt.py:gpt3_175b --gpus 1024 --device a100-80g --json > plan.json
   autopar report --plan plan.json -o plan.html
   autopar compile examples/gpt.py:gpt_tiny --gpus 4 --device cpu -o build/
+  autopar calibrate --device cpu --ranks 2 -o cpu.json
+  autopar plan examples/gpt.py:gpt_tiny --gpus 2 --device cpu --profile cpu.json
 
 `autopar COMMAND --help` lists each command's options."""
 

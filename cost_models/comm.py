@@ -78,6 +78,11 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
     n = place.size
     if n <= 1 or nbytes <= 0:
         return 0.0
+    link = cluster.intra_link if place.nodes_spanned <= 1 else cluster.inter_link
+    if link.measured is not None:  # timed on this machine by autopar calibrate
+        measured = link.measured.time(kind, n, nbytes)
+        if measured is not None:
+            return measured
     bw, alpha = bus_bandwidth(place, cluster)
     if kind == "all_reduce":
         ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
@@ -106,6 +111,10 @@ def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
     if nbytes <= 0:
         return 0.0
     link = cluster.intra_link if same_node else cluster.inter_link
+    if link.measured is not None:
+        measured = link.measured.time("p2p", 2, nbytes)
+        if measured is not None:
+            return measured
     return nbytes / link.bus_bandwidth + link.latency_s
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from cost_models.errors import CostModelError
 from cost_models.hardware import DeviceProfile
 from cost_models.workload import OpSpec
 from cost_models.workload import fast as _lambdified
@@ -97,6 +98,8 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     bwd_flops = fast(op.bwd_flops)(batch, s) / work_divisor
     fwd_bytes = fast(op.fwd_bytes)(batch, s) * byte_scale / work_divisor
     bwd_bytes = fast(op.bwd_bytes)(batch, s) * byte_scale / work_divisor
+    if device.measured is not None:
+        return _measured_op_times(op, batch, s, device, dtype, fwd_flops, fwd_bytes, bwd_bytes, gemm_split)
     peak = _peak(device, dtype)
     mem_bw = device.memory_bandwidth * device.memory_efficiency
     launch = device.kernel_launch_s * max(1, op.count)
@@ -128,6 +131,64 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     fwd_t = max(fwd_bytes / mem_bw, fwd_flops / vector_peak)
     bwd_t = max(bwd_bytes / mem_bw, bwd_flops / vector_peak)
     return max(fwd_t, launch), max(bwd_t, launch)
+
+
+# op kinds of the workload -> the op class whose measured bandwidth prices them
+_BYTES_CLASS = {"norm": "norm", "softmax": "softmax", "embedding": "embedding"}
+
+
+def _gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
+    """(m, n, k, batch of matrices) of the local shard of a GEMM op (see op_times)."""
+    dims = [fast(x)(batch, s) for x in op.gemm]
+    m, n, k = dims[:3]
+    nb = dims[3] if len(dims) > 3 else 1.0
+    if gemm_split > 1:
+        if len(dims) > 3:
+            nb = nb / gemm_split
+        elif n > k:
+            n = n / gemm_split
+        else:
+            k = k / gemm_split
+    return m, n, k, nb
+
+
+def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dtype: str, fwd_flops: float,
+                       fwd_bytes: float, bwd_bytes: float, gemm_split: int) -> tuple[float, float]:
+    """op_times from a calibrated profile. A table entry is one whole call timed with
+    autograd off; `op.count` identical calls each do 1/count of the op's work. On top
+    comes what training adds on the host: autograd's recording of each forward call
+    and each backward node. On a CPU the host is the device, so that time adds; a GPU
+    runs kernels while the host issues the next ones, so there it is a floor."""
+    meas = device.measured
+    calls = max(1, op.count)
+    fwd = bwd = None
+    if op.kind == "gemm" and op.gemm is not None:
+        m, n, k, nb = _gemm_dims(op, batch, s, gemm_split)
+        one = meas.gemm_time(nb * m, n, k, dtype)
+        if one is not None and m * n * k > 0:
+            # as many calls of this shape as the counted FLOPs hold (op.count, or fewer under tp)
+            share = fwd_flops / (2 * nb * m * n * k) if fwd_flops > 0 else calls
+            # dA = dC B^T (m x n @ n x k), dB = A^T dC (k x m @ m x n)
+            fwd = share * one
+            bwd = share * (meas.gemm_time(nb * m, k, n, dtype) + meas.gemm_time(nb * k, n, m, dtype))
+    elif op.kind == "attention":
+        causal = getattr(op, "causal", None) in (None, True)
+        f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d) for d in ("fwd", "bwd"))
+        if f1 is not None and b1 is not None:
+            fwd, bwd = calls * f1, calls * b1
+    if fwd is None or bwd is None:  # memory-bound ops, or work the profile did not time
+        cls = _BYTES_CLASS.get(op.kind, "elementwise")
+        f1, b1 = meas.bytes_time(cls, fwd_bytes / calls), meas.bytes_time(cls, bwd_bytes / calls)
+        if f1 is None or b1 is None:
+            raise CostModelError(f"measured profile of '{device.name}' has no bandwidth table for {cls} ops")
+        fwd, bwd = calls * f1, calls * b1
+    if op.count == 0:  # capture's row of backward work no forward op owns: its bytes, no host time
+        return 0.0, bwd
+    host_f = op.count * max(0.0, meas.op_overhead_fwd_s - meas.op_overhead_no_grad_s)
+    host_b = op.count * meas.op_overhead_bwd_s
+    if device.vendor == "cpu":
+        return fwd + host_f, bwd + host_b
+    return max(fwd, op.count * meas.op_overhead_fwd_s), max(bwd, host_b)
 
 
 def executed_flops(op: OpSpec, batch: int, seq: int | None) -> tuple[float, float]:

@@ -220,6 +220,13 @@ _LAYOUT_KEY_FIELDS = tuple(k for k in Layout.__dataclass_fields__ if k not in _L
 _LAYER_CACHE: dict = {}
 
 
+def _exposed(comm_s: float, window_s: float, device) -> float:
+    """What a collective of comm_s adds to the step when compute of window_s could
+    hide it: at most the device's hideable share of it (collective_overlap) hides,
+    and no more than the window."""
+    return comm_s - min(device.collective_overlap * comm_s, max(0.0, window_s))
+
+
 def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: ClusterSpec, *, zero: int | None = None,
                checkpoint: str | None = None, offload: str | None = None) -> LayerCost:
     """Cost of `layer` under `layout` on `cluster` (see LayerCost for units)."""
@@ -335,7 +342,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         if zero == 0:
             ar = C.collective_time("all_reduce", full_grads, dp_place, cluster)
             colls.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
-            ar_exp = max(0.0, ar - overlap * bwd_window)
+            ar_exp = _exposed(ar, overlap * bwd_window, device)
             contention = C.contention_s(ar - ar_exp, dp_place, cluster)
             step_exp = ar_exp + contention
         elif zero in (1, 2):
@@ -344,7 +351,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             frac = (layout.dp - 1) / layout.dp
             colls += [("reduce_scatter", full_grads * frac, rs), ("all_gather", full_params * frac, ag)]
             # grads reduce under the last backward; updated params gather under the next forward
-            rs_exp, ag_exp = max(0.0, rs - overlap * bwd_window), max(0.0, ag - overlap * fwd_s)
+            rs_exp, ag_exp = _exposed(rs, overlap * bwd_window, device), _exposed(ag, overlap * fwd_s, device)
             contention = C.contention_s(rs - rs_exp + ag - ag_exp, dp_place, cluster)
             step_exp = rs_exp + ag_exp + contention
         else:
@@ -352,10 +359,10 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
             frac = (layout.dp - 1) / layout.dp
             colls += [("all_gather", 2 * m * full_params * frac, 2 * m * ag), ("reduce_scatter", full_grads * frac, rs)]
-            fwd_exp = max(0.0, ag - C.FSDP_PREFETCH_OVERLAP * fwd_s)
-            bwd_exp = max(0.0, ag - C.FSDP_PREFETCH_OVERLAP * bwd_window)
+            fwd_exp = _exposed(ag, C.FSDP_PREFETCH_OVERLAP * fwd_s, device)
+            bwd_exp = _exposed(ag, C.FSDP_PREFETCH_OVERLAP * bwd_window, device)
             # the reduce-scatter shares the last backward's window with the all-gather
-            step_exp = max(0.0, ag + rs - C.FSDP_PREFETCH_OVERLAP * bwd_window) - bwd_exp
+            step_exp = max(0.0, _exposed(ag + rs, C.FSDP_PREFETCH_OVERLAP * bwd_window, device) - bwd_exp)
             # every micro-batch's prefetched gathers slow the forward / backward they hide under;
             # the step's one reduce-scatter slows the last backward
             fwd_cont = C.contention_s(ag - fwd_exp, dp_place, cluster)
@@ -377,8 +384,8 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         if offload == "params":
             # sharded params come up for every forward and backward
             h2d = (params_local / (layout.dp if zero >= 3 else 1)) * p_bytes / host_link.bus_bandwidth
-            fwd_exp += max(0.0, h2d - C.FSDP_PREFETCH_OVERLAP * fwd_s)
-            bwd_exp += max(0.0, h2d - C.FSDP_PREFETCH_OVERLAP * bwd_window)
+            fwd_exp += _exposed(h2d, C.FSDP_PREFETCH_OVERLAP * fwd_s, device)
+            bwd_exp += _exposed(h2d, C.FSDP_PREFETCH_OVERLAP * bwd_window, device)
 
     dp_total = sum(t for _, _, t in colls)
     model_flops = 3 * fast(layer.fwd_flops)(b, s1) / tp

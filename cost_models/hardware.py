@@ -93,6 +93,13 @@ class DeviceProfile:
     clock_spread: float = 0.0  # std dev of sustained speed across GPUs of one model (fraction); see stragglers.py
     vendor: str = "nvidia"
     source: str = ""
+    # share of a collective that can run hidden under compute: 1 where the transport has
+    # its own engines (GPU copy engines / NIC, NCCL's few SMs: cost_models/comm.py); on
+    # CPU ranks gloo's threads need the cores compute is using (measured by calibrate)
+    collective_overlap: float = 1.0
+    # what `autopar calibrate` timed on this device (cost_models/measured.py); when set,
+    # its tables price GEMMs, memory-bound ops, attention and per-op host time
+    measured: Any = None
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ('bf16', 'fp16', 'fp32', 'tf32', 'fp8')."""
@@ -131,11 +138,13 @@ class DeviceProfile:
             gemm_max_efficiency=_fraction(d, "gemm_max_efficiency", where, file, default=0.8),
             attention_fwd_efficiency=_fraction(d, "attention_fwd_efficiency", where, file, default=0.5),
             attention_bwd_efficiency=_fraction(d, "attention_bwd_efficiency", where, file, default=0.4),
-            kernel_launch_s=_num(d, "kernel_launch_us", where, file, allow_zero=True, default=4) * 1e-6,
+            kernel_launch_s=_num(d, "kernel_launch_us", where, file, allow_zero=True, default=4) / 1e6,
             sustained_clock_fraction=_fraction(d, "sustained_clock_fraction", where, file, default=1.0),
             clock_spread=_fraction(d, "clock_spread", where, file, default=0.0, allow_zero=True),
             vendor=str(d.get("vendor", "nvidia")),
             source=str(d.get("source", "")),
+            collective_overlap=_fraction(d, "collective_overlap", where, file, default=1.0, allow_zero=True),
+            measured=_measured(d, "compute", where, file),
         )
 
     def to_dict(self) -> dict:
@@ -149,11 +158,13 @@ class DeviceProfile:
             "gemm_max_efficiency": self.gemm_max_efficiency,
             "attention_fwd_efficiency": self.attention_fwd_efficiency,
             "attention_bwd_efficiency": self.attention_bwd_efficiency,
-            "kernel_launch_us": self.kernel_launch_s * 1e6,
+            "kernel_launch_us": round(self.kernel_launch_s * 1e6, 9),  # round: from_dict(to_dict()) is exact
             "sustained_clock_fraction": self.sustained_clock_fraction,
             "clock_spread": self.clock_spread,
             "vendor": self.vendor,
             "source": self.source,
+            "collective_overlap": self.collective_overlap,
+            **({"measured": self.measured.to_dict()} if self.measured is not None else {}),
         }
 
 
@@ -166,6 +177,7 @@ class LinkProfile:
     bus_efficiency: float  # nccl-tests busbw / peak on large messages
     latency_s: float  # alpha: one ring/tree step
     source: str = ""
+    measured: Any = None  # collectives timed by `autopar calibrate` (cost_models/measured.py)
 
     @property
     def bus_bandwidth(self) -> float:
@@ -180,13 +192,25 @@ class LinkProfile:
             name=name,
             bandwidth=_num(d, "bandwidth_gbs", where, file) * GIGA,
             bus_efficiency=_fraction(d, "bus_efficiency", where, file, default=0.8),
-            latency_s=_num(d, "latency_us", where, file, allow_zero=True) * 1e-6,
+            latency_s=_num(d, "latency_us", where, file, allow_zero=True) / 1e6,
             source=str(d.get("source", "")),
+            measured=_measured(d, "collectives", where, file),
         )
 
     def to_dict(self) -> dict:
         return {"bandwidth_gbs": self.bandwidth / GIGA, "bus_efficiency": self.bus_efficiency,
-                "latency_us": self.latency_s * 1e6, "source": self.source}
+                "latency_us": round(self.latency_s * 1e6, 9), "source": self.source,
+                **({"measured": self.measured.to_dict()} if self.measured is not None else {})}
+
+
+def _measured(d: dict, kind: str, where: str, file: str):
+    """A profile's measured tables carried inside a device or link entry (a plan's cluster)."""
+    if d.get("measured") is None:
+        return None
+    from cost_models import measured
+
+    cls = measured.MeasuredCompute if kind == "compute" else measured.MeasuredCollectives
+    return cls.from_dict(d["measured"], file, f"{where}.measured")
 
 
 # -- shipped profiles ------------------------------------------------------------
@@ -320,6 +344,13 @@ class ClusterSpec:
             self.devices or self.links) else ""
         return (self.nodes, self.gpus_per_node, self.device, self.intra_node_link, self.inter_node_link,
                 self.host_memory_bytes, self.host_link, self.host_memory_bandwidth, custom)
+
+    def with_profile(self, profile) -> "ClusterSpec":
+        """This cluster priced with a measured profile (`autopar calibrate`'s file,
+        a path or a cost_models.measured.Profile): its device and links replace ours."""
+        from cost_models.measured import Profile, apply_profile
+
+        return apply_profile(self, profile if isinstance(profile, Profile) else Profile.load(str(profile)))
 
     def with_nodes(self, nodes: int) -> "ClusterSpec":
         d = self.to_dict()

@@ -30,6 +30,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     cl.add_argument("--device", default=None, metavar="NAME",
                     help=f"device profile or cluster preset, e.g. a100-80g, h100-sxm, dgx-h100 (default: {DEFAULT_DEVICE})")
     cl.add_argument("--cluster", default=None, metavar="FILE", help="cluster YAML/JSON file (devices, links, nodes)")
+    cl.add_argument("--profile", default=None, metavar="FILE",
+                    help="measured profile from `autopar calibrate`: price with that machine's timings "
+                         "(its device and links replace the cluster's; node counts are kept)")
     wl = parser.add_argument_group("workload")
     wl.add_argument("--batch-size", type=int, default=None, metavar="B",
                     help="global batch size in samples per optimizer step (default: one sample per GPU)")
@@ -129,7 +132,13 @@ def cluster_from_args(args):
     scaled = {**d, "nodes": nodes, "gpus_per_node": gpn}
     scaled.pop("world_size", None)  # derived; from_dict checks it against nodes x gpus_per_node
     try:
-        return ClusterSpec.from_dict(scaled, file=base.source)
+        cluster = ClusterSpec.from_dict(scaled, file=base.source)
+        if getattr(args, "profile", None):
+            if not os.path.isfile(args.profile):
+                raise ClusterSpecError(f"--profile {args.profile}: file not found",
+                                       hint="write one with `autopar calibrate -o FILE`")
+            cluster = cluster.with_profile(args.profile)
+        return cluster
     except CostModelError as exc:
         raise cluster_error(exc) from None
 

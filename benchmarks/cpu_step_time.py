@@ -1,0 +1,218 @@
+"""Predicted vs measured step time on this machine's CPU ranks (issue 13, item 3).
+
+    python3 benchmarks/cpu_step_time.py                 # calibrate, then predict and run every case
+    python3 benchmarks/cpu_step_time.py --profile P     # reuse a profile from `autopar calibrate`
+    python3 benchmarks/cpu_step_time.py --quick         # two cases, a quick calibration (a smoke test)
+
+1. Calibration: `autopar calibrate` times this machine (GEMMs, memory-bound
+   ops, attention, per-op host time, gloo collectives) with `--ranks` ranks
+   sharing the cores, one thread each. That profile is the only input the
+   cost model gets from this machine.
+2. Validation: each case (a model written as people write them, a layout
+   pinned in full) is planned with that profile, lowered by autopar.compile
+   on `--ranks` gloo processes, and trained for `--steps` timed steps after
+   warm-up. Step time = the slowest rank's, median over steps. Nothing in the
+   cost model was set while looking at these runs.
+
+Writes benchmarks/results/cpu_step_time.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+GLOBAL_BATCH = 8
+# (name, model file, config class, config fields)
+MODELS = {
+    "gpt_h256_l4_s128": ("examples/gpt.py", "GPTConfig",
+                         dict(vocab_size=2048, seq_len=128, hidden=256, layers=4, heads=4)),
+    "llama_h256_l4_s128": ("examples/llama.py", "LlamaConfig",
+                           dict(vocab_size=2048, seq_len=128, dim=256, layers=4, heads=4, kv_heads=2,
+                                ffn_hidden=512)),
+    "gpt_h512_l2_s64": ("examples/gpt.py", "GPTConfig",
+                        dict(vocab_size=1024, seq_len=64, hidden=512, layers=2, heads=8)),
+    "gpt_tiny": ("examples/gpt.py", "GPTConfig", dict(vocab_size=128, seq_len=16, hidden=32, layers=4, heads=4)),
+}
+# layout name -> pinned constraints (2 ranks)
+LAYOUTS = {
+    "dp2": dict(dp=2, tp=1, pp=1, zero=0, micro_batch=4),
+    "fsdp2": dict(dp=2, tp=1, pp=1, zero=3, micro_batch=4),
+    "tp2": dict(dp=1, tp=2, pp=1, zero=0, micro_batch=8, sequence_parallel=False),
+    "pp2": dict(dp=1, tp=1, pp=2, zero=0, micro_batch=2, schedule="1f1b"),
+    "dp2_accum": dict(dp=2, tp=1, pp=1, zero=0, micro_batch=1),
+}
+QUICK = [("gpt_tiny", "dp2"), ("gpt_h256_l4_s128", "fsdp2")]
+
+
+def build(model_name: str):
+    from autopar.model_file import import_model_file
+
+    path, cfg_cls, fields = MODELS[model_name]
+    mod = import_model_file(str(ROOT / path))
+    cfg = getattr(mod, cfg_cls)(**fields)
+    torch.manual_seed(0)
+    model = mod.build_model(cfg)
+    return model, (lambda b: mod.example_inputs(b, cfg)), mod.loss_fn, cfg
+
+
+def predict(model_name: str, layout: str, cluster) -> dict:
+    import autopar
+    from autopar.lower.api import _captured_with_loss  # what autopar.compile plans from
+
+    model, inputs, loss_fn, _ = build(model_name)
+    constraints = {**LAYOUTS[layout], "checkpoint": "none"}
+    plan = autopar.plan(_captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=GLOBAL_BATCH,
+                        constraints=constraints, precision="fp32", fusion=False, module=model)
+    return plan.to_dict()
+
+
+def _rank(rank: int, world: int, port: int, model_name: str, plan: dict, steps: int, warmup: int, queue):
+    import torch.distributed as dist
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        import autopar
+
+        model, inputs, loss_fn, cfg = build(model_name)
+        pm = autopar.compile(model, example_inputs=inputs, loss_fn=loss_fn, plan=plan, precision="fp32")
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.seq_len), generator=g)
+        y = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.seq_len), generator=g)
+        times = []
+        for i in range(warmup + steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.train_step((x,), y)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor(times[warmup:], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+        if rank == 0:
+            queue.put(("ok", t.tolist()))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def measure(model_name: str, plan: dict, world: int, steps: int, warmup: int) -> list[float]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, model_name, plan, steps, warmup, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    kind, payload = queue.get(timeout=900)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    if kind != "ok":
+        raise RuntimeError(payload)
+    return payload
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="a profile from `autopar calibrate` (default: calibrate now)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_step_time"))
+    ap.add_argument("--cases", default=None, help="model:layout,... (default: every model x layout)")
+    args = ap.parse_args()
+
+    from autopar.calibrate import Settings, calibrate
+    from cost_models.hardware import ClusterSpec
+    from cost_models.measured import Profile
+
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        print("calibrating ...", file=sys.stderr)
+        profile = calibrate(Settings(device="cpu", ranks=args.ranks, threads_per_rank=1, dtypes=("fp32",),
+                                     quick=args.quick), progress=lambda t: print("  " + t, file=sys.stderr))
+        profile.save(args.out + "_profile.json")
+    cluster = ClusterSpec(gpus=args.ranks, device="cpu", gpus_per_node=args.ranks).with_profile(profile)
+
+    if args.cases:
+        cases = [tuple(c.split(":")) for c in args.cases.split(",")]
+    elif args.quick:
+        cases = QUICK
+    else:
+        cases = [(m, lay) for m in MODELS for lay in LAYOUTS]
+    rows = []
+    for model_name, layout in cases:
+        try:
+            plan = predict(model_name, layout, cluster)
+            times = measure(model_name, plan, args.ranks, args.steps, args.warmup)
+        except Exception as exc:  # a case that cannot run is reported, not hidden
+            rows.append({"model": model_name, "layout": layout, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"{model_name} {layout}: ERROR {exc}", file=sys.stderr)
+            continue
+        pred = plan["predicted"]["step_time_s"]
+        meas = statistics.median(times)
+        row = {"model": model_name, "layout": layout, "predicted_s": pred, "measured_s": meas,
+               "error": pred / meas - 1, "measured_steps_s": times,
+               "predicted_breakdown": plan["predicted"]["time_breakdown"]}
+        rows.append(row)
+        print(f"{model_name:20s} {layout:10s} predicted {pred * 1e3:8.1f} ms  measured {meas * 1e3:8.1f} ms  "
+              f"{row['error']:+.1%}", file=sys.stderr)
+    write(rows, profile, args)
+    return 0
+
+
+def write(rows: list, profile, args) -> None:
+    ok = [r for r in rows if isinstance(r.get("error"), float)]
+    errs = sorted(abs(r["error"]) for r in ok)
+    summary = {"cases": len(rows), "priced_and_run": len(ok),
+               "median_abs_error": statistics.median(errs) if errs else None,
+               "signed_median_error": statistics.median(r["error"] for r in ok) if ok else None,
+               "within_15pct": sum(e <= 0.15 for e in errs), "worst_abs_error": max(errs) if errs else None}
+    data = {"command": "python3 benchmarks/cpu_step_time.py" + (f" --profile {args.profile}" if args.profile else ""),
+            "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup, "global_batch": GLOBAL_BATCH,
+            "machine": profile.machine, "summary": summary, "rows": rows}
+    Path(args.out + ".json").write_text(json.dumps(data, indent=1) + "\n")
+    lines = ["# Predicted vs measured step time, CPU ranks (gloo)", "",
+             f"Generated by `{data['command']}` on {profile.machine.get('host', '?')} "
+             f"({profile.machine.get('processor', '?')}, torch {profile.machine.get('torch', '?')}), "
+             f"{args.ranks} ranks x 1 thread, fp32, AdamW, global batch {GLOBAL_BATCH}, "
+             f"median of {args.steps} steps after {args.warmup} warm-up.", "",
+             "**Calibration**: the profile `autopar calibrate` measured (micro-benchmarks only). "
+             "**Validation**: every row below; no constant was set while looking at them.", "",
+             "| model | layout | predicted ms | measured ms | error |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        if isinstance(r.get("error"), float):
+            lines.append(f"| {r['model']} | {r['layout']} | {r['predicted_s'] * 1e3:.1f} | "
+                         f"{r['measured_s'] * 1e3:.1f} | {r['error']:+.1%} |")
+        else:
+            lines.append(f"| {r['model']} | {r['layout']} | - | - | {r['error']} |")
+    if errs:
+        lines += ["", f"{len(ok)} cases: median |error| {summary['median_abs_error']:.1%}, signed median "
+                      f"{summary['signed_median_error']:+.1%}, worst {summary['worst_abs_error']:.1%}, "
+                      f"{summary['within_15pct']} of {len(ok)} within 15% (the issue's target)."]
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""Measured profiles (cost_models/measured.py, `autopar calibrate`, `--profile`):
+the tables reproduce what was measured, interpolate between points without
+inventing trends, and the cost model prices with them; malformed files are
+refused naming the field; the calibration itself runs on CPU + gloo."""
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from cost_models import comm as C
+from cost_models.compute import op_times
+from cost_models.errors import ProfileError
+from cost_models.hardware import ClusterSpec
+from cost_models.measured import SCHEMA, GemmGrid, MeasuredCollectives, Profile, ring_terms, time_for_size
+from cost_models.workload import OpSpec
+
+GPT = str(ROOT / "examples" / "gpt.py")
+
+
+def _profile_dict(gemm_scale: float = 1.0, overlap: float = 1.0) -> dict:
+    """A small, hand-made profile: GEMMs at 1e10 FLOP/s at the top of the grid and
+    slower below, memory-bound ops at 1e10 B/s, 5 us per op, an alpha-beta gloo."""
+    ms, nk = [16, 256, 4096], [16, 256]
+    rates = [gemm_scale * 1e10 * (0.2 if (m < 256 or n < 256 or k < 256) else 1.0)
+             for m in ms for n in nk for k in nk]
+    sizes = [1e3, 1e5, 1e7]
+
+    def ring(kind, n, alpha=50e-6, bw=1e9):
+        steps, factor = ring_terms(kind, n)
+        return {"bytes": sizes, "seconds": [steps * alpha + factor * s / bw for s in sizes]}
+
+    return {
+        "schema": SCHEMA, "machine": {"host": "test"}, "device_name": "measured-test",
+        "device": {"vendor": "cpu", "peak_tflops": {"fp32": 0.01}, "memory_gib": 8, "memory_bandwidth_tbs": 0.01,
+                   "memory_efficiency": 1.0, "reserve_gib": 0.5, "num_sms": 1, "gemm_max_efficiency": 1.0,
+                   "kernel_launch_us": 5.0, "collective_overlap": overlap},
+        "compute": {"gemm": {"fp32": {"m": ms, "n": nk, "k": nk, "flops_per_s": rates}},
+                    "bandwidth": {c: {"bytes": sizes, "bytes_per_s": [5e9, 1e10, 1e10]}
+                                  for c in ("elementwise", "norm", "softmax", "copy", "embedding")},
+                    "attention": [{"causal": c, "direction": d, "flops": [1e6, 1e9], "flops_per_s": [1e9, 5e9]}
+                                  for c in (True, False) for d in ("fwd", "bwd")],
+                    "op_overhead_fwd_s": 8e-6, "op_overhead_bwd_s": 6e-6, "op_overhead_no_grad_s": 5e-6},
+        "collectives": {"intra_node": {"all_reduce": {"2": ring("all_reduce", 2), "4": ring("all_reduce", 4)},
+                                       "all_gather": {"2": ring("all_gather", 2)},
+                                       "reduce_scatter": {"2": ring("reduce_scatter", 2)},
+                                       "p2p": {"2": ring("p2p", 2)}}},
+    }
+
+
+def _cluster(d=None, gpus=4) -> ClusterSpec:
+    return ClusterSpec(gpus=gpus, device="cpu", gpus_per_node=gpus).with_profile(Profile.from_dict(d or _profile_dict()))
+
+
+# -- tables ------------------------------------------------------------------------------
+def test_gemm_grid_reproduces_points_and_floors_below():
+    grid = GemmGrid((16, 256), (16, 256), (16, 256), tuple(1e9 * (i + 1) for i in range(8)))
+    for i, m in enumerate((16, 256)):
+        for j, n in enumerate((16, 256)):
+            for k_, k in enumerate((16, 256)):
+                rate = 1e9 * (i * 4 + j * 2 + k_ + 1)
+                assert grid.time(m, n, k) == pytest.approx(2 * m * n * k / rate)
+    # between points: the rate lies between its neighbours'
+    assert 1e9 < grid.rate(64, 16, 16) < 5e9
+    # below the grid: never faster than the smallest measured GEMM
+    assert grid.time(1, 16, 16) == pytest.approx(grid.time(16, 16, 16))
+    # above: the largest size's rate, time grows with the work
+    assert grid.time(1024, 256, 256) == pytest.approx(2 * 1024 * 256 * 256 / 8e9)
+
+
+def test_time_for_size_floor_and_extension():
+    sizes, rates = (1e3, 1e6), (1e9, 1e10)
+    assert time_for_size(sizes, rates, 10) == pytest.approx(1e3 / 1e9)  # floor
+    assert time_for_size(sizes, rates, 1e6) == pytest.approx(1e-4)
+    assert time_for_size(sizes, rates, 4e6) == pytest.approx(4e-4)  # the largest size's rate
+    mid = time_for_size(sizes, rates, 3e4)
+    assert 3e4 / 1e10 < mid < 3e4 / 1e9
+
+
+def test_collectives_measured_exact_and_unmeasured_groups_follow_the_ring():
+    coll = _cluster().intra_link.measured
+    assert isinstance(coll, MeasuredCollectives)
+    assert coll.time("all_reduce", 2, 1e5) == pytest.approx(2 * 50e-6 + 1e5 / 1e9)
+    alpha, bw = coll.fit("all_reduce")  # fitted to the largest group (4), synthetic alpha-beta data
+    assert alpha == pytest.approx(50e-6, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
+    steps, factor = ring_terms("all_reduce", 8)
+    assert coll.time("all_reduce", 8, 1e6) == pytest.approx(steps * 50e-6 + factor * 1e6 / 1e9, rel=1e-6)
+    assert coll.time("broadcast", 2, 1e6) is None  # not measured and no group of its kind: physics decides
+
+
+# -- the cost model reads them -----------------------------------------------------------------
+def test_op_times_use_the_tables_plus_host_time():
+    cluster = _cluster()
+    device = cluster.device_profile
+    gemm = OpSpec(name="fc", kind="gemm", fwd_flops=2 * 256 * 256 * 256, bwd_flops=4 * 256 ** 3,
+                  fwd_bytes=0, bwd_bytes=0, gemm=(256, 256, 256), count=1)
+    f, b = op_times(gemm, 1, 1, device, dtype="fp32")
+    one = 2 * 256 ** 3 / 1e10
+    assert f == pytest.approx(one + (8e-6 - 5e-6))  # CPU: the table's call plus autograd's recording
+    assert b == pytest.approx(2 * one + 6e-6)
+    # three identical calls folded into one entry: three calls' time, three hosts' time
+    norm = OpSpec(name="ln", kind="norm", fwd_bytes=3e5, bwd_bytes=3e5, count=3)
+    f, b = op_times(norm, 1, 1, device, dtype="fp32")
+    assert f == pytest.approx(3 * 1e5 / 1e10 + 3 * 3e-6)
+    # a slower machine's table makes the same op slower, by the table's ratio
+    slow = _cluster(_profile_dict(gemm_scale=0.5)).device_profile
+    f_slow, _ = op_times(gemm, 1, 1, slow, dtype="fp32")
+    assert f_slow - 3e-6 == pytest.approx(2 * one)
+
+
+def test_collective_time_and_p2p_use_the_measured_link():
+    cluster = _cluster()
+    place = C.group_placement("dp", 1, 4, 1, cluster)
+    assert C.collective_time("all_reduce", 1e7, place, cluster) == pytest.approx(6 * 50e-6 + 1.5 * 1e7 / 1e9)
+    assert C.p2p_time(1e5, True, cluster) == pytest.approx(50e-6 + 1e5 / 1e9)
+
+
+def test_collective_overlap_zero_exposes_all_dp_traffic():
+    from cost_models.analytic import gpt
+    from cost_models.estimate import estimate
+    from cost_models.layout import Layout
+
+    model = gpt("g", hidden=256, heads=4, layers=2, seq_len=128, vocab_size=1024)
+    layout = Layout(dp=4, zero=0, micro_batch_size=1, num_micro_batches=2, precision="fp32")
+    hidden_est = estimate(model, layout, _cluster(_profile_dict(overlap=1.0)))
+    exposed_est = estimate(model, layout, _cluster(_profile_dict(overlap=0.0)))
+    tb = exposed_est.time_breakdown
+    assert tb["dp_comm_exposed_s"] == pytest.approx(tb["dp_comm_s"], rel=1e-9)
+    assert hidden_est.time_breakdown["dp_comm_exposed_s"] < tb["dp_comm_exposed_s"]
+
+
+def test_profile_survives_a_plan_file_round_trip():
+    from cost_models.analytic import gpt
+    from cost_models.estimate import estimate
+    from cost_models.layout import Layout
+
+    cluster = _cluster()
+    again = ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict())))
+    assert again.cache_key() == cluster.cache_key()
+    model = gpt("g", hidden=128, heads=4, layers=2, seq_len=64, vocab_size=512)
+    layout = Layout(dp=2, zero=3, micro_batch_size=2, precision="fp32")
+    assert estimate(model, layout, again).step_time_s == estimate(model, layout, cluster).step_time_s
+    assert cluster.nodes == 1 and cluster.gpus_per_node == 4 and cluster.device == "measured-test"
+
+
+# -- malformed files ----------------------------------------------------------------------------
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.update(schema="autopar-profile/0"), "schema"),
+    (lambda d: d["compute"]["gemm"]["fp32"]["flops_per_s"].pop(), "compute.gemm.fp32.flops_per_s"),
+    (lambda d: d["compute"]["bandwidth"]["norm"].update(bytes=[1e5, 1e3, 1e7]), "compute.bandwidth.norm.bytes"),
+    (lambda d: d["collectives"]["intra_node"]["all_reduce"]["2"]["seconds"].__setitem__(0, -1),
+     "collectives.intra_node.all_reduce.2.seconds"),
+    (lambda d: d["collectives"]["intra_node"].update(allreduce={}), "collectives.intra_node.allreduce"),
+    (lambda d: d["device"].update(collective_overlap=1.5), "devices.measured-test.collective_overlap"),
+])
+def test_malformed_profile_names_the_field(tmp_path, edit, field):
+    d = copy.deepcopy(_profile_dict())
+    edit(d)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError) as err:
+        Profile.load(str(path))
+    assert f"'{field}'" in str(err.value) and str(path) in str(err.value)
+
+
+def test_cli_profile_errors_are_one_line(tmp_path, capsys):
+    from autopar.cli import main
+
+    code = main(["plan", f"{GPT}:gpt_tiny", "--gpus", "2", "--device", "cpu", "--profile", str(tmp_path / "no.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--profile" in err and "autopar calibrate" in err and "Traceback" not in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code = main(["plan", f"{GPT}:gpt_tiny", "--gpus", "2", "--device", "cpu", "--profile", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2 and "not valid JSON" in err and "Traceback" not in err
+
+
+# -- the calibration itself ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_calibrate_then_plan_with_the_profile(tmp_path):
+    """`autopar calibrate --quick` on 2 gloo ranks writes a profile whose numbers
+    are physical, and `autopar plan --profile` prices with it."""
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run([sys.executable, "-m", "autopar", "calibrate", "--quick", "--ranks", "2",
+                           "--threads-per-rank", "1", "--dtypes", "fp32", "-o", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = Profile.load(str(out))
+    assert 1e8 < profile.device["peak_tflops"]["fp32"] * 1e12 < 1e13  # 0.1 GFLOP/s .. 10 TFLOP/s on one core
+    assert 1e-7 < profile.compute.op_overhead_fwd_s < 1e-3
+    coll = profile.collectives["intra_node"]
+    t_small, t_big = coll.time("all_reduce", 2, 1024), coll.time("all_reduce", 2, 2**22)
+    assert 0 < t_small < t_big  # a bigger message takes longer
+    assert 0.0 <= profile.device["collective_overlap"] <= 1.0
+    plan = subprocess.run([sys.executable, "-m", "autopar", "plan", f"{GPT}:gpt_tiny", "--gpus", "2", "--device",
+                           "cpu", "--profile", str(out), "--precision", "fp32", "--batch-size", "8", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    data = json.loads(plan.stdout)
+    assert data["cluster"]["device"] == "measured-cpu"
+    assert "measured" in data["cluster"]["devices"]["measured-cpu"]
+    assert math.isfinite(data["predicted"]["step_time_s"]) and data["predicted"]["step_time_s"] > 0
