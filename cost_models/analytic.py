@@ -216,10 +216,17 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         tp_gather_bytes=0 if core_tp else act * (h + 2 * kv),  # the fused qkv output
         tp_degrees=_divisors_for_tp(a, g, f),
         ops=ops,
-        attrs={"hidden": h, "heads": a, "kv_heads": g, "head_dim": d, "ffn_hidden": f, "causal": True},
+        attrs={"hidden": h, "heads": a, "kv_heads": g, "head_dim": d, "ffn_hidden": f, "causal": True,
+               "param_tensors": _block_tensors(fused_qkv, gated_mlp, bias, norm)},
         signature=sig,
         module_paths=[name or f"blocks.{index}"],
     )
+
+
+def _block_tensors(fused_qkv: bool, gated_mlp: bool, bias: bool, norm: str) -> int:
+    """Parameter tensors of a block (the optimizer pays per tensor as well as per element)."""
+    gemms = (1 if fused_qkv else 3) + 1 + (3 if gated_mlp else 2)
+    return gemms * (2 if bias else 1) + 2 * (2 if norm == "layernorm" else 1)
 
 
 def embedding(*, hidden: int, vocab_size: int, seq_len: int, learned_positions: bool, dropout: bool,
@@ -240,7 +247,9 @@ def embedding(*, hidden: int, vocab_size: int, seq_len: int, learned_positions: 
         name="embedding", kind="embedding", params=params, param_bytes=BYTES * params,
         fwd_flops=0, bwd_flops=0, activation_bytes=saved, output_bytes=act * h, input_bytes=8 * T,
         activation_bytes_tp_sharded=0, tp_allreduces=1, tp_degrees=_divisors_for_tp(v) or (1,),
-        ops=ops, attrs={"hidden": h, "vocab_size": v}, signature=f"embedding:v{v}:h{h}",
+        ops=ops, attrs={"hidden": h, "vocab_size": v,
+                        "param_tensors": 1 + int(learned_positions) + (2 if norm else 0)},
+        signature=f"embedding:v{v}:h{h}",
         module_paths=["wte", "wpe"] if learned_positions else ["tok_embeddings"],
     )
 
@@ -266,7 +275,8 @@ def head(*, hidden: int, vocab_size: int, tied: bool, norm: str = "layernorm") -
         bwd_flops=sum(op.bwd_flops for op in ops if op.kind == "gemm"),
         activation_bytes=saved_replicated + saved_sharded, output_bytes=4 * B, input_bytes=act * h,
         activation_bytes_tp_sharded=saved_sharded, tp_allreduces=1, tp_degrees=_divisors_for_tp(v) or (1,),
-        ops=ops, attrs={"hidden": h, "vocab_size": v, "tied_param_count": v * h if tied else 0},
+        ops=ops, attrs={"hidden": h, "vocab_size": v, "tied_param_count": v * h if tied else 0,
+                        "param_tensors": (2 if norm == "layernorm" else 1) + (0 if tied else 1)},
         signature=f"head:v{v}:h{h}:tied{int(tied)}",
         module_paths=["ln_f", "lm_head"], shared_params=["wte.weight"] if tied else [],
     )

@@ -133,6 +133,7 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     return max(fwd_t, launch), max(bwd_t, launch)
 
 
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # op kinds of the workload -> the op class whose measured bandwidth prices them
 _BYTES_CLASS = {"norm": "norm", "softmax": "softmax", "embedding": "embedding"}
 
@@ -154,11 +155,9 @@ def _gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
 
 def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dtype: str, fwd_flops: float,
                        fwd_bytes: float, bwd_bytes: float, gemm_split: int) -> tuple[float, float]:
-    """op_times from a calibrated profile. A table entry is one whole call timed with
-    autograd off; `op.count` identical calls each do 1/count of the op's work. On top
-    comes what training adds on the host: autograd's recording of each forward call
-    and each backward node. On a CPU the host is the device, so that time adds; a GPU
-    runs kernels while the host issues the next ones, so there it is a floor."""
+    """op_times from a calibrated profile: the work alone (the rate the profile
+    measured for this kind of op at this size); `op.count` identical calls each do
+    1/count of the op's work. Host time is charged per layer (`host_times`)."""
     meas = device.measured
     calls = max(1, op.count)
     fwd = bwd = None
@@ -171,24 +170,41 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
             # dA = dC B^T (m x n @ n x k), dB = A^T dC (k x m @ m x n)
             fwd = share * one
             bwd = share * (meas.gemm_time(nb * m, k, n, dtype) + meas.gemm_time(nb * k, n, m, dtype))
+            if op.name.endswith("addmm"):
+                # the bias: broadcast into the output before the GEMM accumulates onto it
+                # (write, then read again), and summed over the rows in backward
+                out_bytes = share * nb * m * n * _ITEMSIZE.get(dtype, 2)
+                fwd += meas.bytes_time("copy", 2 * out_bytes, "copy") or 0.0
+                bwd += meas.bytes_time("elementwise", out_bytes, "add") or 0.0
     elif op.kind == "attention":
         causal = getattr(op, "causal", None) in (None, True)
         f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d) for d in ("fwd", "bwd"))
         if f1 is not None and b1 is not None:
             fwd, bwd = calls * f1, calls * b1
     if fwd is None or bwd is None:  # memory-bound ops, or work the profile did not time
-        cls = _BYTES_CLASS.get(op.kind, "elementwise")
-        f1, b1 = meas.bytes_time(cls, fwd_bytes / calls), meas.bytes_time(cls, bwd_bytes / calls)
+        cls, name = _BYTES_CLASS.get(op.kind, "elementwise"), op.name.rpartition(":")[2]
+        f1, b1 = meas.bytes_time(cls, fwd_bytes / calls, name), meas.bytes_time(cls, bwd_bytes / calls, name)
         if f1 is None or b1 is None:
             raise CostModelError(f"measured profile of '{device.name}' has no bandwidth table for {cls} ops")
         fwd, bwd = calls * f1, calls * b1
-    if op.count == 0:  # capture's row of backward work no forward op owns: its bytes, no host time
-        return 0.0, bwd
-    host_f = op.count * max(0.0, meas.op_overhead_fwd_s - meas.op_overhead_no_grad_s)
-    host_b = op.count * meas.op_overhead_bwd_s
-    if device.vendor == "cpu":
-        return fwd + host_f, bwd + host_b
-    return max(fwd, op.count * meas.op_overhead_fwd_s), max(bwd, host_b)
+    return fwd, bwd
+
+
+def host_times(layer, device: DeviceProfile, *, dtensor: bool) -> tuple[float, float]:
+    """(forward, backward) host seconds of one micro-batch of `layer` on a calibrated
+    device: every op it dispatches (capture counts them, views included; for a
+    layer without that count, its ops and twice as many backward) at the measured
+    time per eager op with autograd, or per DTensor op when tensor parallelism runs
+    the layer as DTensors."""
+    meas = device.measured
+    if meas is None:
+        return 0.0, 0.0
+    n_ops = sum(max(1, op.count) for op in layer.ops) or 1
+    n_fwd = layer.attrs.get("host_ops_fwd", n_ops)
+    n_bwd = layer.attrs.get("host_ops_bwd", 2 * n_ops)
+    if dtensor:
+        return n_fwd * meas.dtensor_overhead_fwd_s, n_bwd * meas.dtensor_overhead_bwd_s
+    return n_fwd * meas.op_overhead_fwd_s, n_bwd * meas.op_overhead_bwd_s
 
 
 def executed_flops(op: OpSpec, batch: int, seq: int | None) -> tuple[float, float]:

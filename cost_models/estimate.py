@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import sympy
 
 from cost_models import comm as C
-from cost_models.compute import fast, op_times
+from cost_models.compute import fast, host_times, op_times
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 from cost_models.layout import Layout
@@ -134,6 +134,17 @@ def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: in
                 mb[phase + "_bytes"] += nbytes
                 mb[phase + "_bytes_s"] += nbytes * byte_scale / divisor / hbm
                 mb[phase + "_room"] += max(0.0, t - launch)
+    if device.measured is not None:
+        # Host time per dispatched op (measured; DTensor's when tp runs the layer as DTensors).
+        # On a CPU the host is the device, so it adds; a GPU runs kernels while the host
+        # issues the next ones, so the slower of the two paces the layer.
+        host_f, host_b = host_times(layer, device, dtensor=tp > 1)
+        if device.vendor == "cpu":
+            parts["fwd"] += host_f
+            parts["bwd"] += host_b
+            parts["cheap_fwd"] += host_f
+        else:
+            parts["fwd"], parts["bwd"] = max(parts["fwd"], host_f), max(parts["bwd"], host_b)
     return parts
 
 
@@ -218,6 +229,15 @@ _LAYOUT_KEY_FIELDS = tuple(k for k in Layout.__dataclass_fields__ if k not in _L
 
 
 _LAYER_CACHE: dict = {}
+
+
+def _copy_s(nbytes: float, device) -> float:
+    """A memory-bound copy of nbytes (read + write): measured copy rate, or HBM physics."""
+    if device.measured is not None:
+        t = device.measured.bytes_time("copy", nbytes, "copy")
+        if t is not None:
+            return t
+    return nbytes / (device.memory_bandwidth * device.memory_efficiency)
 
 
 def _exposed(comm_s: float, window_s: float, device) -> float:
@@ -344,7 +364,9 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             colls.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
             ar_exp = _exposed(ar, overlap * bwd_window, device)
             contention = C.contention_s(ar - ar_exp, dp_place, cluster)
-            step_exp = ar_exp + contention
+            # DDP copies each gradient into its bucket before the all-reduce and back after
+            # it (read + write each way), on the compute stream
+            step_exp = ar_exp + contention + _copy_s(4 * full_grads, device)
         elif zero in (1, 2):
             rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
             ag = C.collective_time("all_gather", full_params, dp_place, cluster)
@@ -355,8 +377,16 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             contention = C.contention_s(rs - rs_exp + ag - ag_exp, dp_place, cluster)
             step_exp = rs_exp + ag_exp + contention
         else:
-            ag = C.collective_time("all_gather", full_params, dp_place, cluster)
-            rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster)
+            # FSDP2 copies a unit's shards into the all-gather buffer (on the gather's stream,
+            # priced with the collective) and out of it into the unsharded parameters (on
+            # the compute stream: exposed), and the gradients into the reduce-scatter buffer.
+            copy_in, copy_out = _copy_s(2 * full_params / layout.dp, device), _copy_s(2 * full_params, device)
+            rs_extra = _copy_s(2 * full_grads, device)
+            unit = device.measured.fsdp_unit_s(full_params) if device.measured is not None else None
+            if unit is not None:  # FSDP2 timed on this machine: all it adds per unit beyond the collectives
+                copy_in, copy_out, rs_extra = 0.0, unit[0], unit[1]
+            ag = C.collective_time("all_gather", full_params, dp_place, cluster) + copy_in
+            rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster) + rs_extra
             frac = (layout.dp - 1) / layout.dp
             colls += [("all_gather", 2 * m * full_params * frac, 2 * m * ag), ("reduce_scatter", full_grads * frac, rs)]
             fwd_exp = _exposed(ag, C.FSDP_PREFETCH_OVERLAP * fwd_s, device)
@@ -368,14 +398,29 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             fwd_cont = C.contention_s(ag - fwd_exp, dp_place, cluster)
             bwd_cont = C.contention_s(ag - bwd_exp, dp_place, cluster)
             rs_cont = C.contention_s(rs - step_exp, dp_place, cluster)
-            fwd_exp, bwd_exp, step_exp = fwd_exp + fwd_cont, bwd_exp + bwd_cont, step_exp + rs_cont
+            fwd_exp, bwd_exp, step_exp = (fwd_exp + fwd_cont + copy_out, bwd_exp + bwd_cont + copy_out,
+                                          step_exp + rs_cont)
             contention = m * (fwd_cont + bwd_cont) + rs_cont
 
     # Offload: state moves over the host link, the optimizer runs on the CPU.
     host_link = cluster.host_link_profile
     opt_params = params_local / (layout.dp if zero >= 1 else 1)
     touched = 2 * p_bytes + g_bytes + 2 * k_bytes  # read+write param, read grad, read+write states
-    if offload == "none":
+    measured_opt = None
+    if device.measured is not None and offload == "none":
+        # torch's own optimizer timed on this device: per element and per tensor. Sharded
+        # (FSDP2) and tp-split parameters are DTensors: each per-tensor op of the step
+        # then pays DTensor's dispatch instead of eager's.
+        meas = device.measured
+        tensors = layer.attrs.get("param_tensors", 1 if layer.params else 0)
+        measured_opt = meas.optimizer_time(layout.optimizer, opt_params, tensors)
+        if measured_opt is not None and (zero >= 1 or tp > 1) and meas.op_overhead_fwd_s > 0:
+            per_tensor = measured_opt - meas.optimizer_time(layout.optimizer, opt_params, 0)
+            ops_per_tensor = per_tensor / max(tensors, 1) / meas.op_overhead_fwd_s
+            measured_opt += tensors * ops_per_tensor * max(0.0, meas.dtensor_overhead_fwd_s - meas.op_overhead_fwd_s)
+    if measured_opt is not None:
+        optimizer_s = measured_opt
+    elif offload == "none":
         optimizer_s = opt_params * touched / (device.memory_bandwidth * device.memory_efficiency)
     else:
         host_bw = cluster.host_memory_bandwidth / cluster.gpus_per_node
@@ -537,6 +582,8 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         idx = ranks[r]
         step_exp = sum(costs[j].dp_step_exposed_s for j in idx)
         opt = sum(costs[j].optimizer_s for j in idx)
+        if device.measured is not None and idx:  # the optimizer's fixed cost per step (measured)
+            opt += device.measured.optimizer_step_constant(layout.optimizer)
         rank_total.append(sim.finish_s[r] + step_exp + opt)
         params = sum(costs[j].param_bytes for j in idx)
         grads = sum(costs[j].grad_bytes for j in idx)
@@ -620,7 +667,8 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         # part of dp_comm_exposed_s: compute slowed by the SMs hidden DP collectives hold
         "nccl_contention_s": sum(costs[j].nccl_contention_s for j in idx),
         "bubble_s": sim.bubble_s[crit] - pp_exposed,
-        "optimizer_s": sum(costs[j].optimizer_s for j in idx),
+        "optimizer_s": sum(costs[j].optimizer_s for j in idx) + (
+            device.measured.optimizer_step_constant(layout.optimizer) if device.measured is not None else 0.0),
         "straggler_s": straggler_s,
         "step_time_s": step,
         "critical_pp_rank": crit,

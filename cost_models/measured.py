@@ -124,7 +124,13 @@ class MeasuredCompute:
     attention: tuple = ()  # ((causal, 'fwd' | 'bwd', FLOPs per call, FLOP/s), ...)
     op_overhead_fwd_s: float = 0.0  # host time of one op forward, autograd recording
     op_overhead_bwd_s: float = 0.0  # host time of one autograd node backward
-    op_overhead_no_grad_s: float = 0.0  # the same op with autograd off (what the tables include)
+    op_overhead_no_grad_s: float = 0.0  # the same op with autograd off (taken out of the tables)
+    dtensor_overhead_fwd_s: float = 0.0  # host time of one DTensor op forward (tensor parallelism)
+    dtensor_overhead_bwd_s: float = 0.0
+    optimizer: tuple = ()  # ((name, per_step_s, per_tensor_s, per_param_s), ...): adam, sgd
+    # FSDP2's cost per unit beyond its collectives, by the unit's unsharded parameter
+    # bytes: (unit bytes, seconds per all-gather, seconds per reduce-scatter)
+    fsdp: tuple = ()
     digest: str = ""
 
     def __repr__(self) -> str:  # cache keys print devices: a digest, not the tables
@@ -135,10 +141,37 @@ class MeasuredCompute:
         grid = grids.get(dtype) or grids.get(_DTYPE_STAND_IN.get(dtype, ""))
         return None if grid is None else grid.time(m, n, k)
 
-    def bytes_time(self, op_class: str, nbytes: float) -> float | None:
+    def bytes_time(self, op_class: str, nbytes: float, op_name: str | None = None) -> float | None:
+        """Seconds of a memory-bound op moving `nbytes`: its own table when the profile
+        timed it by name (`gelu`), else its class's (`norm`), else `elementwise`."""
         tables = {c: (s, r) for c, s, r in self.bandwidth}
-        table = tables.get(op_class) or tables.get("elementwise")
+        table = tables.get(op_name or "") or tables.get(op_class) or tables.get("elementwise")
         return None if table is None else time_for_size(table[0], table[1], nbytes)
+
+    def optimizer_time(self, name: str, params: float, tensors: float) -> float | None:
+        """One optimizer step over `params` elements in `tensors` tensors (the per-step
+        constant is charged once per step by the caller, not here)."""
+        for n, _, per_tensor, per_param in self.optimizer:
+            if n == name:
+                return per_tensor * tensors + per_param * params
+        return None
+
+    def fsdp_unit_s(self, nbytes: float) -> tuple[float, float] | None:
+        """(per all-gather, per reduce-scatter) seconds FSDP2 adds to a unit of nbytes
+        beyond the collectives; linear in bytes between and beyond the sizes timed."""
+        if not self.fsdp:
+            return None
+        sizes, gather, reduce = self.fsdp
+
+        def at(values):
+            if len(sizes) == 1:
+                return values[0]
+            slope = (values[-1] - values[0]) / (sizes[-1] - sizes[0])
+            return max(0.0, values[0] + slope * (nbytes - sizes[0]))
+        return at(gather), at(reduce)
+
+    def optimizer_step_constant(self, name: str) -> float:
+        return next((a for n, a, _, _ in self.optimizer if n == name), 0.0)
 
     def attention_time(self, flops: float, causal: bool, direction: str) -> float | None:
         for c, d, sizes, rates in self.attention:
@@ -157,6 +190,11 @@ class MeasuredCompute:
             "op_overhead_fwd_s": self.op_overhead_fwd_s,
             "op_overhead_bwd_s": self.op_overhead_bwd_s,
             "op_overhead_no_grad_s": self.op_overhead_no_grad_s,
+            "dtensor_overhead_fwd_s": self.dtensor_overhead_fwd_s,
+            "dtensor_overhead_bwd_s": self.dtensor_overhead_bwd_s,
+            "optimizer": {n: {"per_step_s": a, "per_tensor_s": b, "per_param_s": c} for n, a, b, c in self.optimizer},
+            **({"fsdp": {"unit_bytes": list(self.fsdp[0]), "gather_s": list(self.fsdp[1]),
+                         "reduce_s": list(self.fsdp[2])}} if self.fsdp else {}),
         }
 
     @classmethod
@@ -188,8 +226,28 @@ class MeasuredCompute:
             sizes, rates = _sizes(a, "flops", w, file), _positives(a, "flops_per_s", w, file)
             _same_length(sizes, rates, f"{w}.flops_per_s", file)
             attention.append((a["causal"], a["direction"], sizes, rates))
-        over = {}
-        for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s"):
+        optimizer = []
+        for n, o in sorted(_mapping(d.get("optimizer", {}), f"{where}.optimizer", file).items()):
+            o = _mapping(o, f"{where}.optimizer.{n}", file)
+            values = []
+            for key in ("per_step_s", "per_tensor_s", "per_param_s"):
+                v = o.get(key)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v):
+                    raise ProfileError(f"must be a number >= 0, got {v!r}", field=f"{where}.optimizer.{n}.{key}",
+                                       file=file)
+                values.append(float(v))
+            optimizer.append((n, *values))
+        over = {"optimizer": tuple(optimizer), "fsdp": ()}
+        if d.get("fsdp") is not None:
+            w = f"{where}.fsdp"
+            f = _mapping(d["fsdp"], w, file)
+            sizes, gather, reduce = (_sizes(f, "unit_bytes", w, file), _positives(f, "gather_s", w, file),
+                                     _positives(f, "reduce_s", w, file))
+            _same_length(sizes, gather, f"{w}.gather_s", file)
+            _same_length(sizes, reduce, f"{w}.reduce_s", file)
+            over["fsdp"] = (sizes, gather, reduce)
+        for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s", "dtensor_overhead_fwd_s",
+                    "dtensor_overhead_bwd_s"):
             value = d.get(key, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ProfileError(f"must be a number >= 0, got {value!r}", field=f"{where}.{key}", file=file)

@@ -149,6 +149,7 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
         fields, ops = exprs_cache[reps]
         fields = dict(fields)
         attrs = dict(m0.attrs)
+        attrs["param_tensors"] = len(owned)  # the optimizer's per-tensor work (for-loop / foreach)
         if layer == n - 1 and loss_fn is not None:
             attrs["loss"] = True
         if seq is not None:

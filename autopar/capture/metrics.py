@@ -113,7 +113,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     # Group ops by (module relative to the layer, op): stable across points.
     by_idx = {}
     for r in fwd:
-        key = f"{_relative(r.module, prefix)}:{r.op.removeprefix('aten.')}"
+        key = f"{_relative(r.module, prefix)}:{r.op.removeprefix('aten.')}" + (f"_{r.variant}" if r.variant else "")
         op = m.ops.get(key)
         if op is None:
             op = m.ops[key] = dict(kind=r.kind, fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0,
@@ -144,6 +144,9 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.has_weight_gemm = bool(cols) or bool(rows)
     m.has_norm = any(r.kind == "norm" for r in fwd)
     m.attrs = _attrs(trace, layer, fwd, cols, valid, flow.regions)
+    # Every op the layer dispatches, views included: each costs host time (the
+    # framework's dispatch, DTensor's sharding propagation under tp) whatever its size.
+    m.attrs["host_ops_fwd"], m.attrs["host_ops_bwd"] = len(fwd), len(bwd)
     if is_head and cols:  # the head's column GEMM is the vocabulary projection
         widest = max((c for c in cols.values() if c.gemm), key=lambda c: c.gemm[1], default=None)
         m.attrs.pop("ffn_hidden", None)

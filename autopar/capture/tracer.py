@@ -71,6 +71,9 @@ class OpRecord:
     # Forward layout ops (split, slice, transpose, permute...): their dimension
     # arguments by schema name, so tensor-parallel capture can follow which dim is sharded.
     dims: dict | None = None
+    # An op whose cost depends on a mode argument: gelu's tanh approximation is several
+    # times slower than its erf form on a CPU core (a measured profile times both).
+    variant: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -359,6 +362,8 @@ class Tracer:
         )
         if self.phase == "fwd":
             rec.dims = _dim_args(func, args, kwargs)
+            if packet is aten.gelu and kwargs.get("approximate", "none") != "none":
+                rec.variant = kwargs["approximate"]
         if rec.kind == "attention" and self.phase == "fwd":
             rec.causal = _is_causal(func, args, kwargs)
         if self.phase == "fwd":
