@@ -109,6 +109,26 @@ class Timer:
         return statistics.median(samples)
 
 
+def interleaved(timer: Timer, fns: dict, inner: int, repeats: int = 9) -> dict:
+    """Median seconds per call of each fn, sampled in turn (A B C A B C ...): for
+    quantities taken as differences, slow drifts of a shared machine hit every fn
+    alike instead of one of them."""
+    for fn in fns.values():
+        fn()
+    timer.sync()
+    samples: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            if timer.barrier is not None:
+                timer.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            timer.sync()
+            samples[k].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def _rate(work: float, seconds: float, overhead: float) -> float:
     # The work's own rate: the dispatch time of the call (timed with autograd off) is
     # taken out, because the cost model charges host time per dispatched op of a layer
@@ -254,34 +274,59 @@ def measure_ops(timer: Timer, device: torch.device, g: dict, overhead: float, pr
     return out
 
 
-def measure_optimizer(timer: Timer, device: torch.device, progress) -> dict:
+def measure_optimizer(timer: Timer, device: torch.device, progress, mesh=None) -> dict:
     """Seconds of optimizer.step() for torch's default implementation on this device
-    (CPU: a loop over tensors; CUDA: foreach), fitted as a + b x tensors + c x elements
-    over parameter sets of few/many tensors and small/large totals."""
-    fits = {}
+    (CPU: a loop over tensors; CUDA: foreach), as a + b x tensors + c x elements,
+    each constant from the points it dominates. With a mesh, also over DTensor
+    parameters sharded on it (what FSDP2 and tensor parallelism hand the
+    optimizer: every per-tensor op goes through DTensor's dispatch)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world = mesh.size() if mesh is not None else 1
     # the large total (64 MiB per fp32 array on a CPU) is beyond the caches, as a real step's
     # state is: backward has evicted it by the time the optimizer runs
     large = 2**24 if device.type == "cpu" else 2**28
-    for name, make in (("adam", lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
-                       ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))):
-        secs = {}
-        for tensors in (4, 64):
-            for total in (2**12, large):
-                params = [torch.nn.Parameter(torch.randn(max(1, total // tensors), device=device))
-                          for _ in range(tensors)]
-                for p in params:
-                    p.grad = torch.randn_like(p)
-                opt = make(params)
-                secs[tensors, total] = timer(opt.step)
-                del opt, params
-        # Each constant from the points it dominates: per tensor and per step from the tiny
-        # totals (no element work to speak of), per element from the large ones after those.
-        per_tensor = max(0.0, (secs[64, 2**12] - secs[4, 2**12]) / 60)
-        per_step = max(0.0, secs[4, 2**12] - 4 * per_tensor)
-        per_param = statistics.mean(max(1e-15, (secs[t, large] - per_step - t * per_tensor) / large) for t in (4, 64))
-        fits[name] = {"per_step_s": per_step, "per_tensor_s": per_tensor, "per_param_s": per_param}
-    progress("optimizer steps (AdamW, SGD) done")
+
+    def param(numel: int, sharded: bool):
+        if not sharded:
+            return torch.nn.Parameter(torch.randn(numel, device=device))
+        local = torch.randn(max(1, numel // world), device=device)
+        return torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+
+    fits = {}
+    for sharded in ((False, True) if mesh is not None else (False,)):
+        for name, make in (("adam", lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+                           ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))):
+            secs = {}
+            for tensors in (4, 64):
+                for total in (2**12, large):
+                    params = [param(max(1, total // tensors), sharded) for _ in range(tensors)]
+                    for p in params:
+                        p.grad = torch.randn_like(p)
+                    opt = make(params)
+                    secs[tensors, total] = timer(opt.step)
+                    del opt, params
+            per_tensor = max(0.0, (secs[64, 2**12] - secs[4, 2**12]) / 60)
+            per_step = max(0.0, secs[4, 2**12] - 4 * per_tensor)
+            local = large / (world if sharded else 1)  # the elements this rank updates
+            per_param = statistics.mean(max(1e-15, (secs[t, large] - per_step - t * per_tensor) / local)
+                                        for t in (4, 64))
+            fits[name + (":dtensor" if sharded else "")] = {"per_step_s": per_step, "per_tensor_s": per_tensor,
+                                                             "per_param_s": per_param}
+    progress("optimizer steps (AdamW, SGD; plain and DTensor parameters) done")
     return fits
+
+
+def measure_funcol_overhead(timer: Timer, device: torch.device, group) -> float:
+    """Seconds a DTensor redistribution's collective costs beyond the plain c10d call
+    (functional collective, its async wrapper and wait), on a tiny tensor."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    t = torch.ones(256, device=device)
+    plain = timer(lambda: dist.all_reduce(t, group=group), inner=8)
+    functional = timer(lambda: funcol.wait_tensor(funcol.all_reduce(t, "sum", group)), inner=8)
+    return max(0.0, functional - plain)
 
 
 def measure_attention(timer: Timer, device: torch.device, dtype: str, g: dict, over: dict, progress) -> list:
@@ -387,9 +432,8 @@ def measure_fsdp(timer: Timer, device: torch.device, mesh, collectives: dict) ->
     from torch.distributed.fsdp import fully_shard
 
     world = mesh.size()
-    coll = MeasuredCollectives.from_dict(collectives)
-    units, rows = 4, 8
-    table = {"unit_bytes": [], "gather_s": [], "reduce_s": []}
+    units = 8
+    table = {"ranks": world, "unit_bytes": [], "gather_s": [], "reduce_s": []}
     for d in ((16, 512) if device.type == "cpu" else (64, 4096)):
         torch.manual_seed(0)
         plain = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(units)]).to(device)
@@ -397,20 +441,22 @@ def measure_fsdp(timer: Timer, device: torch.device, mesh, collectives: dict) ->
         for layer in sharded:
             fully_shard(layer, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
-        x = torch.randn(rows, d, device=device)
-        t_plain = timer(lambda: plain(x).sum().backward(), inner=4)
-        sharded.set_requires_gradient_sync(False)
-        t_nosync = timer(lambda: sharded(x).sum().backward(), inner=4)
-        sharded.set_requires_gradient_sync(True)
-        t_sync = timer(lambda: sharded(x).sum().backward(), inner=4)
+        # as many rows as the unit has inputs, so each unit computes while its neighbours'
+        # collectives are in flight, as in training (on a CPU they then compete for cores)
+        x = torch.randn(d, d, device=device)
+
+        def step(sync: bool):
+            sharded.set_requires_gradient_sync(sync)
+            sharded(x).sum().backward()
+        t = interleaved(timer, {"plain": lambda: plain(x).sum().backward(), "nosync": lambda: step(False),
+                                "sync": lambda: step(True)}, inner=4)
+        t_plain, t_nosync, t_sync = t["plain"], t["nosync"], t["sync"]
         nbytes = d * d * 4.0  # one unit's unsharded fp32 parameters
-        ag = coll.time("all_gather", world, nbytes) or 0.0
-        rs = coll.time("reduce_scatter", world, nbytes) or 0.0
-        gather = (t_nosync - t_plain) / units / 2 - ag
-        reduce = (t_sync - t_nosync) / units - rs
+        # whole cost per all-gather / reduce-scatter, the collective included: the cost model
+        # takes the collective table's part out again, which cancels exactly at this group size
         table["unit_bytes"].append(nbytes)
-        table["gather_s"].append(max(gather, 1e-7))
-        table["reduce_s"].append(max(reduce, 1e-7))
+        table["gather_s"].append(max((t_nosync - t_plain) / units / 2, 1e-7))
+        table["reduce_s"].append(max((t_sync - t_nosync) / units, 1e-7))
         del sharded, plain
     return table
 
@@ -447,7 +493,7 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
             result["gemm"] = {dt: measure_gemm(timer, device, dt, g, over["no_grad"], say) for dt in settings.dtypes}
             result["bandwidth"] = measure_ops(timer, device, g, over["no_grad"], say)
             result["attention"] = measure_attention(timer, device, settings.dtypes[0], g, over, say)
-            result["optimizer"] = measure_optimizer(timer, device, say)
+            result["optimizer"] = measure_optimizer(timer, device, say, mesh)
         say(f"DTensor host time per op: {over['dtensor_fwd'] * 1e6:.1f} us forward, "
             f"{over['dtensor_bwd'] * 1e6:.1f} us backward")
         dist.barrier()
@@ -470,9 +516,10 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
                 coll.setdefault(kind, {})[str(n)] = {"bytes": sizes, "seconds": secs}
             say(f"collectives over {n} ranks done")
         result["collectives"] = coll
+        result["funcol"] = measure_funcol_overhead(ctimer, device, dist.group.WORLD)
         result["fsdp"] = measure_fsdp(ctimer, device, mesh, coll)
-        say(f"FSDP2 per unit beyond its collectives: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
-            f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter (small units)")
+        say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
+            f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter, collectives included")
         result["collective_overlap"] = measure_overlap(ctimer, device, settings)
         say(f"collective hidden under compute: {result['collective_overlap']:.0%}")
         if rank == 0:
@@ -565,7 +612,8 @@ def build_profile(result: dict, settings: Settings) -> Profile:
                "op_overhead_fwd_s": result["overhead"]["fwd"], "op_overhead_bwd_s": result["overhead"]["bwd"],
                "op_overhead_no_grad_s": result["overhead"]["no_grad"], "optimizer": result["optimizer"],
                "dtensor_overhead_fwd_s": result["overhead"]["dtensor_fwd"],
-               "dtensor_overhead_bwd_s": result["overhead"]["dtensor_bwd"], "fsdp": result["fsdp"]}
+               "dtensor_overhead_bwd_s": result["overhead"]["dtensor_bwd"], "fsdp": result["fsdp"],
+               "dtensor_collective_overhead_s": result["funcol"]}
     machine = {"host": socket.gethostname(), "processor": name, "torch": torch.__version__,
                "python": sys.version.split()[0], "backend": settings.backend, "ranks": settings.ranks,
                "threads_per_rank": settings.threads() if settings.device == "cpu" else None,

@@ -11,8 +11,9 @@ B and n ranks, the ring formulas are
     broadcast             t = S / B + (n-1) alpha      (pipelined chain)
     point-to-point        t = S / B_link + alpha
 
-and a double-binary tree all-reduce, t = 2 S / B + 2 ceil(log2 n) alpha, wins
-for small messages on many ranks; NCCL picks the faster, so do we.
+and, for groups that span nodes, a double-binary tree all-reduce, t = 2 S / B +
+2 ceil(log2 n) alpha, wins for small messages on many ranks; NCCL picks the
+faster, so do we. Inside one node NCCL runs rings (trees span nodes).
 
 Placement: mesh axes are laid out tp innermost, then dp, then pp, and ranks
 are numbered node-major (ranks 0..g-1 on node 0). A group inside one node
@@ -86,6 +87,13 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
     bw, alpha = bus_bandwidth(place, cluster)
     if kind == "all_reduce":
         ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+        if place.nodes_spanned <= 1:
+            # Inside a node NCCL runs rings (or NVLS), not trees: its double binary tree
+            # spans nodes, with a chain inside each. Measured: 8 x H200, torch all_reduce
+            # takes 40 us at 32 KiB and 46 us at 1 MiB (stas00/ml-engineering
+            # network/benchmarks/results/all-reduce-8xH200.md), as the ring's 14 steps of
+            # 3 us give; a tree's 6 steps would say 18 us.
+            return ring
         tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(n)) * alpha
         return min(ring, tree)
     if kind in ("all_gather", "reduce_scatter"):

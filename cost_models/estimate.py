@@ -315,6 +315,10 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         # The model cuts a sharded dim (GPT's fused qkv split): all-gather it forward,
         # reduce-scatter its gradient backward (a ring prices both the same).
         tp_fwd += C.collective_time("all_gather", fast(layer.tp_gather_bytes)(b, s1) * byte_scale, tp_place, cluster)
+    if tp > 1 and device.measured is not None:
+        # each redistribution's collective also pays DTensor's functional-collective path (measured)
+        tp_fwd += (layer.tp_allreduces + (1 if layer.tp_gather_bytes else 0)) * \
+            device.measured.dtensor_collective_overhead_s
     tp_comm = 2 * tp_fwd
 
     # Recomputation in backward.
@@ -383,10 +387,16 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             copy_in, copy_out = _copy_s(2 * full_params / layout.dp, device), _copy_s(2 * full_params, device)
             rs_extra = _copy_s(2 * full_grads, device)
             unit = device.measured.fsdp_unit_s(full_params) if device.measured is not None else None
-            if unit is not None:  # FSDP2 timed on this machine: all it adds per unit beyond the collectives
-                copy_in, copy_out, rs_extra = 0.0, unit[0], unit[1]
+            if unit is not None:
+                # FSDP2 timed on this machine, collectives included: what it adds beyond the
+                # collectives at the group size timed (exposed, on the compute stream); the
+                # collectives themselves are priced at this group's size below
+                ranks, gather_s, reduce_s = unit
+                timed = C.GroupPlacement("dp", ranks, 1, ranks)
+                copy_in, rs_extra = 0.0, reduce_s - C.collective_time("reduce_scatter", full_grads, timed, cluster)
+                copy_out = gather_s - C.collective_time("all_gather", full_params, timed, cluster)
             ag = C.collective_time("all_gather", full_params, dp_place, cluster) + copy_in
-            rs = C.collective_time("reduce_scatter", full_grads, dp_place, cluster) + rs_extra
+            rs = max(0.0, C.collective_time("reduce_scatter", full_grads, dp_place, cluster) + rs_extra)
             frac = (layout.dp - 1) / layout.dp
             colls += [("all_gather", 2 * m * full_params * frac, 2 * m * ag), ("reduce_scatter", full_grads * frac, rs)]
             fwd_exp = _exposed(ag, C.FSDP_PREFETCH_OVERLAP * fwd_s, device)
@@ -398,8 +408,8 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             fwd_cont = C.contention_s(ag - fwd_exp, dp_place, cluster)
             bwd_cont = C.contention_s(ag - bwd_exp, dp_place, cluster)
             rs_cont = C.contention_s(rs - step_exp, dp_place, cluster)
-            fwd_exp, bwd_exp, step_exp = (fwd_exp + fwd_cont + copy_out, bwd_exp + bwd_cont + copy_out,
-                                          step_exp + rs_cont)
+            fwd_exp, bwd_exp, step_exp = (max(0.0, fwd_exp + fwd_cont + copy_out),
+                                          max(0.0, bwd_exp + bwd_cont + copy_out), step_exp + rs_cont)
             contention = m * (fwd_cont + bwd_cont) + rs_cont
 
     # Offload: state moves over the host link, the optimizer runs on the CPU.
@@ -413,8 +423,14 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         # then pays DTensor's dispatch instead of eager's.
         meas = device.measured
         tensors = layer.attrs.get("param_tensors", 1 if layer.params else 0)
-        measured_opt = meas.optimizer_time(layout.optimizer, opt_params, tensors)
-        if measured_opt is not None and (zero >= 1 or tp > 1) and meas.op_overhead_fwd_s > 0:
+        dtensor_params = zero >= 1 or tp > 1
+        measured_opt = meas.optimizer_time(layout.optimizer + ":dtensor", opt_params, tensors) \
+            if dtensor_params else None
+        if measured_opt is None:
+            measured_opt = meas.optimizer_time(layout.optimizer, opt_params, tensors)
+        elif dtensor_params:
+            dtensor_params = False  # timed on DTensors already
+        if measured_opt is not None and dtensor_params and meas.op_overhead_fwd_s > 0:
             per_tensor = measured_opt - meas.optimizer_time(layout.optimizer, opt_params, 0)
             ops_per_tensor = per_tensor / max(tensors, 1) / meas.op_overhead_fwd_s
             measured_opt += tensors * ops_per_tensor * max(0.0, meas.dtensor_overhead_fwd_s - meas.op_overhead_fwd_s)

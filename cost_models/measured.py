@@ -127,9 +127,10 @@ class MeasuredCompute:
     op_overhead_no_grad_s: float = 0.0  # the same op with autograd off (taken out of the tables)
     dtensor_overhead_fwd_s: float = 0.0  # host time of one DTensor op forward (tensor parallelism)
     dtensor_overhead_bwd_s: float = 0.0
+    dtensor_collective_overhead_s: float = 0.0  # a DTensor redistribution's collective beyond plain c10d
     optimizer: tuple = ()  # ((name, per_step_s, per_tensor_s, per_param_s), ...): adam, sgd
-    # FSDP2's cost per unit beyond its collectives, by the unit's unsharded parameter
-    # bytes: (unit bytes, seconds per all-gather, seconds per reduce-scatter)
+    # FSDP2's whole cost per unit, its collectives included, by the unit's unsharded
+    # parameter bytes: (ranks, unit bytes, seconds per all-gather, per reduce-scatter)
     fsdp: tuple = ()
     digest: str = ""
 
@@ -156,19 +157,20 @@ class MeasuredCompute:
                 return per_tensor * tensors + per_param * params
         return None
 
-    def fsdp_unit_s(self, nbytes: float) -> tuple[float, float] | None:
-        """(per all-gather, per reduce-scatter) seconds FSDP2 adds to a unit of nbytes
-        beyond the collectives; linear in bytes between and beyond the sizes timed."""
+    def fsdp_unit_s(self, nbytes: float) -> tuple[int, float, float] | None:
+        """(ranks timed, seconds per all-gather, per reduce-scatter) FSDP2 spends on a
+        unit of nbytes, collectives included; linear in bytes between and beyond the
+        sizes timed."""
         if not self.fsdp:
             return None
-        sizes, gather, reduce = self.fsdp
+        ranks, sizes, gather, reduce = self.fsdp
 
         def at(values):
             if len(sizes) == 1:
                 return values[0]
             slope = (values[-1] - values[0]) / (sizes[-1] - sizes[0])
             return max(0.0, values[0] + slope * (nbytes - sizes[0]))
-        return at(gather), at(reduce)
+        return ranks, at(gather), at(reduce)
 
     def optimizer_step_constant(self, name: str) -> float:
         return next((a for n, a, _, _ in self.optimizer if n == name), 0.0)
@@ -192,9 +194,10 @@ class MeasuredCompute:
             "op_overhead_no_grad_s": self.op_overhead_no_grad_s,
             "dtensor_overhead_fwd_s": self.dtensor_overhead_fwd_s,
             "dtensor_overhead_bwd_s": self.dtensor_overhead_bwd_s,
+            "dtensor_collective_overhead_s": self.dtensor_collective_overhead_s,
             "optimizer": {n: {"per_step_s": a, "per_tensor_s": b, "per_param_s": c} for n, a, b, c in self.optimizer},
-            **({"fsdp": {"unit_bytes": list(self.fsdp[0]), "gather_s": list(self.fsdp[1]),
-                         "reduce_s": list(self.fsdp[2])}} if self.fsdp else {}),
+            **({"fsdp": {"ranks": self.fsdp[0], "unit_bytes": list(self.fsdp[1]), "gather_s": list(self.fsdp[2]),
+                         "reduce_s": list(self.fsdp[3])}} if self.fsdp else {}),
         }
 
     @classmethod
@@ -245,9 +248,12 @@ class MeasuredCompute:
                                      _positives(f, "reduce_s", w, file))
             _same_length(sizes, gather, f"{w}.gather_s", file)
             _same_length(sizes, reduce, f"{w}.reduce_s", file)
-            over["fsdp"] = (sizes, gather, reduce)
+            ranks = f.get("ranks")
+            if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+                raise ProfileError("must be the group size timed (an integer >= 2)", field=f"{w}.ranks", file=file)
+            over["fsdp"] = (ranks, sizes, gather, reduce)
         for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s", "dtensor_overhead_fwd_s",
-                    "dtensor_overhead_bwd_s"):
+                    "dtensor_overhead_bwd_s", "dtensor_collective_overhead_s"):
             value = d.get(key, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ProfileError(f"must be a number >= 0, got {value!r}", field=f"{where}.{key}", file=file)

@@ -144,6 +144,37 @@ def test_collective_overlap_zero_exposes_all_dp_traffic():
     assert hidden_est.time_breakdown["dp_comm_exposed_s"] < tb["dp_comm_exposed_s"]
 
 
+def test_measured_fsdp_units_and_dtensor_optimizer_price_zero3():
+    """ZeRO-3 on a calibrated machine: each unit costs what FSDP2 was timed to cost per
+    all-gather and reduce-scatter (collectives included at the group size timed), and
+    the optimizer steps DTensor shards at the DTensor rate."""
+    from cost_models.analytic import gpt
+    from cost_models.estimate import layer_cost
+    from cost_models.layout import Layout
+
+    base = _profile_dict(overlap=0.0)
+    timed = copy.deepcopy(base)
+    timed["compute"]["fsdp"] = {"ranks": 2, "unit_bytes": [1e3, 1e7], "gather_s": [1e-3, 1e-2],
+                                "reduce_s": [2e-3, 2e-2]}
+    timed["compute"]["optimizer"] = {"adam": {"per_step_s": 0, "per_tensor_s": 1e-5, "per_param_s": 1e-9},
+                                     "adam:dtensor": {"per_step_s": 0, "per_tensor_s": 1e-4, "per_param_s": 1e-9}}
+    model = gpt("g", hidden=256, heads=4, layers=2, seq_len=64, vocab_size=512)
+    layer = model.layers[1]
+    layout = Layout(dp=2, zero=3, micro_batch_size=1, precision="fp32")
+    cluster = _cluster(timed, gpus=2)
+    lc = layer_cost(layer, model, layout, cluster)
+    unit_bytes = layer.params * 4
+    gather = 1e-3 + (1e-2 - 1e-3) * (unit_bytes - 1e3) / (1e7 - 1e3)
+    reduce = 2e-3 + (2e-2 - 2e-3) * (unit_bytes - 1e3) / (1e7 - 1e3)
+    # nothing hides on this machine (overlap 0): two gathers (forward, backward) and one reduce-scatter
+    assert lc.dp_comm_exposed_s == pytest.approx(2 * gather + reduce, rel=1e-6)
+    tensors = layer.attrs["param_tensors"]
+    assert lc.optimizer_s == pytest.approx(1e-4 * tensors + 1e-9 * layer.params / 2)
+    # without the FSDP table the physics prices the collectives and FSDP2's copies instead
+    plain = layer_cost(layer, model, layout, _cluster(base, gpus=2))
+    assert plain.dp_comm_exposed_s != pytest.approx(lc.dp_comm_exposed_s)
+
+
 def test_profile_survives_a_plan_file_round_trip():
     from cost_models.analytic import gpt
     from cost_models.estimate import estimate
