@@ -78,6 +78,23 @@ def predict(model_name: str, layout: str, cluster) -> dict:
     return plan.to_dict()
 
 
+def _step_tracker():
+    """torch's MemTracker (every live tensor by kind: parameters, gradients, optimizer
+    state, activations, temporaries), made to accept a module called again in the same
+    step, as gradient accumulation and pipeline schedules do: only the per-module
+    statistics restart, the step's peak is kept."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+                if parents == {"Global"}:
+                    self.memory_tracking.pop(module)
+            super()._pre_fw_hook(module, inputs)
+    return StepTracker()
+
+
 def _rank(rank: int, world: int, port: int, model_name: str, plan: dict, steps: int, warmup: int, queue):
     import torch.distributed as dist
 
@@ -101,8 +118,23 @@ def _rank(rank: int, world: int, port: int, model_name: str, plan: dict, steps: 
             times.append(time.perf_counter() - t0)
         t = torch.tensor(times[warmup:], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+        # Peak memory of one more step, by torch's own tracker (every live tensor, by kind)
+        tracker = _step_tracker()
+        tracker.track_external(pm.module, pm.optimizer)
+        with tracker:
+            pm.train_step((x,), y)
+        tracked = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+        # DDP allocates its buckets (a copy of every gradient) when it wraps the model, before
+        # the tracker starts: added here, as DDP sizes them
+        from autopar.lower.data_parallel import uses_replicate
+
+        buckets = sum(p.numel() * p.element_size() for p in pm.module.parameters()
+                      if p.requires_grad) if uses_replicate(pm.plan) else 0
+        peak = torch.tensor([float(tracked + buckets)], dtype=torch.float64)
+        peaks = [torch.zeros_like(peak) for _ in range(world)]
+        dist.all_gather(peaks, peak)
         if rank == 0:
-            queue.put(("ok", t.tolist()))
+            queue.put(("ok", {"times": t.tolist(), "peak_bytes": [float(p) for p in peaks]}))
         dist.destroy_process_group()
     except BaseException as exc:
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
@@ -162,7 +194,7 @@ def main() -> int:
         cases = QUICK
     else:
         cases = [(m, lay) for m in MODELS for lay in LAYOUTS]
-    plans, failed, rounds = {}, {}, {}
+    plans, failed, rounds, peaks = {}, {}, {}, {}
     for case in cases:
         try:
             plans[case] = predict(*case, cluster)
@@ -179,7 +211,8 @@ def main() -> int:
             except Exception as exc:
                 failed[case] = f"{type(exc).__name__}: {exc}"
                 continue
-            rounds.setdefault(case, []).append(statistics.median(times))
+            peaks.setdefault(case, times["peak_bytes"])
+            rounds.setdefault(case, []).append(statistics.median(times["times"]))
             print(f"round {r + 1}: {case[0]:20s} {case[1]:10s} predicted {plan['predicted']['step_time_s'] * 1e3:8.1f}"
                   f" ms  measured {rounds[case][-1] * 1e3:8.1f} ms", file=sys.stderr)
     rows = []
@@ -189,8 +222,13 @@ def main() -> int:
             continue
         plan, meas = plans[case], statistics.median(rounds[case])
         pred = plan["predicted"]["step_time_s"]
+        # memory: the fullest rank, predicted (per pp rank, the plan's peak) and tracked
+        pred_mem, meas_mem = max(plan["predicted"]["peak_memory_bytes"]), max(peaks[case])
         rows.append({"model": case[0], "layout": case[1], "predicted_s": pred, "measured_s": meas,
                      "error": pred / meas - 1, "measured_rounds_s": rounds[case],
+                     "predicted_peak_bytes": pred_mem, "measured_peak_bytes": meas_mem,
+                     "memory_error": pred_mem / meas_mem - 1,
+                     "predicted_memory_breakdown": plan["predicted"]["memory_breakdown"],
                      "round_spread": max(rounds[case]) / min(rounds[case]) - 1,
                      "predicted_breakdown": plan["predicted"]["time_breakdown"]})
     write(rows, profile, args)
@@ -216,14 +254,25 @@ def write(rows: list, profile, args) -> None:
              f"{args.steps} steps after {args.warmup} warm-up; a step ends when its slowest rank does.", "",
              "**Calibration**: the profile `autopar calibrate` measured (micro-benchmarks only). "
              "**Validation**: every row below; no constant was set while looking at them.", "",
-             "| model | layout | predicted ms | measured ms | error | spread of rounds |", "|---|---|---:|---:|---:|---:|"]
+             "| model | layout | predicted ms | measured ms | error | spread of rounds | peak MiB predicted | peak MiB measured | error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if isinstance(r.get("error"), float):
             lines.append(f"| {r['model']} | {r['layout']} | {r['predicted_s'] * 1e3:.1f} | "
-                         f"{r['measured_s'] * 1e3:.1f} | {r['error']:+.1%} | {r['round_spread']:.0%} |")
+                         f"{r['measured_s'] * 1e3:.1f} | {r['error']:+.1%} | {r['round_spread']:.0%} | "
+                         f"{r['predicted_peak_bytes'] / 2**20:.1f} | {r['measured_peak_bytes'] / 2**20:.1f} | "
+                         f"{r['memory_error']:+.1%} |")
         else:
-            lines.append(f"| {r['model']} | {r['layout']} | - | - | {r['error']} | |")
+            lines.append(f"| {r['model']} | {r['layout']} | - | - | {r['error']} | | | | |")
+    mem = sorted(abs(r["memory_error"]) for r in ok)
+    if mem:
+        summary["memory_median_abs_error"] = statistics.median(mem)
+        summary["memory_signed_median_error"] = statistics.median(r["memory_error"] for r in ok)
     if errs:
+        lines += ["", f"Peak memory (the fullest rank; measured by torch's MemTracker over one step, plus DDP's "
+                      f"buckets, which it allocates before any step): median "
+                      f"|error| {statistics.median(mem):.1%}, signed median "
+                      f"{summary['memory_signed_median_error']:+.1%}, worst {max(mem):.1%}."]
         lines += ["", f"{len(ok)} cases: median |error| {summary['median_abs_error']:.1%}, signed median "
                       f"{summary['signed_median_error']:+.1%}, worst {summary['worst_abs_error']:.1%}, "
                       f"{summary['within_15pct']} of {len(ok)} within 15% (the issue's target)."]

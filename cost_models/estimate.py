@@ -20,7 +20,7 @@ from cost_models.compute import fast, host_times, op_times
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 from cost_models.layout import Layout
-from cost_models.memory import (DDP_BUCKET_BYTES, FRAGMENTATION, activation_bytes, model_state_bytes,
+from cost_models.memory import (FRAGMENTATION, activation_bytes, model_state_bytes,
                                 recompute_working_bytes, state_bytes_per_param)
 from cost_models.pipeline import simulate_cached
 from cost_models.stragglers import slowest_gpu_slowdown
@@ -54,6 +54,9 @@ class LayerCost:
     optimizer_s: float = 0.0  # per step
     working_bytes: float = 0.0  # transient: recomputed activations of this one layer in backward
     host_bytes: float = 0.0  # offloaded to CPU memory
+    # DDP's buckets: a second copy of the gradients (torch DDP, gradient_as_bucket_view=False,
+    # the default: "the saved memory size will be equal to the total gradients size")
+    bucket_bytes: float = 0.0
     params_local: float = 0.0  # parameters this GPU holds before ZeRO sharding
     model_flops: float = 0.0  # per micro-batch per GPU, fwd + bwd, no recomputation
     recompute_flops: float = 0.0  # per micro-batch per GPU
@@ -457,6 +460,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         tp_comm_fwd_s=tp_fwd, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
         nccl_contention_s=contention,
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
+        bucket_bytes=states.grads if zero == 0 and layout.dp > 1 else 0.0,
         model_flops=model_flops, recompute_flops=recompute_flops, dp_collectives=tuple(colls),
         tier={"tp": tp_place.tier, "dp": dp_place.tier},
     )
@@ -618,7 +622,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         p_b, g_b, _ = state_bytes_per_param(layout.precision, layout.optimizer)
         biggest = max((costs[j].params_local for j in z3), default=0.0)
         fsdp_buf = biggest * (2 * p_b + g_b) if z3 and layout.dp > 1 else 0.0
-        ddp_buf = DDP_BUCKET_BYTES if layout.dp > 1 and len(z3) < len(idx) else 0.0
+        ddp_buf = sum(costs[j].bucket_bytes for j in idx)
         tp_buf = (max((fast(layers[j].output_bytes)(b, s1) for j in idx), default=0.0) * byte_scale
                   if layout.tp > 1 else 0.0)
         frag = FRAGMENTATION * (activations + grads)

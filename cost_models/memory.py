@@ -41,8 +41,6 @@ STATE_BYTES = {
 # reserved/allocated on large training runs). We charge 8% of activations
 # and gradients, the parts that churn every micro-batch.
 FRAGMENTATION = 0.08
-# DDP gradient buckets (25 MB default, two in flight) and NCCL staging.
-DDP_BUCKET_BYTES = 2 * 25 * 2**20
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:

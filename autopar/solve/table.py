@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from cost_models import comm as C
 from cost_models.estimate import DTYPE_BYTES, layer_cost
-from cost_models.memory import DDP_BUCKET_BYTES, FRAGMENTATION, model_state_bytes, state_bytes_per_param
+from cost_models.memory import FRAGMENTATION, model_state_bytes, state_bytes_per_param
 from cost_models.workload import fast
 
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
@@ -111,7 +111,7 @@ class TableBuilder:
         self._overheads: dict = {}
         self._outputs: dict = {}
         self._stage_time_overhead = stage_time_overhead or self.p2p_overhead
-        self._reserve_bytes = reserve_bytes or (lambda cand: DDP_BUCKET_BYTES if cand.dp > 1 else 0.0)
+        self._reserve_bytes = reserve_bytes or (lambda cand: 0.0)
         # what layers may use per GPU: usable memory, less the planner's headroom when it gives one
         self.capacity_bytes = float(cluster.device_profile.usable_memory_bytes if capacity_bytes is None
                                     else capacity_bytes)
@@ -163,7 +163,8 @@ class TableBuilder:
         time = (lc.fwd_s + lc.bwd_s + lc.recompute_s + lc.tp_comm_s + lc.dp_fwd_exposed_s + lc.dp_bwd_exposed_s)
         step = lc.dp_step_exposed_s + lc.optimizer_s
         frag = 1.0 + FRAGMENTATION
-        static = lc.param_bytes + frag * lc.grad_bytes + lc.optimizer_bytes + self._tied_copy(layer, cand, zero)
+        static = (lc.param_bytes + frag * lc.grad_bytes + lc.optimizer_bytes + lc.bucket_bytes
+                  + self._tied_copy(layer, cand, zero))
         p_b, g_b, _ = state_bytes_per_param(self.precision, self.optimizer)
         fsdp = lc.params_local * (2 * p_b + g_b) if zero >= 3 and cand.dp > 1 else 0.0
         tp_out = self._output_bytes(layer, cand) if cand.tp > 1 else 0.0
