@@ -53,6 +53,10 @@ class Settings:
     min_sample_s: float = 0.02  # one timing sample lasts at least this long
     repeats: int = 5  # samples per point; the median is kept (shared CPUs are noisy)
 
+    def __post_init__(self):
+        if self.quick:  # a first look: shorter, fewer samples
+            self.min_sample_s, self.repeats = 0.005, 3
+
     @property
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
@@ -73,7 +77,6 @@ def grids(settings: Settings) -> dict:
              "attn_heads": 4, "attn_dim": 64, "coll_bytes": [2**10, 2**13, 2**16, 2**19, 2**22, 2**25]}
     if settings.quick:
         g = {k: (v[::2] if isinstance(v, list) else v) for k, v in g.items()}
-        settings.min_sample_s, settings.repeats = 0.005, 3
     return g
 
 
@@ -419,16 +422,16 @@ def measure_overlap(timer: Timer, device: torch.device, settings: Settings) -> f
     return float(min(1.0, max(0.0, hidden)))
 
 
-def measure_fsdp(timer: Timer, device: torch.device, mesh, collectives: dict) -> dict:
-    """FSDP2's cost per unit beyond the collectives themselves (hooks, copy-in and
-    copy-out of the flat buffers, DTensor gradient bookkeeping): a stack of Linear
-    units, each its own fully_shard unit, trained with and without FSDP2; the
-    difference less the measured all-gathers and reduce-scatter, per unit. Once
-    with gradient sync off (two all-gathers per unit: forward and backward) and
-    once with it on (plus the reduce-scatter), at two unit sizes."""
+def measure_fsdp(timer: Timer, device: torch.device, mesh) -> dict:
+    """What FSDP2 costs per unit, its collectives included (hooks, copy-in and
+    copy-out of the flat buffers, DTensor gradient bookkeeping, the all-gathers and
+    the reduce-scatter): a stack of Linear units, each its own fully_shard unit,
+    trained with and without FSDP2, per unit. Once with gradient sync off (two
+    all-gathers per unit: forward and backward) and once with it on (plus the
+    reduce-scatter), at two unit sizes. The cost model takes the collective
+    table's part at this group size out and prices the group it plans instead."""
     import copy
 
-    from cost_models.measured import MeasuredCollectives
     from torch.distributed.fsdp import fully_shard
 
     world = mesh.size()
@@ -517,7 +520,7 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
             say(f"collectives over {n} ranks done")
         result["collectives"] = coll
         result["funcol"] = measure_funcol_overhead(ctimer, device, dist.group.WORLD)
-        result["fsdp"] = measure_fsdp(ctimer, device, mesh, coll)
+        result["fsdp"] = measure_fsdp(ctimer, device, mesh)
         say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
             f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter, collectives included")
         result["collective_overlap"] = measure_overlap(ctimer, device, settings)
