@@ -466,7 +466,7 @@ def measure_fsdp(timer: Timer, device: torch.device, mesh) -> dict:
 
 def _group_sizes(ranks: int) -> list[int]:
     sizes = [2 ** i for i in range(1, int(math.log2(ranks)) + 1)]
-    return sizes + ([ranks] if ranks not in sizes else [])
+    return sizes + ([ranks] if ranks not in sizes and ranks > 1 else [])
 
 
 def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None:
@@ -502,6 +502,12 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
         dist.barrier()
         coll: dict = {}
         ctimer = Timer(settings, device, dist.barrier)
+        if world == 1:  # one GPU (or one CPU process): compute only; collectives keep their physics
+            if rank == 0:
+                queue.put(("result", {**result, "collectives": {}, "funcol": 0.0, "fsdp": None,
+                                      "collective_overlap": None}))
+            dist.destroy_process_group()
+            return
         for n in _group_sizes(world):
             group = dist.new_group(list(range(n)))
             for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p"):
@@ -608,21 +614,22 @@ def build_profile(result: dict, settings: Settings) -> Profile:
         "attention_fwd_efficiency": min(1.0, attention_peak / top),
         "attention_bwd_efficiency": min(1.0, attention_bwd / top),
         "kernel_launch_us": result["overhead"]["fwd"] * 1e6,
-        "collective_overlap": result["collective_overlap"],
+        **({"collective_overlap": result["collective_overlap"]} if result["collective_overlap"] is not None else {}),
         "source": f"autopar calibrate on {socket.gethostname()} ({name})",
     }
     compute = {"gemm": gemm, "bandwidth": result["bandwidth"], "attention": result["attention"],
                "op_overhead_fwd_s": result["overhead"]["fwd"], "op_overhead_bwd_s": result["overhead"]["bwd"],
                "op_overhead_no_grad_s": result["overhead"]["no_grad"], "optimizer": result["optimizer"],
                "dtensor_overhead_fwd_s": result["overhead"]["dtensor_fwd"],
-               "dtensor_overhead_bwd_s": result["overhead"]["dtensor_bwd"], "fsdp": result["fsdp"],
+               "dtensor_overhead_bwd_s": result["overhead"]["dtensor_bwd"],
+               **({"fsdp": result["fsdp"]} if result["fsdp"] else {}),
                "dtensor_collective_overhead_s": result["funcol"]}
     machine = {"host": socket.gethostname(), "processor": name, "torch": torch.__version__,
                "python": sys.version.split()[0], "backend": settings.backend, "ranks": settings.ranks,
                "threads_per_rank": settings.threads() if settings.device == "cpu" else None,
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": asdict(settings)}
     data = {"schema": SCHEMA, "machine": machine, "device_name": device_name, "device": device,
-            "compute": compute, "collectives": {"intra_node": result["collectives"]}}
+            "compute": compute, "collectives": {"intra_node": result["collectives"]} if result["collectives"] else {}}
     profile = Profile.from_dict(data, "<autopar calibrate>")
     assert isinstance(profile.compute, MeasuredCompute)
     assert all(isinstance(c, MeasuredCollectives) for c in profile.collectives.values())

@@ -224,6 +224,22 @@ def test_cli_profile_errors_are_one_line(tmp_path, capsys):
 
 # -- the calibration itself ---------------------------------------------------------------------
 @pytest.mark.slow
+def test_calibrate_one_rank_times_compute_only(tmp_path):
+    """One GPU (or one process) has no collectives to time: the profile holds the
+    compute tables, and planning on more ranks prices collectives by link physics."""
+    out = tmp_path / "one.json"
+    proc = subprocess.run([sys.executable, "-m", "autopar", "calibrate", "--quick", "--ranks", "1",
+                           "--dtypes", "fp32", "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = Profile.load(str(out))
+    assert profile.collectives == {} and profile.compute.gemm and profile.compute.optimizer
+    cluster = ClusterSpec(gpus=2, device="cpu", gpus_per_node=2).with_profile(profile)
+    assert cluster.intra_link.measured is None  # the link's physics prices the collectives
+    place = C.group_placement("dp", 1, 2, 1, cluster)
+    assert C.collective_time("all_reduce", 1e6, place, cluster) > 0
+
+
+@pytest.mark.slow
 def test_calibrate_then_plan_with_the_profile(tmp_path):
     """`autopar calibrate --quick` on 2 gloo ranks writes a profile whose numbers
     are physical, and `autopar plan --profile` prices with it."""

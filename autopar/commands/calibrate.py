@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what training runs on: CPU ranks over gloo, or GPUs over NCCL (default cpu)")
     parser.add_argument("--ranks", type=int, default=None, metavar="N",
                         help="ranks per node training will run (CPU: they share the cores and are timed "
-                             "together; default 2) / GPUs to time collectives over (default: all visible)")
+                             "together; default 2) / GPUs to time collectives over (default: all visible). "
+                             "One rank times compute only; collectives then keep the link's physics")
     parser.add_argument("--threads-per-rank", type=int, default=None, metavar="T",
                         help="CPU threads each rank uses (default: cores / ranks)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="GEMM dtypes to time, comma-separated (default fp32,bf16)")
@@ -42,9 +43,9 @@ def run(args) -> int:
                            hint=f"choose from {', '.join(DTYPES)}")
     ranks = args.ranks
     if ranks is None:
-        ranks = max(2, torch.cuda.device_count()) if args.device == "cuda" else 2
-    if ranks < 2:
-        raise AutoparError(f"--ranks {ranks}: collectives need at least 2 ranks")
+        ranks = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
+    if ranks < 1:
+        raise AutoparError(f"--ranks must be positive, got {ranks}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise AutoparError("--device cuda: torch sees no CUDA device", hint="calibrate CPU ranks with --device cpu")
     if args.device == "cuda" and ranks > torch.cuda.device_count():
