@@ -263,3 +263,21 @@ def test_calibrate_then_plan_with_the_profile(tmp_path):
     assert data["cluster"]["device"] == "measured-cpu"
     assert "measured" in data["cluster"]["devices"]["measured-cpu"]
     assert math.isfinite(data["predicted"]["step_time_s"]) and data["predicted"]["step_time_s"] > 0
+
+
+@pytest.mark.slow
+def test_cpu_step_time_benchmark_runs_end_to_end(tmp_path):
+    """benchmarks/cpu_step_time.py --quick: calibrate, plan with the profile, train on
+    2 gloo ranks, compare. Loose bounds (a shared CI machine is noisy; the committed
+    table, benchmarks/results/cpu_step_time.md, is the measurement): every case is
+    priced and run, step time within a factor of 2, peak memory within 50%."""
+    out = tmp_path / "cst"
+    proc = subprocess.run([sys.executable, "benchmarks/cpu_step_time.py", "--quick", "--rounds", "1", "--steps", "3",
+                           "--warmup", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "cst.json").read_text())
+    assert data["summary"]["priced_and_run"] == data["summary"]["cases"] == 2
+    for row in data["rows"]:
+        assert 0.5 < row["predicted_s"] / row["measured_s"] < 2.0, row
+        assert abs(row["memory_error"]) < 0.5, row
+    assert (tmp_path / "cst.md").read_text().count("| gpt_") == 2
