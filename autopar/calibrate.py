@@ -486,7 +486,6 @@ def measure_fsdp(timer: Timer, device: torch.device, mesh) -> dict:
         table["unit_bytes"].append(nbytes)
         table["gather_s"].append(max((t_nosync - t_plain) / units / 2, 1e-7))
         table["reduce_s"].append(max((t_sync - t_nosync) / units, 1e-7))
-        del sharded, plain
     return table
 
 

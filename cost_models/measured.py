@@ -4,18 +4,24 @@ the cost model reads in place of the physics defaults.
 A profile is a versioned JSON file (never pickled) with three parts:
 
 - `device`: the fields of a device profile (devices.yaml) derived from the
-  measurements: best GEMM rate as the peak, streaming bandwidth, per-op host
-  time as the launch floor;
-- `compute`: tables, each a measurement of one kind of work:
+  measurements: the largest GEMM's rate as the peak, the largest copy's rate
+  as memory bandwidth, eager host time per op as the launch floor, and the
+  share of a collective that hides under compute (`collective_overlap`);
+- `compute`: tables, each a measurement of one kind of work, dispatch time
+  taken out (the cost model charges host time per op a layer dispatches):
     gemm       FLOP/s on a grid of (m, n, k) per dtype (trilinear in log2)
-    bandwidth  bytes/s of memory-bound op classes by tensor size
-               (elementwise, norm, softmax, copy, embedding; log-log)
+    bandwidth  bytes/s of memory-bound ops by name and by class, by bytes
+               per call (log-log)
     attention  FLOP/s of scaled_dot_product_attention, forward and backward,
                causal and full, by FLOPs per call (counted unmasked, as the
                workload counts them)
-    op_overhead_*  host time of one tiny eager op: forward with autograd
-               recording, its autograd node backward, and forward with
-               autograd off (what every table entry already includes)
+    op_overhead_*, dtensor_overhead_*  host time per dispatched op: eager
+               forward with autograd, backward, forward without autograd;
+               DTensor forward and backward
+    optimizer  seconds per step, per parameter tensor and per element of
+               torch's default AdamW / SGD, plain and on DTensor shards
+    fsdp       FSDP2's seconds per all-gather and per reduce-scatter of a
+               unit, collectives included, by unit bytes
 - `collectives`: seconds by (collective, group size, bytes), measured over
   torch.distributed on the backend the machine trains with.
 
@@ -40,7 +46,6 @@ from dataclasses import dataclass, field
 from cost_models.errors import ProfileError
 
 SCHEMA = "autopar-profile/1"
-OP_CLASSES = ("elementwise", "norm", "softmax", "copy", "embedding")
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
 
