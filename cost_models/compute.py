@@ -105,16 +105,7 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     launch = device.kernel_launch_s * max(1, op.count)
 
     if op.kind == "gemm" and op.gemm is not None:
-        dims = [fast(x)(batch, s) for x in op.gemm]
-        m, n, k = dims[:3]
-        nb = dims[3] if len(dims) > 3 else 1.0  # optional 4th entry: batch of a batched matmul
-        if gemm_split > 1:
-            if len(dims) > 3:  # heads are split: fewer matrices per rank
-                nb = nb / gemm_split
-            elif n > k:  # column-parallel shards n
-                n = n / gemm_split
-            else:  # row-parallel shards k
-                k = k / gemm_split
+        m, n, k, nb = _gemm_dims(op, batch, s, gemm_split)
         eff = lambda a, b, c: gemm_efficiency(round(a), round(b), round(c), device.num_sms, device.gemm_max_efficiency)
         # C = A @ B (m x k @ k x n). backward = dA = dC @ B^T (m x k, reduce over n)
         # + dB = A^T @ dC (k x n, reduce over m); independent matrices of a batch tile side by side.
@@ -139,16 +130,17 @@ _BYTES_CLASS = {"norm": "norm", "softmax": "softmax", "embedding": "embedding"}
 
 
 def _gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
-    """(m, n, k, batch of matrices) of the local shard of a GEMM op (see op_times)."""
+    """(m, n, k, batch of matrices) of the local shard of a GEMM op: tp degree
+    `gemm_split` shards the matrices (heads), or n (column-parallel), or k (row)."""
     dims = [fast(x)(batch, s) for x in op.gemm]
     m, n, k = dims[:3]
-    nb = dims[3] if len(dims) > 3 else 1.0
+    nb = dims[3] if len(dims) > 3 else 1.0  # optional 4th entry: batch of a batched matmul
     if gemm_split > 1:
-        if len(dims) > 3:
+        if len(dims) > 3:  # heads are split: fewer matrices per rank
             nb = nb / gemm_split
-        elif n > k:
+        elif n > k:  # column-parallel shards n
             n = n / gemm_split
-        else:
+        else:  # row-parallel shards k
             k = k / gemm_split
     return m, n, k, nb
 
