@@ -100,36 +100,32 @@ class Timer:
         one = max(time.perf_counter() - t0, 1e-7)
         if inner is None:
             inner = max(1, min(10_000, int(self.settings.min_sample_s / one)))
-        samples = []
-        for _ in range(self.settings.repeats):
-            if self.barrier is not None:  # every rank times the same work at the same moment
-                self.barrier()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            self.sync()
-            samples.append((time.perf_counter() - t0) / inner)
-        return statistics.median(samples)
+        return self.samples({"fn": fn}, inner, self.settings.repeats)["fn"]
+
+    def samples(self, fns: dict, inner: int, repeats: int) -> dict:
+        """Median seconds per call of each fn, sampled in turn (A B C A B C ...), a
+        barrier before each sample so every rank times the same work at the same moment."""
+        samples: dict = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                if self.barrier is not None:
+                    self.barrier()
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                self.sync()
+                samples[k].append((time.perf_counter() - t0) / inner)
+        return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def interleaved(timer: Timer, fns: dict, inner: int, repeats: int = 9) -> dict:
-    """Median seconds per call of each fn, sampled in turn (A B C A B C ...): for
-    quantities taken as differences, slow drifts of a shared machine hit every fn
-    alike instead of one of them."""
+    """Median seconds per call of each fn (warmed up), sampled in turn: for quantities
+    taken as differences, slow drifts of a shared machine hit every fn alike instead
+    of one of them."""
     for fn in fns.values():
         fn()
     timer.sync()
-    samples: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            if timer.barrier is not None:
-                timer.barrier()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            timer.sync()
-            samples[k].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return timer.samples(fns, inner, repeats)
 
 
 def _rate(work: float, seconds: float, overhead: float) -> float:

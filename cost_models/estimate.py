@@ -387,8 +387,6 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             # FSDP2 copies a unit's shards into the all-gather buffer (on the gather's stream,
             # priced with the collective) and out of it into the unsharded parameters (on
             # the compute stream: exposed), and the gradients into the reduce-scatter buffer.
-            copy_in, copy_out = _copy_s(2 * full_params / layout.dp, device), _copy_s(2 * full_params, device)
-            rs_extra = _copy_s(2 * full_grads, device)
             unit = device.measured.fsdp_unit_s(full_params) if device.measured is not None else None
             if unit is not None:
                 # FSDP2 timed on this machine, collectives included: what it adds beyond the
@@ -398,6 +396,9 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
                 timed = C.GroupPlacement("dp", ranks, 1, ranks)
                 copy_in, rs_extra = 0.0, reduce_s - C.collective_time("reduce_scatter", full_grads, timed, cluster)
                 copy_out = gather_s - C.collective_time("all_gather", full_params, timed, cluster)
+            else:
+                copy_in, copy_out = _copy_s(2 * full_params / layout.dp, device), _copy_s(2 * full_params, device)
+                rs_extra = _copy_s(2 * full_grads, device)
             ag = C.collective_time("all_gather", full_params, dp_place, cluster) + copy_in
             rs = max(0.0, C.collective_time("reduce_scatter", full_grads, dp_place, cluster) + rs_extra)
             frac = (layout.dp - 1) / layout.dp
@@ -421,22 +422,11 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     touched = 2 * p_bytes + g_bytes + 2 * k_bytes  # read+write param, read grad, read+write states
     measured_opt = None
     if device.measured is not None and offload == "none":
-        # torch's own optimizer timed on this device: per element and per tensor. Sharded
-        # (FSDP2) and tp-split parameters are DTensors: each per-tensor op of the step
-        # then pays DTensor's dispatch instead of eager's.
-        meas = device.measured
-        tensors = layer.attrs.get("param_tensors", 1 if layer.params else 0)
-        dtensor_params = zero >= 1 or tp > 1
-        measured_opt = meas.optimizer_time(layout.optimizer + ":dtensor", opt_params, tensors) \
-            if dtensor_params else None
-        if measured_opt is None:
-            measured_opt = meas.optimizer_time(layout.optimizer, opt_params, tensors)
-        elif dtensor_params:
-            dtensor_params = False  # timed on DTensors already
-        if measured_opt is not None and dtensor_params and meas.op_overhead_fwd_s > 0:
-            per_tensor = measured_opt - meas.optimizer_time(layout.optimizer, opt_params, 0)
-            ops_per_tensor = per_tensor / max(tensors, 1) / meas.op_overhead_fwd_s
-            measured_opt += tensors * ops_per_tensor * max(0.0, meas.dtensor_overhead_fwd_s - meas.op_overhead_fwd_s)
+        # torch's own optimizer timed on this device, per element and per tensor; sharded
+        # (FSDP2) and tp-split parameters are DTensors
+        measured_opt = device.measured.optimizer_time(
+            layout.optimizer, opt_params, layer.attrs.get("param_tensors", 1 if layer.params else 0),
+            dtensor=zero >= 1 or tp > 1)
     if measured_opt is not None:
         optimizer_s = measured_opt
     elif offload == "none":
@@ -594,7 +584,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
 
     # Per pp rank: the end-of-step data-parallel exposure and the optimizer step.
     ranks = [[j for j in range(n) if stage_of[j] % pp == r] for r in range(pp)]
-    rank_total, memory, peaks = [], [], []
+    rank_total, rank_opt, memory, peaks = [], [], [], []
     capacity = device.usable_memory_bytes
     host_per_gpu = 0.0
     tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
@@ -604,6 +594,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         opt = sum(costs[j].optimizer_s for j in idx)
         if device.measured is not None and idx:  # the optimizer's fixed cost per step (measured)
             opt += device.measured.optimizer_step_constant(layout.optimizer)
+        rank_opt.append(opt)
         rank_total.append(sim.finish_s[r] + step_exp + opt)
         params = sum(costs[j].param_bytes for j in idx)
         grads = sum(costs[j].grad_bytes for j in idx)
@@ -687,8 +678,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         # part of dp_comm_exposed_s: compute slowed by the SMs hidden DP collectives hold
         "nccl_contention_s": sum(costs[j].nccl_contention_s for j in idx),
         "bubble_s": sim.bubble_s[crit] - pp_exposed,
-        "optimizer_s": sum(costs[j].optimizer_s for j in idx) + (
-            device.measured.optimizer_step_constant(layout.optimizer) if device.measured is not None else 0.0),
+        "optimizer_s": rank_opt[crit],
         "straggler_s": straggler_s,
         "step_time_s": step,
         "critical_pp_rank": crit,

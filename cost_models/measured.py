@@ -42,6 +42,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from cost_models.errors import ProfileError
 
@@ -142,25 +143,48 @@ class MeasuredCompute:
     def __repr__(self) -> str:  # cache keys print devices: a digest, not the tables
         return f"MeasuredCompute({self.digest})"
 
+    # Lookups by name, built once per profile (every op of every priced layer asks).
+    @cached_property
+    def _gemm_by_dtype(self) -> dict:
+        return dict(self.gemm)
+
+    @cached_property
+    def _bandwidth_by_name(self) -> dict:
+        return {c: (sizes, rates) for c, sizes, rates in self.bandwidth}
+
+    @cached_property
+    def _optimizer_by_name(self) -> dict:
+        return {n: (per_step, per_tensor, per_param) for n, per_step, per_tensor, per_param in self.optimizer}
+
     def gemm_time(self, m: float, n: float, k: float, dtype: str) -> float | None:
-        grids = dict(self.gemm)
+        grids = self._gemm_by_dtype
         grid = grids.get(dtype) or grids.get(_DTYPE_STAND_IN.get(dtype, ""))
         return None if grid is None else grid.time(m, n, k)
 
     def bytes_time(self, op_class: str, nbytes: float, op_name: str | None = None) -> float | None:
         """Seconds of a memory-bound op moving `nbytes`: its own table when the profile
         timed it by name (`gelu`), else its class's (`norm`), else `elementwise`."""
-        tables = {c: (s, r) for c, s, r in self.bandwidth}
+        tables = self._bandwidth_by_name
         table = tables.get(op_name or "") or tables.get(op_class) or tables.get("elementwise")
         return None if table is None else time_for_size(table[0], table[1], nbytes)
 
-    def optimizer_time(self, name: str, params: float, tensors: float) -> float | None:
+    def optimizer_time(self, name: str, params: float, tensors: float, *, dtensor: bool = False) -> float | None:
         """One optimizer step over `params` elements in `tensors` tensors (the per-step
-        constant is charged once per step by the caller, not here)."""
-        for n, _, per_tensor, per_param in self.optimizer:
-            if n == name:
-                return per_tensor * tensors + per_param * params
-        return None
+        constant is charged once per step by the caller, not here). `dtensor`: the
+        parameters are DTensors (FSDP2 shards, tp splits); timed so when the profile
+        has that table, else each per-tensor op pays DTensor's dispatch instead of
+        eager's (the number of ops per tensor read off the plain per-tensor time)."""
+        fits = self._optimizer_by_name
+        if dtensor and name + ":dtensor" in fits:
+            _, per_tensor, per_param = fits[name + ":dtensor"]
+            return per_tensor * tensors + per_param * params
+        if name not in fits:
+            return None
+        _, per_tensor, per_param = fits[name]
+        if dtensor and self.op_overhead_fwd_s > 0:
+            ops_per_tensor = per_tensor / self.op_overhead_fwd_s
+            per_tensor += ops_per_tensor * max(0.0, self.dtensor_overhead_fwd_s - self.op_overhead_fwd_s)
+        return per_tensor * tensors + per_param * params
 
     def fsdp_unit_s(self, nbytes: float) -> tuple[int, float, float] | None:
         """(ranks timed, seconds per all-gather, per reduce-scatter) FSDP2 spends on a
@@ -178,7 +202,7 @@ class MeasuredCompute:
         return ranks, at(gather), at(reduce)
 
     def optimizer_step_constant(self, name: str) -> float:
-        return next((a for n, a, _, _ in self.optimizer if n == name), 0.0)
+        return self._optimizer_by_name.get(name, (0.0,))[0]
 
     def attention_time(self, flops: float, causal: bool, direction: str) -> float | None:
         for c, d, sizes, rates in self.attention:
