@@ -41,6 +41,7 @@ import torch
 from cost_models.measured import SCHEMA, MeasuredCollectives, MeasuredCompute, Profile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SILENCE_LIMIT_S = 900.0  # every phase reports well within this; longer means a rank is stuck
 
 
 @dataclass
@@ -584,6 +585,7 @@ def calibrate(settings: Settings, progress=None) -> Profile:
     for p in procs:
         p.start()
     result, error = None, None
+    heard = time.monotonic()
     while result is None and error is None:
         try:
             kind, payload = queue.get(timeout=5)
@@ -591,7 +593,10 @@ def calibrate(settings: Settings, progress=None) -> Profile:
             if any(p.exitcode not in (None, 0) for p in procs):
                 error = "a calibration rank exited early (exit codes " + \
                         ", ".join(str(p.exitcode) for p in procs) + ")"
+            elif time.monotonic() - heard > SILENCE_LIMIT_S:  # a stuck collective: say so, never hang
+                error = f"no rank reported for {SILENCE_LIMIT_S:.0f} s (a collective that never completed?)"
             continue
+        heard = time.monotonic()
         if kind == "progress":
             progress(payload)
         elif kind == "error":
