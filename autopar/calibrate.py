@@ -355,28 +355,56 @@ def measure_funcol_overhead(timer: Timer, device: torch.device, group) -> float:
     return max(0.0, functional - plain)
 
 
-def measure_attention(timer: Timer, device: torch.device, dtype: str, g: dict, over: dict, progress) -> list:
+def measure_attention(timer: Timer, device: torch.device, dtypes, g: dict, over: dict, progress) -> list:
+    """SDPA per dtype: the kernel torch picks differs by dtype (flash for bf16/fp16 on
+    a GPU, memory-efficient or math for fp32), and so does its speed, by 5x or more."""
     f = torch.nn.functional
     h, d = g["attn_heads"], g["attn_dim"]
     rows = []
-    for causal in (True, False):
-        fwd_rates, bwd_rates, flops = [], [], []
-        for s in g["attn_seq"]:
-            q, k, v = (torch.randn(1, h, s, d, device=device, dtype=DTYPES[dtype], requires_grad=True)
-                       for _ in range(3))
-            work = 4.0 * h * s * s * d  # counted unmasked, as the workload counts attention
-            with torch.no_grad():
-                t_fwd = timer(lambda: f.scaled_dot_product_attention(q, k, v, is_causal=causal))
-            out = f.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            grad = torch.randn_like(out)
-            t_bwd = timer(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
-            flops.append(work)
-            fwd_rates.append(_rate(work, t_fwd, over["no_grad"]))
-            bwd_rates.append(_rate(work, t_bwd, over["bwd"]))
-        rows += [{"causal": causal, "direction": "fwd", "flops": flops, "flops_per_s": fwd_rates},
-                 {"causal": causal, "direction": "bwd", "flops": flops, "flops_per_s": bwd_rates}]
-        progress(f"attention ({'causal' if causal else 'full'}) done")
+    for dtype in dtypes:
+        for causal in (True, False):
+            fwd_rates, bwd_rates, flops = [], [], []
+            for s in g["attn_seq"]:
+                q, k, v = (torch.randn(1, h, s, d, device=device, dtype=DTYPES[dtype], requires_grad=True)
+                           for _ in range(3))
+                work = 4.0 * h * s * s * d  # counted unmasked, as the workload counts attention
+                with torch.no_grad():
+                    t_fwd = timer(lambda: f.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                out = f.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                grad = torch.randn_like(out)
+                t_bwd = timer(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+                flops.append(work)
+                fwd_rates.append(_rate(work, t_fwd, over["no_grad"]))
+                bwd_rates.append(_rate(work, t_bwd, over["bwd"]))
+            rows += [{"dtype": dtype, "causal": causal, "direction": "fwd", "flops": flops,
+                      "flops_per_s": fwd_rates},
+                     {"dtype": dtype, "causal": causal, "direction": "bwd", "flops": flops,
+                      "flops_per_s": bwd_rates}]
+            progress(f"attention {dtype} ({'causal' if causal else 'full'}) done")
     return rows
+
+
+def measure_gemm_unaligned(timer: Timer, device: torch.device, dtype: str, overhead: float) -> dict:
+    """How much slower a GEMM runs when n or k is not a multiple of 16 bytes (GPT-2's
+    vocabulary of 50257, say): the tensor-core kernels need aligned rows, and BLAS
+    falls back to kernels that are several times slower on a GPU. Timed as pairs,
+    aligned and one element short of aligned, at a few sizes; slowdown = mean of
+    the n- and k-unaligned times over the aligned time."""
+    dt = DTYPES[dtype]
+    shapes = ([(2048, 2048, 2048), (8192, 8192, 4096), (8192, 50304, 768)] if device.type == "cuda"
+              else [(256, 256, 256), (1024, 1024, 256)])
+    flops, slowdown = [], []
+    with torch.no_grad():
+        for m, n, k in shapes:
+            def timed(n_, k_):
+                ops = _rotating(lambda: (torch.randn(m, k_, device=device, dtype=dt),
+                                         torch.randn(k_, n_, device=device, dtype=dt)),
+                                (m * k_ + k_ * n_) * dt.itemsize, device)
+                return max(timer(_cycling(torch.mm, ops)) - overhead, 1e-9)
+            aligned = timed(n, k)
+            flops.append(2.0 * m * n * k)
+            slowdown.append(max(1.0, (timed(n - 1, k) + timed(n, k - 1)) / 2 / aligned))
+    return {"flops": flops, "slowdown": slowdown}
 
 
 # -- collectives ------------------------------------------------------------------------
@@ -445,31 +473,40 @@ def measure_overlap(timer: Timer, device: torch.device, settings: Settings) -> f
     return float(min(1.0, max(0.0, hidden)))
 
 
-def measure_fsdp(timer: Timer, device: torch.device, mesh) -> dict:
+def measure_fsdp(timer: Timer, device: torch.device, mesh, param_dtype: str | None = None) -> dict:
     """What FSDP2 costs per unit, its collectives included (hooks, copy-in and
     copy-out of the flat buffers, DTensor gradient bookkeeping, the all-gathers and
     the reduce-scatter): a stack of Linear units, each its own fully_shard unit,
     trained with and without FSDP2, per unit. Once with gradient sync off (two
     all-gathers per unit: forward and backward) and once with it on (plus the
     reduce-scatter), at two unit sizes. The cost model takes the collective
-    table's part at this group size out and prices the group it plans instead."""
+    table's part at this group size out and prices the group it plans instead.
+    `param_dtype` ('bf16'): FSDP2's mixed precision, as autopar lowers a bf16 plan
+    (on one GPU too: the casts to and from the compute dtype are FSDP2's); the
+    plain stack then runs in that dtype, so the difference is FSDP2's alone."""
     import copy
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = {} if param_dtype is None else {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)}
 
     world = mesh.size()
     units = 8
-    table = {"ranks": world, "unit_bytes": [], "gather_s": [], "reduce_s": []}
+    table = {"ranks": world, "param_dtype": param_dtype or "fp32", "unit_bytes": [], "gather_s": [],
+             "reduce_s": []}
     for d in ((16, 512) if device.type == "cpu" else (64, 4096)):
         torch.manual_seed(0)
         plain = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(units)]).to(device)
         sharded = copy.deepcopy(plain)
         for layer in sharded:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **mp)
+        fully_shard(sharded, mesh=mesh, **mp)
+        if param_dtype is not None:
+            plain = plain.to(DTYPES[param_dtype])
         # as many rows as the unit has inputs, so each unit computes while its neighbours'
         # collectives are in flight, as in training (on a CPU they then compete for cores)
-        x = torch.randn(d, d, device=device)
+        x = torch.randn(d, d, device=device, dtype=DTYPES[param_dtype] if param_dtype else torch.float32)
 
         def step(sync: bool):
             sharded.set_requires_gradient_sync(sync)
@@ -517,7 +554,9 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
             result["overhead"] = over
             result["gemm"] = {dt: measure_gemm(timer, device, dt, g, over["no_grad"], say) for dt in settings.dtypes}
             result["bandwidth"] = measure_ops(timer, device, g, over["no_grad"], say)
-            result["attention"] = measure_attention(timer, device, settings.dtypes[0], g, over, say)
+            result["attention"] = measure_attention(timer, device, settings.dtypes, g, over, say)
+            result["gemm_unaligned"] = {dt: measure_gemm_unaligned(timer, device, dt, over["no_grad"])
+                                        for dt in settings.dtypes}
             result["optimizer"] = measure_optimizer(timer, device, say, mesh)
         say(f"DTensor host time per op: {over['dtensor_fwd'] * 1e6:.1f} us forward, "
             f"{over['dtensor_bwd'] * 1e6:.1f} us backward")
@@ -525,8 +564,13 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
         coll: dict = {}
         ctimer = Timer(settings, device, dist.barrier)
         if world == 1:  # one GPU (or one CPU process): compute only; collectives keep their physics
+            # autopar lowers a bf16 plan on one GPU through FSDP2's mixed precision: time that
+            fsdp = measure_fsdp(ctimer, device, mesh, "bf16") if "bf16" in settings.dtypes else None
+            if fsdp:
+                say(f"FSDP2 (one rank, bf16 mixed precision) per small unit: {fsdp['gather_s'][0] * 1e6:.0f} us "
+                    f"per all-gather, {fsdp['reduce_s'][0] * 1e6:.0f} us per reduce-scatter")
             if rank == 0:
-                queue.put(("result", {**result, "collectives": {}, "funcol": 0.0, "fsdp": None,
+                queue.put(("result", {**result, "collectives": {}, "funcol": 0.0, "fsdp": fsdp,
                                       "collective_overlap": None}))
             dist.destroy_process_group()
             return
@@ -644,6 +688,7 @@ def build_profile(result: dict, settings: Settings) -> Profile:
         "source": f"autopar calibrate on {socket.gethostname()} ({name})",
     }
     compute = {"gemm": gemm, "bandwidth": result["bandwidth"], "attention": result["attention"],
+               "gemm_unaligned": result["gemm_unaligned"],
                "op_overhead_fwd_s": result["overhead"]["fwd"], "op_overhead_bwd_s": result["overhead"]["bwd"],
                "op_overhead_no_grad_s": result["overhead"]["no_grad"], "optimizer": result["optimizer"],
                "dtensor_overhead_fwd_s": result["overhead"]["dtensor_fwd"],

@@ -111,6 +111,8 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
         # + dB = A^T @ dC (k x n, reduce over m); independent matrices of a batch tile side by side.
         fwd_t = fwd_flops / (peak * eff(nb * m, n, k))
         bwd_t = 0.5 * bwd_flops / (peak * eff(nb * m, k, n)) + 0.5 * bwd_flops / (peak * eff(nb * k, n, m))
+        if not _aligned(n, k, dtype):
+            fwd_t, bwd_t = fwd_t * device.unaligned_gemm_slowdown, bwd_t * device.unaligned_gemm_slowdown
         return max(fwd_t, fwd_bytes / mem_bw, launch), max(bwd_t, bwd_bytes / mem_bw, 2 * launch)
     if op.kind == "attention":
         causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
@@ -125,6 +127,13 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
 
 
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _aligned(n: float, k: float, dtype: str) -> bool:
+    """Whether a GEMM's rows (n and k elements) are multiples of 16 bytes, as the fast
+    tensor-core kernels need (a vocabulary of 50257, or a head split unevenly, is not)."""
+    per = 16 // _ITEMSIZE.get(dtype, 2)
+    return all(abs(x - round(x)) > 1e-9 or round(x) % per == 0 for x in (n, k))
 # op kinds of the workload -> the op class whose measured bandwidth prices them
 _BYTES_CLASS = {"norm": "norm", "softmax": "softmax", "embedding": "embedding"}
 
@@ -162,6 +171,9 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
             # dA = dC B^T (m x n @ n x k), dB = A^T dC (k x m @ m x n)
             fwd = share * one
             bwd = share * (meas.gemm_time(nb * m, k, n, dtype) + meas.gemm_time(nb * k, n, m, dtype))
+            if not _aligned(n, k, dtype):  # every pass of this GEMM has the short row in it
+                slow = meas.unaligned_gemm_slowdown(2 * nb * m * n * k, dtype)
+                fwd, bwd = fwd * slow, bwd * slow
             if op.name.endswith("addmm"):
                 # the bias: broadcast into the output before the GEMM accumulates onto it
                 # (write, then read again), and summed over the rows in backward
@@ -170,7 +182,7 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
                 bwd += meas.bytes_time("elementwise", out_bytes, "add") or 0.0
     elif op.kind == "attention":
         causal = getattr(op, "causal", None) in (None, True)
-        f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d) for d in ("fwd", "bwd"))
+        f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d, dtype) for d in ("fwd", "bwd"))
         if f1 is not None and b1 is not None:
             fwd, bwd = calls * f1, calls * b1
     if fwd is None or bwd is None:  # memory-bound ops, or work the profile did not time

@@ -97,6 +97,9 @@ class DeviceProfile:
     # its own engines (GPU copy engines / NIC, NCCL's few SMs: cost_models/comm.py); on
     # CPU ranks gloo's threads need the cores compute is using (measured by calibrate)
     collective_overlap: float = 1.0
+    # how many times longer a GEMM runs when a row (n or k) is not a multiple of 16 bytes:
+    # BLAS then cannot use its aligned tensor-core kernels (cost_models/compute._aligned)
+    unaligned_gemm_slowdown: float = 1.0
     # what `autopar calibrate` timed on this device (cost_models/measured.py); when set,
     # its tables price GEMMs, memory-bound ops, attention and per-op host time
     measured: Any = None
@@ -144,6 +147,7 @@ class DeviceProfile:
             vendor=str(d.get("vendor", "nvidia")),
             source=str(d.get("source", "")),
             collective_overlap=_fraction(d, "collective_overlap", where, file, default=1.0, allow_zero=True),
+            unaligned_gemm_slowdown=max(1.0, _num(d, "unaligned_gemm_slowdown", where, file, default=1.0)),
             measured=_measured(d, "compute", where, file),
         )
 
@@ -164,6 +168,7 @@ class DeviceProfile:
             "vendor": self.vendor,
             "source": self.source,
             "collective_overlap": self.collective_overlap,
+            "unaligned_gemm_slowdown": self.unaligned_gemm_slowdown,
             **({"measured": self.measured.to_dict()} if self.measured is not None else {}),
         }
 

@@ -127,7 +127,7 @@ _DTYPE_STAND_IN = {"fp16": "bf16", "bf16": "fp16"}
 class MeasuredCompute:
     gemm: tuple = ()  # ((dtype, GemmGrid), ...)
     bandwidth: tuple = ()  # ((op class, sizes in bytes, bytes/s), ...)
-    attention: tuple = ()  # ((causal, 'fwd' | 'bwd', FLOPs per call, FLOP/s), ...)
+    attention: tuple = ()  # ((causal, 'fwd' | 'bwd', FLOPs per call, FLOP/s, dtype or None), ...)
     op_overhead_fwd_s: float = 0.0  # host time of one op forward, autograd recording
     op_overhead_bwd_s: float = 0.0  # host time of one autograd node backward
     op_overhead_no_grad_s: float = 0.0  # the same op with autograd off (taken out of the tables)
@@ -138,6 +138,8 @@ class MeasuredCompute:
     # FSDP2's whole cost per unit, its collectives included, by the unit's unsharded
     # parameter bytes: (ranks, unit bytes, seconds per all-gather, per reduce-scatter)
     fsdp: tuple = ()
+    # (dtype, FLOPs per GEMM, slowdown when n or k is not a multiple of 16 bytes)
+    gemm_unaligned: tuple = ()
     digest: str = ""
 
     def __repr__(self) -> str:  # cache keys print devices: a digest, not the tables
@@ -204,11 +206,20 @@ class MeasuredCompute:
     def optimizer_step_constant(self, name: str) -> float:
         return self._optimizer_by_name.get(name, (0.0,))[0]
 
-    def attention_time(self, flops: float, causal: bool, direction: str) -> float | None:
-        for c, d, sizes, rates in self.attention:
-            if c == causal and d == direction:
-                return time_for_size(sizes, rates, flops)
-        return None
+    def attention_time(self, flops: float, causal: bool, direction: str, dtype: str | None = None) -> float | None:
+        """Seconds of SDPA doing `flops`, from the table of this dtype (then its stand-in,
+        then a table of no stated dtype, as profiles before per-dtype tables had)."""
+        rows = {dt: (sizes, rates) for c, d, sizes, rates, dt in self.attention if c == causal and d == direction}
+        for key in (dtype, _DTYPE_STAND_IN.get(dtype or "", ""), None):
+            if key in rows:
+                return time_for_size(*rows[key], flops)
+        return time_for_size(*next(iter(rows.values())), flops) if rows else None
+
+    def unaligned_gemm_slowdown(self, flops: float, dtype: str) -> float:
+        """How many times longer a GEMM of `flops` takes when a row is not 16-byte aligned."""
+        tables = {dt: (f, s) for dt, f, s in self.gemm_unaligned}
+        table = tables.get(dtype) or tables.get(_DTYPE_STAND_IN.get(dtype, ""))
+        return 1.0 if table is None else max(1.0, _interp_log(table[0], table[1], flops))
 
     # -- file form ---------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -216,8 +227,10 @@ class MeasuredCompute:
             "gemm": {dt: {"m": list(g.ms), "n": list(g.ns), "k": list(g.ks), "flops_per_s": list(g.rates)}
                      for dt, g in self.gemm},
             "bandwidth": {c: {"bytes": list(s), "bytes_per_s": list(r)} for c, s, r in self.bandwidth},
-            "attention": [{"causal": c, "direction": d, "flops": list(s), "flops_per_s": list(r)}
-                          for c, d, s, r in self.attention],
+            "attention": [{**({"dtype": dt} if dt else {}), "causal": c, "direction": d, "flops": list(s),
+                           "flops_per_s": list(r)} for c, d, s, r, dt in self.attention],
+            **({"gemm_unaligned": {dt: {"flops": list(f), "slowdown": list(x)} for dt, f, x in self.gemm_unaligned}}
+               if self.gemm_unaligned else {}),
             "op_overhead_fwd_s": self.op_overhead_fwd_s,
             "op_overhead_bwd_s": self.op_overhead_bwd_s,
             "op_overhead_no_grad_s": self.op_overhead_no_grad_s,
@@ -257,7 +270,10 @@ class MeasuredCompute:
                 raise ProfileError("needs causal (true/false) and direction ('fwd' or 'bwd')", field=w, file=file)
             sizes, rates = _sizes(a, "flops", w, file), _positives(a, "flops_per_s", w, file)
             _same_length(sizes, rates, f"{w}.flops_per_s", file)
-            attention.append((a["causal"], a["direction"], sizes, rates))
+            dt = a.get("dtype")
+            if dt is not None and not isinstance(dt, str):
+                raise ProfileError(f"must be a dtype name ('bf16'), got {dt!r}", field=f"{w}.dtype", file=file)
+            attention.append((a["causal"], a["direction"], sizes, rates, dt))
         optimizer = []
         for n, o in sorted(_mapping(d.get("optimizer", {}), f"{where}.optimizer", file).items()):
             o = _mapping(o, f"{where}.optimizer.{n}", file)
@@ -269,7 +285,14 @@ class MeasuredCompute:
                                        file=file)
                 values.append(float(v))
             optimizer.append((n, *values))
-        over = {"optimizer": tuple(optimizer), "fsdp": ()}
+        unaligned = []
+        for dt, t in sorted(_mapping(d.get("gemm_unaligned", {}) or {}, f"{where}.gemm_unaligned", file).items()):
+            w = f"{where}.gemm_unaligned.{dt}"
+            t = _mapping(t, w, file)
+            sizes, slow = _sizes(t, "flops", w, file), _positives(t, "slowdown", w, file)
+            _same_length(sizes, slow, f"{w}.slowdown", file)
+            unaligned.append((dt, sizes, slow))
+        over = {"optimizer": tuple(optimizer), "fsdp": (), "gemm_unaligned": tuple(unaligned)}
         if d.get("fsdp") is not None:
             w = f"{where}.fsdp"
             f = _mapping(d["fsdp"], w, file)
@@ -278,8 +301,8 @@ class MeasuredCompute:
             _same_length(sizes, gather, f"{w}.gather_s", file)
             _same_length(sizes, reduce, f"{w}.reduce_s", file)
             ranks = f.get("ranks")
-            if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
-                raise ProfileError("must be the group size timed (an integer >= 2)", field=f"{w}.ranks", file=file)
+            if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+                raise ProfileError("must be the group size timed (an integer >= 1)", field=f"{w}.ranks", file=file)
             over["fsdp"] = (ranks, sizes, gather, reduce)
         for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s", "dtensor_overhead_fwd_s",
                     "dtensor_overhead_bwd_s", "dtensor_collective_overhead_s"):
