@@ -195,17 +195,20 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
 
 
 def host_times(layer, device: DeviceProfile, *, dtensor: bool) -> tuple[float, float]:
-    """(forward, backward) host seconds of one micro-batch of `layer` on a calibrated
-    device: every op it dispatches (capture counts them, views included; for a
-    layer without that count, its ops and twice as many backward) at the measured
-    time per eager op with autograd, or per DTensor op when tensor parallelism runs
-    the layer as DTensors."""
+    """(forward, backward) host seconds of one micro-batch of `layer`: every op it
+    dispatches (capture counts them, views included; for a layer without that
+    count, its ops and twice as many backward) at the time per eager op with
+    autograd, or per DTensor op when tensor parallelism runs the layer as DTensors.
+    Those times come from the calibrated profile, else from the device's physics
+    defaults (devices.yaml: measured on an H100 host; none for a CPU preset)."""
     meas = device.measured
-    if meas is None:
+    if meas is None and device.host_op_fwd_s <= 0:
         return 0.0, 0.0
     n_ops = sum(max(1, op.count) for op in layer.ops) or 1
     n_fwd = layer.attrs.get("host_ops_fwd", n_ops)
     n_bwd = layer.attrs.get("host_ops_bwd", 2 * n_ops)
+    if meas is None:  # uncalibrated: eager dispatch (DTensor's extra is not in the physics defaults)
+        return n_fwd * device.host_op_fwd_s, n_bwd * device.host_op_bwd_s
     if dtensor:
         return n_fwd * meas.dtensor_overhead_fwd_s, n_bwd * meas.dtensor_overhead_bwd_s
     return n_fwd * meas.op_overhead_fwd_s, n_bwd * meas.op_overhead_bwd_s

@@ -137,8 +137,9 @@ def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: in
                 mb[phase + "_bytes"] += nbytes
                 mb[phase + "_bytes_s"] += nbytes * byte_scale / divisor / hbm
                 mb[phase + "_room"] += max(0.0, t - launch)
-    if device.measured is not None:
-        # Host time per dispatched op (measured; DTensor's when tp runs the layer as DTensors).
+    if device.measured is not None or device.host_op_fwd_s > 0:
+        # Host time per dispatched op (measured, or the device's physics default; DTensor's
+        # when tp runs the layer as DTensors).
         # On a CPU the host is the device, so it adds; a GPU runs kernels while the host
         # issues the next ones, so the slower of the two paces the layer.
         host_f, host_b = host_times(layer, device, dtensor=tp > 1)
@@ -234,6 +235,29 @@ _LAYOUT_KEY_FIELDS = tuple(k for k in Layout.__dataclass_fields__ if k not in _L
 _LAYER_CACHE: dict = {}
 
 
+# Bytes per parameter one step of torch's foreach optimizer moves (torch/optim/adam.py
+# `_multi_tensor_adam`, weight decay decoupled, not capturable; fp32 states): param *=
+# (1 - lr wd) 8, exp_avg.lerp_(grad) 12, exp_avg_sq *= beta2 8, exp_avg_sq.addcmul_(grad,
+# grad) 12, sqrt(exp_avg_sq) into a temporary 8, /= bias correction 8, += eps 8,
+# param.addcdiv_(exp_avg, temporary) 16: 80. SGD with momentum (`_multi_tensor_sgd`):
+# buf *= momentum, buf += grad 12 + 8, param += -lr buf 12: 32.
+FOREACH_STEP_BYTES = {"adam": 80.0, "sgd": 32.0}
+# The temporary foreach Adam allocates for sqrt(exp_avg_sq), all tensors at once: a
+# second memory peak during the optimizer step (4 bytes per fp32 state element)
+FOREACH_TEMP_BYTES = {"adam": 4.0, "sgd": 0.0}
+
+
+def _fsdp_one_rank_s(unit_bytes: float, device) -> float:
+    """Seconds FSDP2 adds per all-gather (or reduce-scatter) of a unit of `unit_bytes`
+    fp32 parameters on a one-rank mesh, beyond the copies: calibrated when the profile
+    timed FSDP2 on one rank, else the device's physics default."""
+    if device.measured is not None:
+        unit = device.measured.fsdp_unit_s(unit_bytes)
+        if unit is not None and unit[0] == 1:
+            return (unit[1] + unit[2]) / 2
+    return device.fsdp_unit_host_s
+
+
 def _copy_s(nbytes: float, device) -> float:
     """A memory-bound copy of nbytes (read + write): measured copy rate, or HBM physics."""
     if device.measured is not None:
@@ -284,6 +308,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     sp = layout.sequence_parallel and tp > 1
     m = layout.num_micro_batches
 
+    one_rank_fsdp = layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0
     parts = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
     if layer.ops:
         save_fwd, save_bwd = _fused_savings_s(layer, parts, b, s1)
@@ -416,6 +441,19 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
                                           max(0.0, bwd_exp + bwd_cont + copy_out), step_exp + rs_cont)
             contention = m * (fwd_cont + bwd_cont) + rs_cont
 
+    if one_rank_fsdp:
+        # FSDP2's mixed precision on one rank (how autopar lowers a 16-bit plan with dp = 1):
+        # per micro-batch each unit's fp32 parameters are cast into the all-gather buffer
+        # (read 4, write 2 bytes) and copied out into the unsharded parameters (read 2,
+        # write 2); once per step the 16-bit gradients are cast to fp32 (read 2, write 4).
+        # Memory-bound copies on the device, not hidden by anything. Plus FSDP2's own cost
+        # per all-gather (one per micro-batch: at zero 0 parameters stay gathered from
+        # forward to backward) and per reduce-scatter (one per step), which calibrate
+        # times with compute in flight and finds not hidden (~0.4 ms each on an H100 host).
+        per = _fsdp_one_rank_s(params_local * 4, device)
+        fwd_exp = _copy_s(10 * params_local, device) + per
+        step_exp = _copy_s(6 * params_local, device) + per
+
     # Offload: state moves over the host link, the optimizer runs on the CPU.
     host_link = cluster.host_link_profile
     opt_params = params_local / (layout.dp if zero >= 1 else 1)
@@ -430,6 +468,10 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     if measured_opt is not None:
         optimizer_s = measured_opt
     elif offload == "none":
+        if layout.optimizer_impl == "foreach":
+            # torch's multi-tensor optimizer: one kernel per arithmetic step, each a pass
+            # over fp32 tensors (FOREACH_STEP_BYTES counts them from torch's source)
+            touched = FOREACH_STEP_BYTES[layout.optimizer]
         optimizer_s = opt_params * touched / (device.memory_bandwidth * device.memory_efficiency)
     else:
         host_bw = cluster.host_memory_bandwidth / cluster.gpus_per_node
@@ -619,6 +661,17 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         frag = FRAGMENTATION * (activations + grads)
         buffers = fsdp_buf + ddp_buf + tp_buf + frag
         total = params + grads + optim + activations + buffers
+        # The optimizer step is a second peak: activations are gone, the gradients are
+        # all alive, and foreach Adam holds a temporary of every state element at once.
+        opt_temp = 0.0
+        if layout.optimizer_impl == "foreach":
+            opt_temp = FOREACH_TEMP_BYTES[layout.optimizer] * sum(
+                costs[j].params_local / (layout.dp if zeros[j] >= 1 else 1)
+                for j in idx if offs[j] == "none")
+        if params + grads + optim + ddp_buf + opt_temp > total:
+            # the breakdown describes the step's peak: no activations then
+            activations, buffers = 0.0, ddp_buf + opt_temp
+            total = params + grads + optim + buffers
         host = sum(costs[j].host_bytes for j in idx)
         host_per_gpu = max(host_per_gpu, host)
         peaks.append(total)

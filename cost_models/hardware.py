@@ -100,6 +100,11 @@ class DeviceProfile:
     # how many times longer a GEMM runs when a row (n or k) is not a multiple of 16 bytes:
     # BLAS then cannot use its aligned tensor-core kernels (cost_models/compute._aligned)
     unaligned_gemm_slowdown: float = 1.0
+    # host time per op forward / per autograd node backward, and FSDP2's per unit and
+    # collective (hooks, copies): a GPU layer takes the larger of device and host time
+    host_op_fwd_s: float = 0.0
+    host_op_bwd_s: float = 0.0
+    fsdp_unit_host_s: float = 0.0
     # what `autopar calibrate` timed on this device (cost_models/measured.py); when set,
     # its tables price GEMMs, memory-bound ops, attention and per-op host time
     measured: Any = None
@@ -148,6 +153,9 @@ class DeviceProfile:
             source=str(d.get("source", "")),
             collective_overlap=_fraction(d, "collective_overlap", where, file, default=1.0, allow_zero=True),
             unaligned_gemm_slowdown=max(1.0, _num(d, "unaligned_gemm_slowdown", where, file, default=1.0)),
+            host_op_fwd_s=_num(d, "host_op_fwd_us", where, file, allow_zero=True, default=0.0) / 1e6,
+            host_op_bwd_s=_num(d, "host_op_bwd_us", where, file, allow_zero=True, default=0.0) / 1e6,
+            fsdp_unit_host_s=_num(d, "fsdp_unit_host_us", where, file, allow_zero=True, default=0.0) / 1e6,
             measured=_measured(d, "compute", where, file),
         )
 
@@ -169,6 +177,9 @@ class DeviceProfile:
             "source": self.source,
             "collective_overlap": self.collective_overlap,
             "unaligned_gemm_slowdown": self.unaligned_gemm_slowdown,
+            "host_op_fwd_us": round(self.host_op_fwd_s * 1e6, 9),
+            "host_op_bwd_us": round(self.host_op_bwd_s * 1e6, 9),
+            "fsdp_unit_host_us": round(self.fsdp_unit_host_s * 1e6, 9),
             **({"measured": self.measured.to_dict()} if self.measured is not None else {}),
         }
 

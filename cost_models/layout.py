@@ -48,6 +48,13 @@ class Layout:
     # the same plus a memory-bound lp -> fp32 pass after every micro-batch's backward
     # (DeepSpeed's BF16 optimizer: clear_lp_grads / update_hp_grads).
     main_grads: str = "same"
+    # FSDP2 mixed precision on a one-rank mesh: how autopar lowers a 16-bit plan with
+    # dp = 1 (fp32 parameters cast per forward, gradients cast back, FSDP2's hooks)
+    fsdp_one_rank: bool = False
+    # How the optimizer runs: "fused" (one pass over the state: apex / Megatron /
+    # DeepSpeed FusedAdam, torch fused=True) or "foreach" (torch's default on GPUs and
+    # torchtitan's: one multi-tensor kernel per arithmetic step, ~20 passes for AdamW)
+    optimizer_impl: str = "fused"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property

@@ -51,7 +51,10 @@ def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = 
     return Layout(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.micro_batch_size,
                   num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
                   virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
-                  checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer)
+                  checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer,
+                  # as autopar lowers: torch's default (foreach) optimizer; FSDP2 mixed
+                  # precision even on one rank for 16-bit training
+                  fsdp_one_rank=c.dp == 1 and precision != "fp32", optimizer_impl="foreach")
 
 
 def _mode(values):
