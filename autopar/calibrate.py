@@ -493,33 +493,46 @@ def measure_fsdp(timer: Timer, device: torch.device, mesh, param_dtype: str | No
 
     world = mesh.size()
     units = 8
-    table = {"ranks": world, "param_dtype": param_dtype or "fp32", "unit_bytes": [], "gather_s": [],
-             "reduce_s": []}
-    for d in ((16, 512) if device.type == "cpu" else (64, 4096)):
+    dtype = DTYPES[param_dtype] if param_dtype else torch.float32
+
+    def per_unit(d: int, tensors: int) -> tuple[float, float]:
+        """(seconds per all-gather, per reduce-scatter) of units of `tensors` d x d weights."""
         torch.manual_seed(0)
-        plain = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(units)]).to(device)
+        plain = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False)
+                                                            for _ in range(tensors)])
+                                      for _ in range(units)]).to(device)
         sharded = copy.deepcopy(plain)
         for layer in sharded:
             fully_shard(layer, mesh=mesh, **mp)
         fully_shard(sharded, mesh=mesh, **mp)
-        if param_dtype is not None:
-            plain = plain.to(DTYPES[param_dtype])
+        plain = plain.to(dtype)
         # as many rows as the unit has inputs, so each unit computes while its neighbours'
         # collectives are in flight, as in training (on a CPU they then compete for cores)
-        x = torch.randn(d, d, device=device, dtype=DTYPES[param_dtype] if param_dtype else torch.float32)
+        x = torch.randn(d, d, device=device, dtype=dtype)
 
         def step(sync: bool):
             sharded.set_requires_gradient_sync(sync)
             sharded(x).sum().backward()
         t = interleaved(timer, {"plain": lambda: plain(x).sum().backward(), "nosync": lambda: step(False),
                                 "sync": lambda: step(True)}, inner=4)
-        t_plain, t_nosync, t_sync = t["plain"], t["nosync"], t["sync"]
-        nbytes = d * d * 4.0  # one unit's unsharded fp32 parameters
         # whole cost per all-gather / reduce-scatter, the collective included: the cost model
         # takes the collective table's part out again, which cancels exactly at this group size
-        table["unit_bytes"].append(nbytes)
-        table["gather_s"].append(max((t_nosync - t_plain) / units / 2, 1e-7))
-        table["reduce_s"].append(max((t_sync - t_nosync) / units, 1e-7))
+        return (max((t["nosync"] - t["plain"]) / units / 2, 1e-7), max((t["sync"] - t["nosync"]) / units, 1e-7))
+
+    table = {"ranks": world, "param_dtype": param_dtype or "fp32", "unit_bytes": [], "gather_s": [],
+             "reduce_s": []}
+    sizes = (16, 512) if device.type == "cpu" else (64, 4096)
+    for d in sizes:
+        gather, reduce = per_unit(d, 1)
+        table["unit_bytes"].append(d * d * 4.0)  # one unit's unsharded fp32 parameters
+        table["gather_s"].append(gather)
+        table["reduce_s"].append(reduce)
+    # FSDP2 works per parameter too (copy-in and copy-out views, gradient DTensors): a
+    # unit of 8 small weights against one, per extra tensor
+    many = 8
+    gather, reduce = per_unit(sizes[0], many)
+    table["tensor_gather_s"] = max(0.0, (gather - table["gather_s"][0]) / (many - 1))
+    table["tensor_reduce_s"] = max(0.0, (reduce - table["reduce_s"][0]) / (many - 1))
     return table
 
 

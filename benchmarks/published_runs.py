@@ -69,7 +69,9 @@ class Run:
 def _bloom():
     # ALiBi (no position embedding), LayerNorm after the embedding, tied head,
     # Megatron-DeepSpeed 2022: fused softmax, no FlashAttention, dropout 0.
-    return gpt("BLOOM-176B", hidden=14336, heads=112, layers=70, seq_len=2048, vocab_size=250680,
+    # Vocabulary as trained: the 250,680 tokens padded to a multiple of 128 x tp
+    # (Megatron's --make-vocab-size-divisible-by), 250,880 in bigscience/bloom's config.json.
+    return gpt("BLOOM-176B", hidden=14336, heads=112, layers=70, seq_len=2048, vocab_size=250880,
                learned_positions=False, embedding_norm=True, attention="unfused", dropout=False)
 
 

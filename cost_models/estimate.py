@@ -247,15 +247,16 @@ FOREACH_STEP_BYTES = {"adam": 80.0, "sgd": 32.0}
 FOREACH_TEMP_BYTES = {"adam": 4.0, "sgd": 0.0}
 
 
-def _fsdp_one_rank_s(unit_bytes: float, device) -> float:
-    """Seconds FSDP2 adds per all-gather (or reduce-scatter) of a unit of `unit_bytes`
-    fp32 parameters on a one-rank mesh, beyond the copies: calibrated when the profile
-    timed FSDP2 on one rank, else the device's physics default."""
+def _fsdp_one_rank_s(unit_bytes: float, tensors: int, device) -> float:
+    """Seconds FSDP2 adds per all-gather (or reduce-scatter) of a unit of
+    `unit_bytes` fp32 parameters in `tensors` tensors on a one-rank mesh (hooks, per-
+    parameter copy views, gradient DTensors): calibrated when the profile timed FSDP2
+    on one rank, else the device's physics defaults."""
     if device.measured is not None:
-        unit = device.measured.fsdp_unit_s(unit_bytes)
+        unit = device.measured.fsdp_unit_s(unit_bytes, tensors)
         if unit is not None and unit[0] == 1:
             return (unit[1] + unit[2]) / 2
-    return device.fsdp_unit_host_s
+    return device.fsdp_unit_host_s + max(0, tensors - 1) * device.fsdp_tensor_host_s
 
 
 def _copy_s(nbytes: float, device) -> float:
@@ -412,7 +413,8 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             # FSDP2 copies a unit's shards into the all-gather buffer (on the gather's stream,
             # priced with the collective) and out of it into the unsharded parameters (on
             # the compute stream: exposed), and the gradients into the reduce-scatter buffer.
-            unit = device.measured.fsdp_unit_s(full_params) if device.measured is not None else None
+            unit = (device.measured.fsdp_unit_s(full_params, layer.attrs.get("param_tensors", 1))
+                    if device.measured is not None else None)
             if unit is not None:
                 # FSDP2 timed on this machine, collectives included: what it adds beyond the
                 # collectives at the group size timed (exposed, on the compute stream); the
@@ -446,11 +448,13 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         # per micro-batch each unit's fp32 parameters are cast into the all-gather buffer
         # (read 4, write 2 bytes) and copied out into the unsharded parameters (read 2,
         # write 2); once per step the 16-bit gradients are cast to fp32 (read 2, write 4).
-        # Memory-bound copies on the device, not hidden by anything. Plus FSDP2's own cost
+        # Memory-bound copies on the device, not hidden by anything. Plus FSDP2's own work
         # per all-gather (one per micro-batch: at zero 0 parameters stay gathered from
-        # forward to backward) and per reduce-scatter (one per step), which calibrate
-        # times with compute in flight and finds not hidden (~0.4 ms each on an H100 host).
-        per = _fsdp_one_rank_s(params_local * 4, device)
+        # forward to backward) and per reduce-scatter (one per step): exposed, not hidden
+        # behind the kernels as plain host time is. On an H100 the GPU idled 46 ms of a
+        # 208 ms Llama 1B step whose host ran ahead of the kernels on every layer except
+        # at FSDP2's hooks (docs/cost_model.md section 9).
+        per = _fsdp_one_rank_s(params_local * 4, layer.attrs.get("param_tensors", 1), device)
         fwd_exp = _copy_s(10 * params_local, device) + per
         step_exp = _copy_s(6 * params_local, device) + per
 

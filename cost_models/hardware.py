@@ -105,6 +105,7 @@ class DeviceProfile:
     host_op_fwd_s: float = 0.0
     host_op_bwd_s: float = 0.0
     fsdp_unit_host_s: float = 0.0
+    fsdp_tensor_host_s: float = 0.0  # per parameter tensor of the unit beyond the first
     # what `autopar calibrate` timed on this device (cost_models/measured.py); when set,
     # its tables price GEMMs, memory-bound ops, attention and per-op host time
     measured: Any = None
@@ -156,6 +157,7 @@ class DeviceProfile:
             host_op_fwd_s=_num(d, "host_op_fwd_us", where, file, allow_zero=True, default=0.0) / 1e6,
             host_op_bwd_s=_num(d, "host_op_bwd_us", where, file, allow_zero=True, default=0.0) / 1e6,
             fsdp_unit_host_s=_num(d, "fsdp_unit_host_us", where, file, allow_zero=True, default=0.0) / 1e6,
+            fsdp_tensor_host_s=_num(d, "fsdp_tensor_host_us", where, file, allow_zero=True, default=0.0) / 1e6,
             measured=_measured(d, "compute", where, file),
         )
 
@@ -180,6 +182,7 @@ class DeviceProfile:
             "host_op_fwd_us": round(self.host_op_fwd_s * 1e6, 9),
             "host_op_bwd_us": round(self.host_op_bwd_s * 1e6, 9),
             "fsdp_unit_host_us": round(self.fsdp_unit_host_s * 1e6, 9),
+            "fsdp_tensor_host_us": round(self.fsdp_tensor_host_s * 1e6, 9),
             **({"measured": self.measured.to_dict()} if self.measured is not None else {}),
         }
 

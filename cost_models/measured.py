@@ -136,7 +136,8 @@ class MeasuredCompute:
     dtensor_collective_overhead_s: float = 0.0  # a DTensor redistribution's collective beyond plain c10d
     optimizer: tuple = ()  # ((name, per_step_s, per_tensor_s, per_param_s), ...): adam, sgd
     # FSDP2's whole cost per unit, its collectives included, by the unit's unsharded
-    # parameter bytes: (ranks, unit bytes, seconds per all-gather, per reduce-scatter)
+    # parameter bytes: (ranks, unit bytes, seconds per all-gather, per reduce-scatter,
+    # seconds per extra parameter tensor per all-gather, per reduce-scatter)
     fsdp: tuple = ()
     # (dtype, FLOPs per GEMM, slowdown when n or k is not a multiple of 16 bytes)
     gemm_unaligned: tuple = ()
@@ -188,20 +189,21 @@ class MeasuredCompute:
             per_tensor += ops_per_tensor * max(0.0, self.dtensor_overhead_fwd_s - self.op_overhead_fwd_s)
         return per_tensor * tensors + per_param * params
 
-    def fsdp_unit_s(self, nbytes: float) -> tuple[int, float, float] | None:
+    def fsdp_unit_s(self, nbytes: float, tensors: int = 1) -> tuple[int, float, float] | None:
         """(ranks timed, seconds per all-gather, per reduce-scatter) FSDP2 spends on a
-        unit of nbytes, collectives included; linear in bytes between and beyond the
-        sizes timed."""
+        unit of nbytes in `tensors` parameters, collectives included; linear in bytes
+        between and beyond the sizes timed, plus the time per extra parameter."""
         if not self.fsdp:
             return None
-        ranks, sizes, gather, reduce = self.fsdp
+        ranks, sizes, gather, reduce, tensor_gather, tensor_reduce = self.fsdp
+        extra = max(0, tensors - 1)
 
         def at(values):
             if len(sizes) == 1:
                 return values[0]
             slope = (values[-1] - values[0]) / (sizes[-1] - sizes[0])
             return max(0.0, values[0] + slope * (nbytes - sizes[0]))
-        return ranks, at(gather), at(reduce)
+        return ranks, at(gather) + extra * tensor_gather, at(reduce) + extra * tensor_reduce
 
     def optimizer_step_constant(self, name: str) -> float:
         return self._optimizer_by_name.get(name, (0.0,))[0]
@@ -239,7 +241,8 @@ class MeasuredCompute:
             "dtensor_collective_overhead_s": self.dtensor_collective_overhead_s,
             "optimizer": {n: {"per_step_s": a, "per_tensor_s": b, "per_param_s": c} for n, a, b, c in self.optimizer},
             **({"fsdp": {"ranks": self.fsdp[0], "unit_bytes": list(self.fsdp[1]), "gather_s": list(self.fsdp[2]),
-                         "reduce_s": list(self.fsdp[3])}} if self.fsdp else {}),
+                         "reduce_s": list(self.fsdp[3]), "tensor_gather_s": self.fsdp[4],
+                         "tensor_reduce_s": self.fsdp[5]}} if self.fsdp else {}),
         }
 
     @classmethod
@@ -303,7 +306,13 @@ class MeasuredCompute:
             ranks = f.get("ranks")
             if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
                 raise ProfileError("must be the group size timed (an integer >= 1)", field=f"{w}.ranks", file=file)
-            over["fsdp"] = (ranks, sizes, gather, reduce)
+            per_tensor = []
+            for key in ("tensor_gather_s", "tensor_reduce_s"):
+                v = f.get(key, 0.0)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v):
+                    raise ProfileError(f"must be a number >= 0, got {v!r}", field=f"{w}.{key}", file=file)
+                per_tensor.append(float(v))
+            over["fsdp"] = (ranks, sizes, gather, reduce, *per_tensor)
         for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s", "dtensor_overhead_fwd_s",
                     "dtensor_overhead_bwd_s", "dtensor_collective_overhead_s"):
             value = d.get(key, 0.0)

@@ -48,7 +48,12 @@ def test_solver_feasible_means_estimate_fits_without_re_solving(planned):
 
 def test_chunks_of_a_rank_are_balanced(planned):
     _, _, p = planned
-    sizes = [len(s.layers) for s in p.stages]
+    # Chunks of transformer blocks only: a chunk holding the embedding or the head may
+    # hold fewer blocks, since those layers cost as much as several blocks (GPT-3 13B's
+    # head over a 50257-token vocabulary is not 16-byte aligned: BLAS's slow kernels,
+    # about 4.5x on an H100, make it a chunk of its own here)
+    sizes = [len(s.layers) for s in p.stages if all(c.kind == "transformer_block" for c in s.layers)]
+    assert len(sizes) >= len(p.stages) - 2
     mean = sum(sizes) / len(sizes)
     # the old solver, blind to chunk balance, left one-layer stages beside 8-layer ones
     assert min(sizes) >= mean / 2, sizes
