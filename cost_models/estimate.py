@@ -57,6 +57,8 @@ class LayerCost:
     # DDP's buckets: a second copy of the gradients (torch DDP, gradient_as_bucket_view=False,
     # the default: "the saved memory size will be equal to the total gradients size")
     bucket_bytes: float = 0.0
+    # alive only during the optimizer step: foreach Adam's temporary (section 4's second peak)
+    optimizer_temp_bytes: float = 0.0
     params_local: float = 0.0  # parameters this GPU holds before ZeRO sharding
     model_flops: float = 0.0  # per micro-batch per GPU, fwd + bwd, no recomputation
     recompute_flops: float = 0.0  # per micro-batch per GPU
@@ -245,6 +247,15 @@ FOREACH_STEP_BYTES = {"adam": 80.0, "sgd": 32.0}
 # The temporary foreach Adam allocates for sqrt(exp_avg_sq), all tensors at once: a
 # second memory peak during the optimizer step (4 bytes per fp32 state element)
 FOREACH_TEMP_BYTES = {"adam": 4.0, "sgd": 0.0}
+
+
+def _optimizer_temp_bytes(layout, device, opt_params: float, offload: str) -> float:
+    """Bytes foreach Adam allocates at once during the step for this layer's state
+    elements. torch runs foreach by default only on GPUs; a CPU's default loops over
+    the tensors, each temporary freed before the next (nothing to speak of)."""
+    if layout.optimizer_impl != "foreach" or offload != "none" or device.vendor == "cpu":
+        return 0.0
+    return FOREACH_TEMP_BYTES[layout.optimizer] * opt_params
 
 
 def _fsdp_one_rank_s(unit_bytes: float, tensors: int, device) -> float:
@@ -497,6 +508,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         nccl_contention_s=contention,
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
         bucket_bytes=states.grads if zero == 0 and layout.dp > 1 else 0.0,
+        optimizer_temp_bytes=_optimizer_temp_bytes(layout, device, opt_params, offload),
         model_flops=model_flops, recompute_flops=recompute_flops, dp_collectives=tuple(colls),
         tier={"tp": tp_place.tier, "dp": dp_place.tier},
     )
@@ -667,11 +679,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         total = params + grads + optim + activations + buffers
         # The optimizer step is a second peak: activations are gone, the gradients are
         # all alive, and foreach Adam holds a temporary of every state element at once.
-        opt_temp = 0.0
-        if layout.optimizer_impl == "foreach":
-            opt_temp = FOREACH_TEMP_BYTES[layout.optimizer] * sum(
-                costs[j].params_local / (layout.dp if zeros[j] >= 1 else 1)
-                for j in idx if offs[j] == "none")
+        opt_temp = sum(costs[j].optimizer_temp_bytes for j in idx)
         if params + grads + optim + ddp_buf + opt_temp > total:
             # the breakdown describes the step's peak: no activations then
             activations, buffers = 0.0, ddp_buf + opt_temp

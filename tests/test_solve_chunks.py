@@ -135,3 +135,52 @@ def test_count_vectors_for_many_micro_batches_are_the_short_walks():
             for m in (pp, 2 * pp, 5 * pp, 12 * pp):
                 full = [in_flight_chunk_counts("interleaved", pp, m, r, v) for r in range(pp)]
                 assert chunk_count_vectors(pp, v, m) == full, (pp, v, m)
+
+
+
+def with_step_memory(seed: int) -> StageProblem:
+    """interleaved_problem's options, each with an optimizer-step temporary of up to
+    8x its static memory (foreach Adam's is a quarter of fp32 Adam's 16 B/param state;
+    here larger, so that the step's moment binds often enough to be tested)."""
+    import dataclasses
+
+    rng = random.Random(1000 + seed)
+    p = interleaved_problem(rng)
+    p.group_options = [[dataclasses.replace(o, step_mem=rng.randint(0, 8 * o.static_mem)) for o in opts]
+                       for opts in p.group_options]
+    return p
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_optimizer_step_memory_is_a_second_constraint(seed):
+    """The solver keeps static + step temporaries under capacity as well as the
+    activation peak, and agrees with brute force."""
+    free = with_step_memory(seed)
+    best = solve_brute_force(free)
+    need = max(rank_memory(free, best.stage_of_layer, best.option_of_layer))
+    low = memory_floor(free)
+    free.capacity = [random.Random(seed).randint(low, max(low, need))] * free.pp
+    exact, got = solve_brute_force(free), solve_cpsat(free)
+    assert got.objective == exact.objective
+    if got.objective is not None:
+        mem = rank_memory(free, got.stage_of_layer, got.option_of_layer)
+        assert max(mem) <= free.capacity[0]
+        for r in range(free.pp):  # rank_memory holds the step's moment too
+            mine = [(free.group_options[free.layer_group[i]][k]) for i, (s, k)
+                    in enumerate(zip(got.stage_of_layer, got.option_of_layer)) if s % free.pp == r]
+            assert mem[r] >= sum(o.static_mem + o.step_mem for o in mine)
+
+
+def test_the_optimizer_step_binds_on_some_problems():
+    """The test above is only worth something if the step's moment is ever the peak."""
+    import dataclasses
+
+    binds = 0
+    for seed in range(20):
+        p = with_step_memory(seed)
+        best = solve_brute_force(p)
+        without = dataclasses.replace(p, group_options=[[dataclasses.replace(o, step_mem=0) for o in opts]
+                                                        for opts in p.group_options])
+        binds += (max(rank_memory(p, best.stage_of_layer, best.option_of_layer))
+                  > max(rank_memory(without, best.stage_of_layer, best.option_of_layer)))
+    assert binds >= 3, binds

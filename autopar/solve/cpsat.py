@@ -91,6 +91,7 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     stage_time = [[] for _ in range(S)]
     rank_step = [[] for _ in range(pp)]
     rank_static = [[] for _ in range(pp)]
+    rank_step_mem = [[] for _ in range(pp)]  # the optimizer step's temporaries
     stage_act = [[] for _ in range(S)]  # activation KiB one micro-batch leaves in stage s
     n_peaks = max((len(o.peaks) for opts in p.group_options for o in opts), default=0)
     # rank_peak[r][t]: the largest peak-term t among the options used on rank r
@@ -136,6 +137,8 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
             stage_time[stages[0]].append(o.time * var)
             rank_step[r].append(o.step * var)
             rank_static[r].append(o.static_mem * var)
+            if o.step_mem:
+                rank_step_mem[r].append(o.step_mem * var)
             stage_act[stages[0]].append(o.act_mem * var)
 
     overhead = p.stage_time_overhead if pp > 1 else 0
@@ -152,6 +155,8 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
         for vec in p.chunk_counts[r]:
             m.Add(sum(rank_static[r]) + sum(rank_peak[r]) + sum(c * a for c, a in zip(vec, chunk_act))
                   <= p.capacity[r])
+        if rank_step_mem[r]:  # the optimizer step: activations gone, its temporaries alive
+            m.Add(sum(rank_static[r]) + sum(rank_step_mem[r]) <= p.capacity[r])
     t_pigeon, d_pigeon = pigeonhole_bounds(p)  # redundant cuts the LP relaxation cannot see
     m.Add(T >= t_pigeon)
     m.Add(D >= d_pigeon)

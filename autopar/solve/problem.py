@@ -30,6 +30,7 @@ far more than their sum suggests. The solvers minimise the integer form
 V * step. Memory on pp rank r, exact per chunk:
 
     sum(static) + sum_t max(peaks[t]) + sum_k c[k] * act(chunk k) <= capacity_r
+    sum(static) + sum(step_mem) <= capacity_r   (the optimizer step)
         for every count vector c in chunk_counts[r]
 
 where chunk k of rank r is stage k * pp + r, act(chunk) the activation bytes
@@ -72,6 +73,9 @@ class OptionCost:
     static_mem: int
     act_mem: int
     peaks: tuple = ()  # per peak term, KiB (a rank pays the max over its layers)
+    # KiB alive only during the optimizer step (foreach Adam's temporary): a second
+    # memory moment, sum(static + step_mem) <= capacity_r, when activations are gone
+    step_mem: int = 0
 
 
 @dataclass
@@ -228,12 +232,14 @@ def rank_memory(problem: StageProblem, stage_of_layer, option_of_layer) -> list[
     vector's activations (chunk by chunk)."""
     p = problem
     rank_static = [0] * p.pp
+    rank_step = [0] * p.pp  # the optimizer step's moment: static + its temporaries
     stage_act = [0] * p.num_stages
     rank_peak = [dict() for _ in range(p.pp)]
     for layer, (s, k) in enumerate(zip(stage_of_layer, option_of_layer)):
         o = p.group_options[p.layer_group[layer]][k]
         r = s % p.pp
         rank_static[r] += o.static_mem
+        rank_step[r] += o.step_mem
         stage_act[s] += o.act_mem
         for t, value in enumerate(o.peaks):
             rank_peak[r][t] = max(rank_peak[r].get(t, 0), value)
@@ -241,7 +247,7 @@ def rank_memory(problem: StageProblem, stage_of_layer, option_of_layer) -> list[
     for r in range(p.pp):
         chunks = [stage_act[k * p.pp + r] for k in range(p.virtual_stages)]
         act = max(sum(c * a for c, a in zip(vec, chunks)) for vec in p.chunk_counts[r])
-        out.append(rank_static[r] + sum(rank_peak[r].values()) + act)
+        out.append(max(rank_static[r] + sum(rank_peak[r].values()) + act, rank_static[r] + rank_step[r]))
     return out
 
 

@@ -169,7 +169,8 @@ class TableBuilder:
         fsdp = lc.params_local * (2 * p_b + g_b) if zero >= 3 and cand.dp > 1 else 0.0
         tp_out = self._output_bytes(layer, cand) if cand.tp > 1 else 0.0
         return (to_time_units(time), to_time_units(step), to_mem_units(static), to_mem_units(frag * lc.activation_bytes),
-                (to_mem_units(frag * lc.working_bytes), to_mem_units(fsdp), to_mem_units(tp_out)))
+                (to_mem_units(frag * lc.working_bytes), to_mem_units(fsdp), to_mem_units(tp_out)),
+                to_mem_units(lc.optimizer_temp_bytes))
 
     def _output_bytes(self, layer, cand: Candidate) -> float:
         key = (layer_signature(layer), cand.micro_batch_size)
@@ -267,10 +268,10 @@ class TableBuilder:
         group_options = []
         for row in rows:
             opts = []
-            for (time, step, static, act, peaks), label in row:
+            for (time, step, static, act, peaks, step_mem), label in row:
                 if label not in label_index:
                     label_index[label] = len(labels)
                     labels.append(label)
-                opts.append(OptionCost(label_index[label], time, step, static, act, peaks))
+                opts.append(OptionCost(label_index[label], time, step, static, act, peaks, step_mem))
             group_options.append(opts)
         return self._problem(cand, group_options, labels)

@@ -52,6 +52,7 @@ class _RankMemory:
     def __init__(self, p: StageProblem, r: int, layers: list, stage_of: list, option_of: list):
         self.p, self.vecs = p, p.chunk_counts[r]
         self.static = 0
+        self.step = 0  # the optimizer step's temporaries
         self.chunk = [0] * p.virtual_stages
         self.peaks: list = []  # per peak term: value -> number of layers at it
         for i in layers:
@@ -60,6 +61,7 @@ class _RankMemory:
     def _apply(self, o, chunk: int, n: int) -> None:
         """Add n layers of option `o` in `chunk` (n < 0 removes)."""
         self.static += n * o.static_mem
+        self.step += n * o.step_mem
         self.chunk[chunk] += n * o.act_mem
         while len(self.peaks) < len(o.peaks):
             self.peaks.append({})
@@ -71,7 +73,7 @@ class _RankMemory:
 
     def total(self) -> int:
         act = max(sum(c * a for c, a in zip(vec, self.chunk)) for vec in self.vecs)
-        return self.static + sum(max(c, default=0) for c in self.peaks) + act
+        return max(self.static + sum(max(c, default=0) for c in self.peaks) + act, self.static + self.step)
 
     def after(self, old, new, chunk: int, count: int = 1) -> int:
         """Total if `count` layers of `chunk` switched from option `old` to `new`."""
