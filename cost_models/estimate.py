@@ -59,6 +59,8 @@ class LayerCost:
     bucket_bytes: float = 0.0
     # alive only during the optimizer step: foreach Adam's temporary (section 4's second peak)
     optimizer_temp_bytes: float = 0.0
+    # alive at the loss's first backward op: two logits-sized gradients (the layer with the loss)
+    loss_grad_bytes: float = 0.0
     params_local: float = 0.0  # parameters this GPU holds before ZeRO sharding
     model_flops: float = 0.0  # per micro-batch per GPU, fwd + bwd, no recomputation
     recompute_flops: float = 0.0  # per micro-batch per GPU
@@ -247,6 +249,18 @@ FOREACH_STEP_BYTES = {"adam": 80.0, "sgd": 32.0}
 # The temporary foreach Adam allocates for sqrt(exp_avg_sq), all tensors at once: a
 # second memory peak during the optimizer step (4 bytes per fp32 state element)
 FOREACH_TEMP_BYTES = {"adam": 4.0, "sgd": 0.0}
+
+
+def _loss_grad_bytes(layer, b: int, s1: int, byte_scale: float) -> float:
+    """Two logits-sized gradients at the loss's first backward op, in the dtype the loss
+    computes its log-softmax in (fp32 where it upcasts the logits, as Hugging Face's
+    causal-LM loss does): the log-softmax op reads and writes the logits once each, so
+    one logits tensor is half its bytes. Measured with FSDPMemTracker on Qwen2 0.5B:
+    18.55 GiB of temporaries at the peak, 2 x its 9.28 GiB fp32 logits."""
+    if not layer.attrs.get("loss"):
+        return 0.0
+    sm = [op for op in layer.ops if op.kind == "softmax" and op.name.startswith("loss:")]
+    return sum(fast(op.fwd_bytes)(b, s1) for op in sm) * byte_scale  # 2 x (bytes / 2)
 
 
 def _optimizer_temp_bytes(layout, device, opt_params: float, offload: str) -> float:
@@ -509,6 +523,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
         bucket_bytes=states.grads if zero == 0 and layout.dp > 1 else 0.0,
         optimizer_temp_bytes=_optimizer_temp_bytes(layout, device, opt_params, offload),
+        loss_grad_bytes=_loss_grad_bytes(layer, b, s1, byte_scale),
         model_flops=model_flops, recompute_flops=recompute_flops, dp_collectives=tuple(colls),
         tier={"tp": tp_place.tier, "dp": dp_place.tier},
     )
@@ -680,15 +695,33 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         # The optimizer step is a second peak: activations are gone, the gradients are
         # all alive, and foreach Adam holds a temporary of every state element at once.
         opt_temp = sum(costs[j].optimizer_temp_bytes for j in idx)
-        if params + grads + optim + ddp_buf + opt_temp > total:
+        # The first backward op of the loss is a third: every saved activation is alive,
+        # plus two logits-sized gradients (the loss's gradient output and its log-softmax
+        # gradient input, in the dtype the loss computes in), and with one micro-batch no
+        # gradient exists yet. No recompute working set, no gradient buffers then.
+        loss_grads = sum(costs[j].loss_grad_bytes for j in idx)
+        grads_then = grads if m > 1 else 0.0
+        act_then = sim.peak_activation_bytes[r] + loss_grads
+        at_loss = (params + grads_then + optim + act_then + fsdp_buf + tp_buf + ddp_buf
+                   + FRAGMENTATION * (act_then + grads_then)) if loss_grads else 0.0
+        if at_loss > total and at_loss >= params + grads + optim + ddp_buf + opt_temp:
+            # the breakdown describes that moment (the loss's gradients under activations)
+            grads, activations = grads_then, act_then
+            frag = FRAGMENTATION * (act_then + grads_then)
+            buffers = fsdp_buf + tp_buf + ddp_buf + frag
+            total = at_loss
+        elif params + grads + optim + ddp_buf + opt_temp > total:
             # the breakdown describes the step's peak: no activations then
-            activations, buffers = 0.0, ddp_buf + opt_temp
+            activations, buffers, frag = 0.0, ddp_buf + opt_temp, 0.0
             total = params + grads + optim + buffers
         host = sum(costs[j].host_bytes for j in idx)
         host_per_gpu = max(host_per_gpu, host)
         peaks.append(total)
+        # fragmentation: allocator blocks reserved but not allocated (in buffers; what
+        # torch.cuda.max_memory_allocated does not count)
         memory.append({"params": params, "grads": grads, "optimizer": optim, "activations": activations,
-                       "buffers": buffers, "capacity": capacity, "reserve": device.reserve_bytes, "host": host})
+                       "buffers": buffers, "fragmentation": frag, "capacity": capacity,
+                       "reserve": device.reserve_bytes, "host": host})
     crit = max(range(pp), key=lambda r: rank_total[r])
     step = rank_total[crit]
     idx = ranks[crit]

@@ -131,3 +131,55 @@ def test_host_time_paces_a_small_gpu_layer():
                       ClusterSpec(nodes=1, gpus_per_node=1, device="h100-sxm"))
     assert cost.fwd_s == pytest.approx(hf) and cost.bwd_s == pytest.approx(hb)
     assert host_times(layer, get_device("cpu"), dtensor=False) == (0.0, 0.0)
+
+
+def _tiny_hf_llama():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    return model, (lambda b: (torch.randint(0, cfg.vocab_size, (b, 64)),)), cfg
+
+
+def test_compile_plans_a_hugging_face_model_with_the_loss_it_trains():
+    """autopar.compile trains a Hugging Face LM without loss_fn on its own loss: the
+    planner prices that loss (its fp32 log-softmax over the vocabulary), not a model
+    without one."""
+    from autopar.lower.api import _captured_with_loss
+    from cost_models.compute import fast
+
+    model, inputs, cfg = _tiny_hf_llama()
+    graph = _captured_with_loss(model, inputs, None)
+    head = graph.layers[-1]
+    assert head.attrs.get("loss")
+    logits_fp32 = 4 * 64 * cfg.vocab_size  # one sample of 64 tokens
+    # the saved log-softmax in fp32 (transformers' ForCausalLMLoss upcasts the logits)
+    assert fast(head.activation_bytes)(1, 64) >= logits_fp32
+    softmax = [op for op in head.ops if op.kind == "softmax" and op.name.startswith("loss:")]
+    assert sum(fast(op.fwd_bytes)(1, 64) for op in softmax) == pytest.approx(2 * logits_fp32, rel=0.05)
+
+
+def test_the_loss_gradients_are_a_memory_moment():
+    """At the loss's first backward op: every activation, two logits-sized gradients,
+    and (one micro-batch) no gradients yet."""
+    from autopar.lower.api import _captured_with_loss
+    from cost_models.estimate import FRAGMENTATION
+
+    model, inputs, cfg = _tiny_hf_llama()
+    graph = _captured_with_loss(model, inputs, None)
+    cluster = ClusterSpec(nodes=1, gpus_per_node=1, device="h100-sxm")
+    one = estimate(graph, Layout(dp=1, micro_batch_size=8, precision="bf16"), cluster)
+    head = graph.layers[-1]
+    loss_grads = layer_cost(head, graph, Layout(dp=1, micro_batch_size=8, precision="bf16"), cluster).loss_grad_bytes
+    assert loss_grads == pytest.approx(2 * 4 * 8 * 64 * cfg.vocab_size, rel=0.05)
+    mem = one.memory_breakdown[0]
+    assert mem["grads"] == 0.0  # the moment that wins has no gradients yet
+    assert mem["fragmentation"] == pytest.approx(FRAGMENTATION * mem["activations"])
+    states = mem["params"] + mem["optimizer"]
+    assert one.peak_memory_bytes[0] == pytest.approx(states + mem["activations"] + mem["buffers"])
+    # a second micro-batch: the first one's gradients are alive at the loss of the second
+    two = estimate(graph, Layout(dp=1, micro_batch_size=4, num_micro_batches=2, precision="bf16"), cluster)
+    assert two.memory_breakdown[0]["grads"] > 0

@@ -442,7 +442,8 @@ class Tracer:
         """loss_fn(output, targets) as part of the head layer; targets are class
         indices shaped like the output without its last (class) dim."""
         self.pointer = self.n_layers - 1
-        logits = output[0] if isinstance(output, (tuple, list)) else output
+        # a tensor, a tuple led by the logits, or a Hugging Face output's `.logits`
+        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
         self.fabricating = True  # not an op of the model
         targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
         self.fabricating = False

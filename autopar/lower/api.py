@@ -118,12 +118,23 @@ def _captured_with_loss(model, example_inputs, loss_fn):
     """What the planner prices: the model with the loss it trains with (the
     user's loss_fn adds its saved log-softmax and FLOPs to the head layer, as
     `autopar plan` does for a model file's loss_fn). A loss the meta-device
-    trace cannot run is left out, as the CLI does; without loss_fn the
-    planner captures the model as it is."""
-    if loss_fn is None or example_inputs is None:  # inferred inputs may carry labels: the model's own loss
+    trace cannot run is left out, as the CLI does; without loss_fn, a Hugging
+    Face model is priced with the own loss the lowering trains it with."""
+    if example_inputs is None:  # inferred inputs may carry labels: the model's own loss
         return model
     from autopar.capture import capture
-    from autopar.lower.model_io import logits_of
+    from autopar.lower.model_io import logits_of, own_token_loss, positional_inputs
+
+    if loss_fn is None:
+        # The lowering trains a Hugging Face model with its own loss (own_token_loss): price
+        # that one (its fp32 log-softmax over the vocabulary is often the largest activation),
+        # unless the inputs carry labels and the forward computes it already.
+        if positional_inputs(model, example_inputs) is not None:
+            return model
+        try:
+            loss_fn = own_token_loss(model)
+        except AutoparError:
+            return model
 
     try:
         # The lowering hands loss_fn the logits (`.logits` of a Hugging Face output)
