@@ -684,8 +684,15 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         # prefetches plus one layer's unsharded grads; DDP its buckets; TP its output.
         z3 = [j for j in idx if zeros[j] >= 3]
         p_b, g_b, _ = state_bytes_per_param(layout.precision, layout.optimizer)
-        biggest = max((costs[j].params_local for j in z3), default=0.0)
-        fsdp_buf = biggest * (2 * p_b + g_b) if z3 and layout.dp > 1 else 0.0
+        fsdp_buf = 0.0
+        if z3 and layout.dp > 1:
+            # FSDP2 holds the unsharded parameters of the unit it runs and of the one it
+            # prefetches (its neighbour in execution order), and in backward the running
+            # unit's unsharded gradients: the largest such neighbouring pair of the rank
+            # (a 128k-vocabulary head beside a block, not the head twice)
+            units = [costs[j].params_local if zeros[j] >= 3 else 0.0 for j in sorted(idx)]
+            pairs = list(zip(units, units[1:])) or [(units[0], 0.0)]
+            fsdp_buf = max((a + c) * p_b + max(a, c) * g_b for a, c in pairs)
         ddp_buf = sum(costs[j].bucket_bytes for j in idx)
         tp_buf = (max((fast(layers[j].output_bytes)(b, s1) for j in idx), default=0.0) * byte_scale
                   if layout.tp > 1 else 0.0)
@@ -702,13 +709,15 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         loss_grads = sum(costs[j].loss_grad_bytes for j in idx)
         grads_then = grads if m > 1 else 0.0
         act_then = sim.peak_activation_bytes[r] + loss_grads
-        at_loss = (params + grads_then + optim + act_then + fsdp_buf + tp_buf + ddp_buf
+        # ZeRO-3 units were resharded after their forward and are gathered again only
+        # by their own backward hooks, after the loss's: no FSDP buffer at that moment
+        at_loss = (params + grads_then + optim + act_then + tp_buf + ddp_buf
                    + FRAGMENTATION * (act_then + grads_then)) if loss_grads else 0.0
         if at_loss > total and at_loss >= params + grads + optim + ddp_buf + opt_temp:
             # the breakdown describes that moment (the loss's gradients under activations)
             grads, activations = grads_then, act_then
             frag = FRAGMENTATION * (act_then + grads_then)
-            buffers = fsdp_buf + tp_buf + ddp_buf + frag
+            buffers = tp_buf + ddp_buf + frag
             total = at_loss
         elif params + grads + optim + ddp_buf + opt_temp > total:
             # the breakdown describes the step's peak: no activations then
