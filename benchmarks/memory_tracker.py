@@ -42,7 +42,7 @@ for model_name, dims, layers, seqs in (("llama3_8b", LLAMA3_8B, 4, (8192, 2048))
                                        ("llama3_70b", LLAMA3_70B, 2, (4096,))):
     for seq in seqs:
         for zero in (2, 3):
-            for ckpt in ("none", "full"):
+            for ckpt in ("none", "selective", "full"):
                 CASES[f"{model_name}_l{layers}_s{seq}_z{zero}_{ckpt}"] = (
                     dict(dims, layers=layers, seq_len=seq), 1, zero, ckpt)
 
