@@ -69,11 +69,11 @@ def build(model_name: str):
 
 def predict(model_name: str, layout: str, cluster) -> dict:
     import autopar
-    from autopar.lower.api import _captured_with_loss  # what autopar.compile plans from
+    from autopar.lower.api import captured_with_loss  # what autopar.compile plans from
 
     model, inputs, loss_fn, _ = build(model_name)
     constraints = {**LAYOUTS[layout], "checkpoint": "none"}
-    plan = autopar.plan(_captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=GLOBAL_BATCH,
+    plan = autopar.plan(captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=GLOBAL_BATCH,
                         constraints=constraints, precision="fp32", fusion=False, module=model)
     return plan.to_dict()
 

@@ -125,12 +125,12 @@ def build(name: str, device: str | torch.device = "meta"):
 def predict(name: str, cluster) -> dict:
     """The plan of one case, priced on `cluster` (layout pinned in full)."""
     import autopar
-    from autopar.lower.api import _captured_with_loss  # what autopar.compile plans from
+    from autopar.lower.api import captured_with_loss  # what autopar.compile plans from
 
     model, inputs, loss_fn, _ = build(name)
     batch, ckpt = CASES[name][3], CASES[name][4]
     constraints = dict(dp=1, tp=1, pp=1, zero=0, micro_batch=batch, checkpoint=ckpt)
-    plan = autopar.plan(_captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=batch,
+    plan = autopar.plan(captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=batch,
                         constraints=constraints, precision="bf16", fusion=False, module=model)
     return plan.to_dict()
 

@@ -58,7 +58,7 @@ def predict(name: str) -> dict:
     import torch
 
     import autopar
-    from autopar.lower.api import _captured_with_loss
+    from autopar.lower.api import captured_with_loss
     from cost_models.hardware import ClusterSpec
 
     fields, mb, zero, ckpt = CASES[name]
@@ -66,7 +66,7 @@ def predict(name: str) -> dict:
     with torch.device("meta"):
         model = mod.build_model(cfg)
     cluster = ClusterSpec(nodes=1, gpus_per_node=WORLD, device="h100-sxm")
-    plan = autopar.plan(_captured_with_loss(model, lambda b: mod.example_inputs(b, cfg), mod.loss_fn), cluster,
+    plan = autopar.plan(captured_with_loss(model, lambda b: mod.example_inputs(b, cfg), mod.loss_fn), cluster,
                         global_batch_size=WORLD * mb, precision="bf16", fusion=False, module=model,
                         constraints=dict(dp=WORLD, tp=1, pp=1, zero=zero, checkpoint=ckpt, micro_batch=mb))
     return plan.to_dict()

@@ -334,7 +334,6 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     sp = layout.sequence_parallel and tp > 1
     m = layout.num_micro_batches
 
-    one_rank_fsdp = layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0
     parts = _layer_compute(layer, b, seq, device, dtype, tp, sp, byte_scale)
     if layer.ops:
         save_fwd, save_bwd = _fused_savings_s(layer, parts, b, s1)
@@ -468,7 +467,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
                                           max(0.0, bwd_exp + bwd_cont + copy_out), step_exp + rs_cont)
             contention = m * (fwd_cont + bwd_cont) + rs_cont
 
-    if one_rank_fsdp:
+    if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         # FSDP2's mixed precision on one rank (how autopar lowers a 16-bit plan with dp = 1):
         # per micro-batch each unit's fp32 parameters are cast into the all-gather buffer
         # (read 4, write 2 bytes) and copied out into the unsharded parameters (read 2,
@@ -713,16 +712,17 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         # by their own backward hooks, after the loss's: no FSDP buffer at that moment
         at_loss = (params + grads_then + optim + act_then + tp_buf + ddp_buf
                    + FRAGMENTATION * (act_then + grads_then)) if loss_grads else 0.0
-        if at_loss > total and at_loss >= params + grads + optim + ddp_buf + opt_temp:
+        at_step = params + grads + optim + ddp_buf + opt_temp
+        if at_loss > total and at_loss >= at_step:
             # the breakdown describes that moment (the loss's gradients under activations)
             grads, activations = grads_then, act_then
             frag = FRAGMENTATION * (act_then + grads_then)
             buffers = tp_buf + ddp_buf + frag
             total = at_loss
-        elif params + grads + optim + ddp_buf + opt_temp > total:
+        elif at_step > total:
             # the breakdown describes the step's peak: no activations then
             activations, buffers, frag = 0.0, ddp_buf + opt_temp, 0.0
-            total = params + grads + optim + buffers
+            total = at_step
         host = sum(costs[j].host_bytes for j in idx)
         host_per_gpu = max(host_per_gpu, host)
         peaks.append(total)

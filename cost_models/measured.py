@@ -280,14 +280,8 @@ class MeasuredCompute:
         optimizer = []
         for n, o in sorted(_mapping(d.get("optimizer", {}), f"{where}.optimizer", file).items()):
             o = _mapping(o, f"{where}.optimizer.{n}", file)
-            values = []
-            for key in ("per_step_s", "per_tensor_s", "per_param_s"):
-                v = o.get(key)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v):
-                    raise ProfileError(f"must be a number >= 0, got {v!r}", field=f"{where}.optimizer.{n}.{key}",
-                                       file=file)
-                values.append(float(v))
-            optimizer.append((n, *values))
+            optimizer.append((n, *(_nonnegative(o, key, f"{where}.optimizer.{n}", file)
+                                   for key in ("per_step_s", "per_tensor_s", "per_param_s"))))
         unaligned = []
         for dt, t in sorted(_mapping(d.get("gemm_unaligned", {}) or {}, f"{where}.gemm_unaligned", file).items()):
             w = f"{where}.gemm_unaligned.{dt}"
@@ -306,19 +300,11 @@ class MeasuredCompute:
             ranks = f.get("ranks")
             if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
                 raise ProfileError("must be the group size timed (an integer >= 1)", field=f"{w}.ranks", file=file)
-            per_tensor = []
-            for key in ("tensor_gather_s", "tensor_reduce_s"):
-                v = f.get(key, 0.0)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v):
-                    raise ProfileError(f"must be a number >= 0, got {v!r}", field=f"{w}.{key}", file=file)
-                per_tensor.append(float(v))
-            over["fsdp"] = (ranks, sizes, gather, reduce, *per_tensor)
+            over["fsdp"] = (ranks, sizes, gather, reduce,
+                            *(_nonnegative(f, key, w, file, 0.0) for key in ("tensor_gather_s", "tensor_reduce_s")))
         for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s", "dtensor_overhead_fwd_s",
                     "dtensor_overhead_bwd_s", "dtensor_collective_overhead_s"):
-            value = d.get(key, 0.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ProfileError(f"must be a number >= 0, got {value!r}", field=f"{where}.{key}", file=file)
-            over[key] = float(value)
+            over[key] = _nonnegative(d, key, where, file, 0.0)
         body = cls(tuple(gemm), tuple(bandwidth), tuple(attention), **over).to_dict()
         return cls(tuple(gemm), tuple(bandwidth), tuple(attention), **over, digest=_digest(body))
 
@@ -418,6 +404,14 @@ def _positives(d: dict, key: str, where: str, file: str) -> tuple:
             for v in values):
         raise ProfileError("must be a non-empty list of positive numbers", field=f"{where}.{key}", file=file)
     return tuple(float(v) for v in values)
+
+
+def _nonnegative(d: dict, key: str, where: str, file: str, default=None) -> float:
+    """d[key] as a finite number >= 0 (`default` when absent; None: required)."""
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v):
+        raise ProfileError(f"must be a number >= 0, got {v!r}", field=f"{where}.{key}", file=file)
+    return float(v)
 
 
 def _sizes(d: dict, key: str, where: str, file: str) -> tuple:

@@ -132,13 +132,13 @@ def test_every_planning_command_passes_the_loss(command, model_file, monkeypatch
 def test_compile_plans_with_the_users_loss(model_file, monkeypatch):
     """autopar.compile(plan=None, loss_fn=...) prices the loss it trains with, as `autopar plan` does."""
     import autopar.solve as solve
-    from autopar.lower.api import _captured_with_loss
+    from autopar.lower.api import captured_with_loss
     loaded = _module(model_file)
-    graph = _captured_with_loss(loaded.model, loaded.example_inputs, loaded.loss_fn)
+    graph = captured_with_loss(loaded.model, loaded.example_inputs, loaded.loss_fn)
     head = graph.layers[-1]
     assert head.attrs.get("loss") and any(op.name.startswith("loss:") for op in head.ops)
     # a loss the meta trace cannot run: the model as it is (planning still works)
-    assert _captured_with_loss(loaded.model, loaded.example_inputs, lambda out, y: out.sum().item()) is loaded.model
+    assert captured_with_loss(loaded.model, loaded.example_inputs, lambda out, y: out.sum().item()) is loaded.model
     seen = {}
     monkeypatch.setattr(solve, "plan", lambda model, *a, **k: seen.setdefault("model", model) and (_ for _ in ()).throw(
         RuntimeError("stop after planning")))

@@ -148,11 +148,11 @@ def test_compile_plans_a_hugging_face_model_with_the_loss_it_trains():
     """autopar.compile trains a Hugging Face LM without loss_fn on its own loss: the
     planner prices that loss (its fp32 log-softmax over the vocabulary), not a model
     without one."""
-    from autopar.lower.api import _captured_with_loss
+    from autopar.lower.api import captured_with_loss
     from cost_models.compute import fast
 
     model, inputs, cfg = _tiny_hf_llama()
-    graph = _captured_with_loss(model, inputs, None)
+    graph = captured_with_loss(model, inputs, None)
     head = graph.layers[-1]
     assert head.attrs.get("loss")
     logits_fp32 = 4 * 64 * cfg.vocab_size  # one sample of 64 tokens
@@ -165,11 +165,11 @@ def test_compile_plans_a_hugging_face_model_with_the_loss_it_trains():
 def test_the_loss_gradients_are_a_memory_moment():
     """At the loss's first backward op: every activation, two logits-sized gradients,
     and (one micro-batch) no gradients yet."""
-    from autopar.lower.api import _captured_with_loss
+    from autopar.lower.api import captured_with_loss
     from cost_models.estimate import FRAGMENTATION
 
     model, inputs, cfg = _tiny_hf_llama()
-    graph = _captured_with_loss(model, inputs, None)
+    graph = captured_with_loss(model, inputs, None)
     cluster = ClusterSpec(nodes=1, gpus_per_node=1, device="h100-sxm")
     one = estimate(graph, Layout(dp=1, micro_batch_size=8, precision="bf16"), cluster)
     head = graph.layers[-1]

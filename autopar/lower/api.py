@@ -88,7 +88,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             kwargs["memory_headroom"] = memory_headroom
         def make():
             from autopar.lower.model_layers import model_signature
-            made = make_plan(_captured_with_loss(model, example_inputs, loss_fn), cluster_spec, module=model,
+            made = make_plan(captured_with_loss(model, example_inputs, loss_fn), cluster_spec, module=model,
                              **kwargs)
             made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
             return made
@@ -114,7 +114,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
                  optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch)
 
 
-def _captured_with_loss(model, example_inputs, loss_fn):
+def captured_with_loss(model, example_inputs, loss_fn):
     """What the planner prices: the model with the loss it trains with (the
     user's loss_fn adds its saved log-softmax and FLOPs to the head layer, as
     `autopar plan` does for a model file's loss_fn). A loss the meta-device
