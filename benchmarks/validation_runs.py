@@ -56,14 +56,14 @@ MPT_CLUSTERS = {
     "H100 80GB BF16 (Large Scale, >= 128 GPUs)": ("h100-sxm", "nvlink4", "ib-ndr"),
 }
 MPT_ASSUMED = ("PyTorch FSDP1 (Composer): FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, one unit per block; "
-               "activation checkpointing = full per block; flash attention (Triton); mixed precision DEFAULT "
+               "activation checkpointing = full per block; attention by the 2022 Triton flash kernel (submit_benchmarks.py's attn_impl default 'triton'); mixed precision DEFAULT "
                "reduces in fp32, PURE in bf16; Composer's decoupled AdamW, a per-tensor loop (priced as foreach)")
 
 
 def mpt_model(size: str, seq_len: int):
     hidden, heads, layers = MPT_SHAPES[size]
     return gpt(f"MPT-{size}", hidden=hidden, heads=heads, layers=layers, seq_len=seq_len, vocab_size=MPT_VOCAB,
-               attention="flash", dropout=False)
+               attention="flash-triton", dropout=False)
 
 
 def mpt_rows(path: Path = MPT_CSV) -> list[dict]:

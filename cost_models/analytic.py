@@ -33,6 +33,11 @@ from cost_models.workload import B, S, LayerSpec, ModelSpec, OpSpec
 
 BYTES = 2  # 16-bit activations and weights (the captured training dtype)
 GATHERED = "gathered"  # a saved tensor downstream of a tp all-gather: whole on every tp rank
+# `attention=`: a fused flash kernel (which generation: compute.ATTENTION_IMPL_SPEED), or
+# "unfused" (two batched GEMMs around a softmax kernel, as Megatron ran it in 2021-22;
+# "math" is the same thing by SDPA's name for it).
+FLASH_ATTENTION = {"flash": None, "flash2": "flash2", "flash1": "flash1", "flash-triton": "flash-triton"}
+ATTENTIONS = (*FLASH_ATTENTION, "unfused", "math")
 
 
 def _divisors_for_tp(*sizes: int) -> tuple:
@@ -68,6 +73,9 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
     fused_qkv_split=True: the attention core runs replicated on every tp rank
     after an all-gather of the fused qkv output (see the module docstring).
     """
+    if attention not in ATTENTIONS:
+        raise CostModelError(f"attention={attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    flash = attention in FLASH_ATTENTION
     if fused_qkv_split and not fused_qkv:
         raise CostModelError("fused_qkv_split=True needs fused_qkv=True: separate wq/wk/wv projections "
                              "stay head-parallel, leave fused_qkv_split off")
@@ -102,11 +110,11 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         ops.append(_elementwise("repeat_kv", "elementwise", 2 * act * kv, 2 * act * h, **core, count=2))
     core_flops = 4 * B * S * S * h  # QK^T + PV, unmasked
     score_elems = B * a * S * S
-    if attention == "flash":
+    if flash:
         # backward 2.5x forward: FlopCounterMode's count (QK^T recomputed), as capture measures it
         ops.append(OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=5 * core_flops / 2,
                           fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), **core,
-                          causal=True))
+                          causal=True, impl=FLASH_ATTENTION[attention]))
     else:  # Megatron 2022: two batched GEMMs around a fused scale-mask-softmax kernel
         ops.append(OpSpec(name="scores", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
                           fwd_bytes=act * 2 * h + BYTES * score_elems, bwd_bytes=2 * (act * 2 * h + BYTES * score_elems),
@@ -146,11 +154,11 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         # attention output, input of the (row-parallel) attn_out GEMM. When the core ran
         # gathered, DTensor slices it locally for the GEMM, which saves that 1/tp slice; but
         # a flash kernel also saves its (whole) output for its own backward.
-        (act * h, GATHERED if fused_qkv_split and attention == "flash" else True, False),
+        (act * h, GATHERED if fused_qkv_split and flash else True, False),
     ]
     if eager and norm == "rmsnorm":  # eager fp32 RMSNorm keeps x.float() and the bf16 normalised x
         saved += [(2 * 4 * T * h, False, False)]
-    if attention == "flash":
+    if flash:
         kv_saved = h if (eager and g != a) else kv  # after repeat_kv, SDPA saves full-head k and v
         saved += [(act * (h + 2 * kv_saved), core_saved, False),  # q, k, v
                   (4 * B * a * S, core_saved, False)]  # fp32 log-sum-exp per row
@@ -176,7 +184,7 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
     selective_sharded = None if core_tp else sum(x for x, tp, sel in saved if sel and tp is True)
     selective_gathered = sum(x for x, tp, sel in saved if sel and tp == GATHERED)
     selective_flops = core_flops
-    if attention == "flash":
+    if flash:
         # FlashAttention stores no s^2 scores, so Korthikanti's selective checkpointing has
         # nothing to drop. Selective then means an op-level policy (autopar's lowering,
         # autopar/lower/checkpointing.py: keep matmul and attention outputs, recompute the

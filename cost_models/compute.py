@@ -59,9 +59,40 @@ K_OVERHEAD = 64  # prologue + epilogue per tile, in reduction elements
 # counts the same 5; Megatron's model-FLOPs convention counts 4.) Priced from
 # the forward FLOPs so either convention in the workload gives the same time.
 FLASH_BWD_FACTOR = 2.5
-# Causal masking: a FlashAttention kernel skips the blocks above the diagonal,
-# so it executes about half of the unmasked FLOPs the workload counts.
+# Fused attention kernels of other generations, as a fraction of FlashAttention-2's
+# (forward, backward) speed, which the device profile's attention efficiencies are.
+# Dao, "FlashAttention-2" (arXiv 2307.08691), section 4.1, A100: FlashAttention-2 is
+# "around 2x faster than FlashAttention" (v1, CUDA) and "around 1.3-1.5x faster than
+# FlashAttention in Triton in the forward pass and around 2x faster in the backward
+# pass" (the 2022 Triton kernel MPT's attn_impl='triton' runs; the midpoint 1.4 is
+# used). The same ratios are assumed on Hopper, where neither older kernel was tuned.
+ATTENTION_IMPL_SPEED = {None: (1.0, 1.0), "flash2": (1.0, 1.0), "flash1": (0.5, 0.5),
+                        "flash-triton": (1 / 1.4, 0.5)}
+
+
+def attention_speed(op: OpSpec) -> tuple[float, float]:
+    """(forward, backward) speed of `op`'s attention kernel relative to FlashAttention-2."""
+    impl = getattr(op, "impl", None)
+    if impl not in ATTENTION_IMPL_SPEED:
+        raise CostModelError(f"attention op '{op.name}': unknown kernel implementation {impl!r} "
+                             f"(known: {', '.join(sorted(k for k in ATTENTION_IMPL_SPEED if k))})")
+    return ATTENTION_IMPL_SPEED[impl]
+
+
+# Causal masking: a FlashAttention kernel skips the tiles above the diagonal, so it
+# executes about half of the unmasked FLOPs the workload counts; but it computes the
+# tiles on the diagonal whole. With n = s / 128 query tiles (the 128-row tile of
+# FlashAttention-2's forward and of the 2022 Triton kernel; the backward's 128-column
+# kv tile gives the same count) it runs n (n + 1) / 2 of n^2 tiles: 0.625 of the
+# unmasked work at s = 512, 0.53 at 2048, 0.5 in the limit.
 CAUSAL_FRACTION = 0.5
+CAUSAL_TILE = 128
+
+
+def causal_fraction(seq: int) -> float:
+    """Fraction of the unmasked attention FLOPs a tiled causal kernel executes at `seq`."""
+    n = max(1, math.ceil(seq / CAUSAL_TILE))
+    return CAUSAL_FRACTION * (1 + 1 / n)
 
 
 @lru_cache(maxsize=200_000)
@@ -115,9 +146,10 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
             fwd_t, bwd_t = fwd_t * device.unaligned_gemm_slowdown, bwd_t * device.unaligned_gemm_slowdown
         return max(fwd_t, fwd_bytes / mem_bw, launch), max(bwd_t, bwd_bytes / mem_bw, 2 * launch)
     if op.kind == "attention":
-        causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
-        fwd_t = fwd_flops * causal / (peak * device.attention_fwd_efficiency)
-        bwd_t = fwd_flops * FLASH_BWD_FACTOR * causal / (peak * device.attention_bwd_efficiency)
+        causal = causal_fraction(s) if getattr(op, "causal", None) in (None, True) else 1.0
+        speed_f, speed_b = attention_speed(op)
+        fwd_t = fwd_flops * causal / (peak * device.attention_fwd_efficiency * speed_f)
+        bwd_t = fwd_flops * FLASH_BWD_FACTOR * causal / (peak * device.attention_bwd_efficiency * speed_b)
         return max(fwd_t, fwd_bytes / mem_bw, launch), max(bwd_t, bwd_bytes / mem_bw, launch)
     # Memory-bound ops: bytes decide; FLOPs run on the vector units (fp32 peak).
     vector_peak = device.peak_flops.get("fp32", peak / 16)
@@ -184,7 +216,8 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
         causal = getattr(op, "causal", None) in (None, True)
         f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d, dtype) for d in ("fwd", "bwd"))
         if f1 is not None and b1 is not None:
-            fwd, bwd = calls * f1, calls * b1
+            speed_f, speed_b = attention_speed(op)  # the profile timed today's SDPA kernel
+            fwd, bwd = calls * f1 / speed_f, calls * b1 / speed_b
     if fwd is None or bwd is None:  # memory-bound ops, or work the profile did not time
         cls, name = _BYTES_CLASS.get(op.kind, "elementwise"), op.name.rpartition(":")[2]
         f1, b1 = meas.bytes_time(cls, fwd_bytes / calls, name), meas.bytes_time(cls, bwd_bytes / calls, name)
@@ -219,6 +252,6 @@ def executed_flops(op: OpSpec, batch: int, seq: int | None) -> tuple[float, floa
     s = seq if seq is not None else 1
     f, b = fast(op.fwd_flops)(batch, s), fast(op.bwd_flops)(batch, s)
     if op.kind == "attention":
-        causal = CAUSAL_FRACTION if getattr(op, "causal", None) in (None, True) else 1.0
+        causal = causal_fraction(s) if getattr(op, "causal", None) in (None, True) else 1.0
         return f * causal, f * FLASH_BWD_FACTOR * causal
     return f, b

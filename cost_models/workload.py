@@ -89,6 +89,9 @@ class OpSpec:
     # kind 'attention' only: True/None = causal (a flash kernel skips the masked
     # half, priced at half the unmasked FLOPs counted above), False = full.
     causal: bool | None = None
+    # kind 'attention' only: which fused kernel runs it (None: FlashAttention-2's
+    # generation, what torch's SDPA runs today; see compute.ATTENTION_IMPL_SPEED).
+    impl: str | None = None
 
 
 @dataclass
