@@ -284,6 +284,24 @@ def _fsdp_one_rank_s(unit_bytes: float, tensors: int, device) -> float:
     return device.fsdp_unit_host_s + max(0, tensors - 1) * device.fsdp_tensor_host_s
 
 
+# SMs Transformer Engine's TP overlap takes from the GEMMs it runs under, as a share of an
+# H100's 132: NeMo's userbuffers config for GPT-3 175B (tp4, bf16, H100; NVIDIA/NeMo
+# nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py) gives the forward's four
+# collectives 1, 24, 1, 1 SMs (ring exchange 1, the pipelined reduce-scatter 24): 6.75 on
+# average; the backward's 2-4 (bulk overlaps) and 1 (ring exchange): about 3.
+TP_OVERLAP_SM_SHARE = {"fwd": 6.75 / 132, "bwd": 3 / 132}
+
+
+def _tp_overlapped(comm_s: float, gemm_s: float, tp: int, phase: str) -> float:
+    """Exposed time of a layer's tp collectives run chunk by chunk under its GEMMs: the
+    first of tp chunks cannot overlap, the rest hide behind the GEMMs up to their length,
+    and the GEMMs run on fewer SMs while they carry the overlap."""
+    first = comm_s / tp
+    rest = comm_s - first
+    hidden = min(rest, gemm_s)
+    return first + (rest - hidden) + hidden * TP_OVERLAP_SM_SHARE[phase]
+
+
 def _copy_s(nbytes: float, device) -> float:
     """A memory-bound copy of nbytes (read + write): measured copy rate, or HBM physics."""
     if device.measured is not None:
@@ -372,7 +390,13 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         # each redistribution's collective also pays DTensor's functional-collective path (measured)
         tp_fwd += (layer.tp_allreduces + (1 if layer.tp_gather_bytes else 0)) * \
             device.measured.dtensor_collective_overhead_s
-    tp_comm = 2 * tp_fwd
+    if layout.tp_comm_overlap and tp > 1 and tp_fwd > 0:
+        # the backward's GEMMs (input and weight gradients) are twice the forward's
+        tp_fwd, tp_bwd = (_tp_overlapped(tp_fwd, gemm_fwd_s, tp, "fwd"),
+                          _tp_overlapped(tp_fwd, 2 * gemm_fwd_s, tp, "bwd"))
+    else:
+        tp_bwd = tp_fwd
+    tp_comm = tp_fwd + tp_bwd
 
     # Recomputation in backward.
     if checkpoint == "full":
