@@ -90,7 +90,9 @@ def track(name: str, plan: dict) -> dict:
     mesh = init_device_mesh("cpu", (WORLD,))
     with torch.device("meta"):
         model = mod.build_model(cfg)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the plan's own reduce dtype, as autopar.lower.data_parallel.mixed_precision reads it
+    grads = ((plan.get("assumptions") or {}).get("cost_model") or {}).get("main_grads") or "fp32"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None if grads == "same" else torch.float32)
     choices = [c for s in plan["stages"] for c in s["layers"]]
     for c in choices:  # as autopar.lower.checkpointing: each checkpointed layer's one module wrapped
         if c["checkpoint"] != "none" and len(c["module_paths"]) == 1:

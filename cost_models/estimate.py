@@ -424,6 +424,15 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     if fp32_main:  # fp32 main gradients: 4 bytes each where the gradients are held, and reduced in fp32
         states.grads *= 4 / g_bytes
         g_bytes = 4
+    if zero >= 3 and layout.dp > 1 and layout.precision in ("bf16", "fp16") and offload == "none":
+        # FSDP (what autopar lowers to, and torchtitan / MPT run) shards the fp32 parameter
+        # itself: no 16-bit shard exists (the 16-bit copies are unsharded and transient, in
+        # the FSDP buffer), and a gradient shard takes its parameter's dtype. 4 + 4 + 8
+        # bytes per parameter / dp (FSDPMemTracker: sharded param, sharded grad, optimizer
+        # state). DeepSpeed's stage 3 also keeps a 16-bit shard: not modelled.
+        states.params = 4 * params_local / layout.dp
+        states.grads = 4 * params_local / layout.dp
+        states.optimizer = (k_bytes - 4) * params_local / layout.dp
     act = activation_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint, byte_scale=byte_scale)
     working = recompute_working_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint,
                                       byte_scale=byte_scale)
@@ -707,7 +716,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         # prefetches plus one layer's unsharded grads; DDP its buckets; TP its output.
         z3 = [j for j in idx if zeros[j] >= 3]
         p_b, g_b, _ = state_bytes_per_param(layout.precision, layout.optimizer)
-        fsdp_buf = 0.0
+        fsdp_buf = fsdp_fwd_buf = 0.0
         if z3 and layout.dp > 1:
             # FSDP2 holds the unsharded parameters of the unit it runs and of the one it
             # prefetches (its neighbour in execution order), and in backward the running
@@ -716,12 +725,24 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
             units = [costs[j].params_local if zeros[j] >= 3 else 0.0 for j in sorted(idx)]
             pairs = list(zip(units, units[1:])) or [(units[0], 0.0)]
             fsdp_buf = max((a + c) * p_b + max(a, c) * g_b for a, c in pairs)
+            fsdp_fwd_buf = max((a + c) * p_b for a, c in pairs)
         ddp_buf = sum(costs[j].bucket_bytes for j in idx)
         tp_buf = (max((fast(layers[j].output_bytes)(b, s1) for j in idx), default=0.0) * byte_scale
                   if layout.tp > 1 else 0.0)
-        frag = FRAGMENTATION * (activations + grads)
+        if m == 1:
+            # One micro-batch: the activations peak at the end of the forward, before any
+            # gradient exists, and shrink as the backward produces the gradients: the two
+            # never peak together, the larger counts. FSDP holds the running and the
+            # prefetched unit's unsharded parameters in forward; its unit gradients and
+            # reduce-scatter buffers belong to the backward's moments (below).
+            if z3 and layout.dp > 1:
+                fsdp_buf = fsdp_fwd_buf
+            grads_fb, act_fb = (0.0, activations) if activations >= grads else (grads, 0.0)
+        else:
+            grads_fb, act_fb = grads, activations
+        frag = FRAGMENTATION * (act_fb + grads_fb)
         buffers = fsdp_buf + ddp_buf + tp_buf + frag
-        total = params + grads + optim + activations + buffers
+        total = params + grads_fb + optim + act_fb + buffers
         # The optimizer step is a second peak: activations are gone, the gradients are
         # all alive, and foreach Adam holds a temporary of every state element at once.
         opt_temp = sum(costs[j].optimizer_temp_bytes for j in idx)
@@ -737,7 +758,46 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         at_loss = (params + grads_then + optim + act_then + tp_buf + ddp_buf
                    + FRAGMENTATION * (act_then + grads_then)) if loss_grads else 0.0
         at_step = params + grads + optim + ddp_buf + opt_temp
-        if at_loss > total and at_loss >= at_step:
+        # FSDP's backward, one micro-batch (m = 1), unit by unit from the last: while unit u
+        # computes, its unsharded parameters and gradient are alive beside the parameters
+        # FSDP2 prefetched for the next unit; then it reshards its parameters and copies its
+        # gradient into a reduce-scatter input in the reduce dtype, with the output shard
+        # beside it. The units before u still hold their activations, the units after it
+        # already hold their gradient shards, and ZeRO-2 units not yet reached keep their
+        # unsharded parameters. FSDPMemTracker puts the peak of short-sequence LLM steps at
+        # the LM head's reduce-scatter: 2 + 4 + 4/dp bytes per head parameter on top of
+        # every block's activations.
+        at_rs, rs_parts = 0.0, None
+        order = sorted(idx)
+        units = [j for j in order if zeros[j] >= 2 and costs[j].params_local > 0 and offs[j] == "none"]
+        if m == 1 and layout.dp > 1 and units and layout.pp == 1:
+            lp = 4 if layout.precision == "fp32" else 2
+            red = 4 if (layout.main_grads != "same" or layout.precision == "fp32") else lp
+            for u in units:
+                pu = costs[u].params_local
+                before = [j for j in order if j < u]
+                params_u = sum(costs[j].param_bytes for j in order
+                               if not (zeros[j] == 2 and j >= u))  # ZeRO-2 units from u on: resharded
+                grads_u = sum(costs[j].grad_bytes for j in order if j > u)
+                act_u = sum(costs[j].activation_bytes for j in before)
+                nxt = max((j for j in units if j < u), default=None)
+                prefetch = costs[nxt].params_local * p_b if nxt is not None and zeros[nxt] >= 3 \
+                    and u != units[-1] else 0.0
+                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + pu * lp + costs[u].activation_bytes \
+                    + costs[u].working_bytes
+                reducing = pu * lp + pu * red * (1 + 1 / layout.dp)
+                unit_bufs = prefetch + max(computing, reducing)
+                frag_u = FRAGMENTATION * (act_u + grads_u)
+                t = params_u + optim + grads_u + act_u + unit_bufs + tp_buf + ddp_buf + frag_u
+                if t > at_rs:
+                    at_rs = t
+                    rs_parts = (params_u, grads_u, act_u, unit_bufs + tp_buf + ddp_buf + frag_u, frag_u)
+        if at_rs > max(total, at_loss, at_step):
+            params, grads, activations, buffers, frag = rs_parts
+            total = at_rs
+        elif total >= max(at_loss, at_step):
+            grads, activations = grads_fb, act_fb  # the breakdown describes the forward/backward moment
+        elif at_loss > total and at_loss >= at_step:
             # the breakdown describes that moment (the loss's gradients under activations)
             grads, activations = grads_then, act_then
             frag = FRAGMENTATION * (act_then + grads_then)

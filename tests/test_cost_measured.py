@@ -285,13 +285,17 @@ def test_cpu_step_time_benchmark_runs_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_memory_tracker_benchmark_agrees_with_fsdp_mem_tracker(tmp_path):
-    """benchmarks/memory_tracker.py on one layout: the plan's peak (less fragmentation)
-    against torch's FSDPMemTracker under fake tensors, Llama 3 8B width, ZeRO-3, seq 2048.
-    The committed table (benchmarks/results/memory_tracker.md) has all 12 layouts."""
+    """benchmarks/memory_tracker.py on two layouts: the plan's peak (less fragmentation)
+    against torch's FSDPMemTracker under fake tensors, Llama 3 8B width, seq 2048, ZeRO-2
+    (peak at the loss) and ZeRO-3 with selective checkpointing (peak at the LM head's
+    reduce-scatter). The committed table (benchmarks/results/memory_tracker.md) has all 18."""
     out = tmp_path / "mt"
-    proc = subprocess.run([sys.executable, "benchmarks/memory_tracker.py", "--cases", "llama3_8b_l4_s2048_z3_none",
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    cases = "llama3_8b_l4_s2048_z2_none,llama3_8b_l4_s2048_z3_selective"
+    proc = subprocess.run([sys.executable, "benchmarks/memory_tracker.py", "--cases", cases, "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads((tmp_path / "mt.json").read_text())["rows"][0]
-    assert row["tracked_bytes"] > 5 * 2 ** 30  # a real-size rank, not a toy
-    assert abs(row["error"]) < 0.10, row["error"]
+    rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["tracked_bytes"] > 5 * 2 ** 30  # a real-size rank, not a toy
+        assert abs(row["error"]) < 0.05, (row["case"], row["error"])
