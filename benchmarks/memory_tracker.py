@@ -3,15 +3,16 @@
     python3 benchmarks/memory_tracker.py              # every case (about 10 minutes on 2 cores)
     python3 benchmarks/memory_tracker.py --cases NAME # some
 
-For each case, a Llama written as people write them (examples/llama.py) at
-real width and sequence length, with fewer layers (a rank's peak is linear in
+For each case, a Llama or a GPT written as people write them
+(examples/llama.py, examples/gpt.py) at real width and sequence length, with fewer layers (a rank's peak is linear in
 its layer count: the layers differ by nothing), is
 1. planned by autopar with the layout pinned (dp 8 on H100s, ZeRO level,
    checkpointing, bf16) -> the predicted peak of rank 0, less the allocator
    fragmentation it reserves (FSDPMemTracker counts tensors, not blocks);
 2. built on the meta device and lowered as autopar lowers that plan (one
    fully_shard unit per planned layer with the plan's reshard_after_forward,
-   FSDP2 mixed precision bf16 / fp32 reductions, checkpoint_wrapper on the
+   FSDP2 mixed precision bf16 with the plan's reduce dtype (or fp32 in the
+   `_fp32reduce` cases, priced with fp32 main gradients), checkpoint_wrapper on the
    layers the plan checkpoints, torch's AdamW as on a GPU: foreach), then
    trained for two steps under FakeTensorMode on rank 0 of a fake process
    group of 8 (no memory, no communication: ../shared notes, memory ground
@@ -36,7 +37,11 @@ sys.path.insert(0, str(ROOT))
 WORLD = 8
 LLAMA3_8B = dict(vocab_size=128256, dim=4096, heads=32, kv_heads=8, ffn_hidden=14336)
 LLAMA3_70B = dict(vocab_size=128256, dim=8192, heads=64, kv_heads=8, ffn_hidden=28672)
-# name -> (config fields, micro-batch, zero, checkpoint)
+GPT3_6_7B = dict(vocab_size=50257, hidden=4096, heads=32)
+# name -> (model file, config fields, micro-batch, zero, checkpoint, reduce dtype)
+# reduce "plan": the plan's own (autopar's plans reduce in the training dtype); "fp32":
+# torchtitan's reduce_dtype, priced by re-estimating the plan's layout with fp32 main
+# gradients and lowered with reduce_dtype=float32
 CASES = {}
 for model_name, dims, layers, seqs in (("llama3_8b", LLAMA3_8B, 4, (8192, 2048)),
                                        ("llama3_70b", LLAMA3_70B, 2, (4096,))):
@@ -44,14 +49,27 @@ for model_name, dims, layers, seqs in (("llama3_8b", LLAMA3_8B, 4, (8192, 2048))
         for zero in (2, 3):
             for ckpt in ("none", "selective", "full"):
                 CASES[f"{model_name}_l{layers}_s{seq}_z{zero}_{ckpt}"] = (
-                    dict(dims, layers=layers, seq_len=seq), 1, zero, ckpt)
+                    "llama", dict(dims, layers=layers, seq_len=seq), 1, zero, ckpt, "plan")
+# GPT-3 6.7B width (examples/gpt.py: fused qkv, GELU, tied 50257-token head)
+for zero, ckpt in ((2, "selective"), (3, "none"), (3, "full")):
+    CASES[f"gpt3_6.7b_l4_s2048_z{zero}_{ckpt}"] = ("gpt", dict(GPT3_6_7B, layers=4, seq_len=2048), 1, zero, ckpt,
+                                                   "plan")
+# fp32 gradient reduction (FSDP2 reduce_dtype=float32, torchtitan's default)
+for name, (model_name, dims, layers, seq, zero, ckpt) in {
+        "llama3_8b_l4_s2048_z3_none_fp32reduce": ("llama", LLAMA3_8B, 4, 2048, 3, "none"),
+        "llama3_8b_l4_s8192_z2_selective_fp32reduce": ("llama", LLAMA3_8B, 4, 8192, 2, "selective"),
+        "llama3_70b_l2_s4096_z3_full_fp32reduce": ("llama", LLAMA3_70B, 2, 4096, 3, "full")}.items():
+    CASES[name] = (model_name, dict(dims, layers=layers, seq_len=seq), 1, zero, ckpt, "fp32")
+
+MODEL_FILES = {"llama": ("examples/llama.py", "LlamaConfig"), "gpt": ("examples/gpt.py", "GPTConfig")}
 
 
-def _model(fields):
+def _model(model_name, fields):
     from autopar.model_file import import_model_file
 
-    mod = import_model_file(str(ROOT / "examples" / "llama.py"))
-    return mod, mod.LlamaConfig(**fields)
+    path, config = MODEL_FILES[model_name]
+    mod = import_model_file(str(ROOT / path))
+    return mod, getattr(mod, config)(**fields)
 
 
 def predict(name: str) -> dict:
@@ -59,17 +77,28 @@ def predict(name: str) -> dict:
 
     import autopar
     from autopar.lower.api import captured_with_loss
+    from autopar.solve.layout import layout_of
+    from cost_models.estimate import estimate
     from cost_models.hardware import ClusterSpec
+    from cost_models.layout import Layout
 
-    fields, mb, zero, ckpt = CASES[name]
-    mod, cfg = _model(fields)
+    model_name, fields, mb, zero, ckpt, reduce = CASES[name]
+    mod, cfg = _model(model_name, fields)
     with torch.device("meta"):
         model = mod.build_model(cfg)
     cluster = ClusterSpec(nodes=1, gpus_per_node=WORLD, device="h100-sxm")
-    plan = autopar.plan(captured_with_loss(model, lambda b: mod.example_inputs(b, cfg), mod.loss_fn), cluster,
-                        global_batch_size=WORLD * mb, precision="bf16", fusion=False, module=model,
-                        constraints=dict(dp=WORLD, tp=1, pp=1, zero=zero, checkpoint=ckpt, micro_batch=mb))
-    return plan.to_dict()
+    captured = captured_with_loss(model, lambda b: mod.example_inputs(b, cfg), mod.loss_fn)
+    plan = autopar.plan(captured, cluster, global_batch_size=WORLD * mb, precision="bf16", fusion=False,
+                        module=model, constraints=dict(dp=WORLD, tp=1, pp=1, zero=zero, checkpoint=ckpt,
+                                                       micro_batch=mb))
+    d = plan.to_dict()
+    if reduce == "fp32":  # the same layout with fp32 main gradients, as the lowering below runs it
+        layout = Layout(**{**layout_of(plan).to_dict(), "main_grads": "fp32"})
+        est = estimate(captured, layout, cluster)
+        d["predicted"]["peak_memory_bytes"] = list(est.peak_memory_bytes)
+        d["predicted"]["memory_breakdown"] = list(est.memory_breakdown)
+        d.setdefault("assumptions", {}).setdefault("cost_model", {})["main_grads"] = "fp32"
+    return d
 
 
 def track(name: str, plan: dict) -> dict:
@@ -84,8 +113,8 @@ def track(name: str, plan: dict) -> dict:
 
     from autopar.lower.checkpointing import wrap
 
-    fields, mb, _, _ = CASES[name]
-    mod, cfg = _model(fields)
+    model_name, fields, mb, _, _, _ = CASES[name]
+    mod, cfg = _model(model_name, fields)
     dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
     mesh = init_device_mesh("cpu", (WORLD,))
     with torch.device("meta"):
@@ -99,9 +128,18 @@ def track(name: str, plan: dict) -> dict:
             parent, _, leaf = c["module_paths"][0].rpartition(".")
             holder = model.get_submodule(parent) if parent else model
             holder._modules[leaf] = wrap(holder._modules[leaf], c["checkpoint"])
-    for c in choices:  # as autopar.lower.data_parallel.apply_fsdp
+    # as autopar.lower.data_parallel.apply_fsdp: a layer holding one end of a tied weight is
+    # left to the root unit (one parameter lives in one FSDP unit)
+    owners: dict = {}
+    for c in choices:
+        for path in c["module_paths"]:
+            for p in model.get_submodule(path).parameters():
+                owners.setdefault(id(p), set()).add(path)
+    for c in choices:
         for path in c["module_paths"]:
             module = model.get_submodule(path)
+            if any(len(owners[id(p)]) > 1 for p in module.parameters()):
+                continue
             if any(True for _ in module.parameters()):
                 fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=c["zero"] >= 3)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=any(c["zero"] >= 3 for c in choices))

@@ -783,8 +783,13 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
                 nxt = max((j for j in units if j < u), default=None)
                 prefetch = costs[nxt].params_local * p_b if nxt is not None and zeros[nxt] >= 3 \
                     and u != units[-1] else 0.0
-                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + pu * lp + costs[u].activation_bytes \
-                    + costs[u].working_bytes
+                # the reduce-scatter of the unit before it in backward is still in flight: FSDP2
+                # keeps one reduce-scatter's input alive until it issues the next
+                prev = min((j for j in units if j > u), default=None)
+                in_flight = costs[prev].params_local * red * (1 + 1 / layout.dp) if prev is not None else 0.0
+                # its gradients appear as its activations are consumed: the larger of the two
+                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + in_flight \
+                    + max(pu * lp, costs[u].activation_bytes + costs[u].working_bytes)
                 reducing = pu * lp + pu * red * (1 + 1 / layout.dp)
                 unit_bufs = prefetch + max(computing, reducing)
                 frag_u = FRAGMENTATION * (act_u + grads_u)

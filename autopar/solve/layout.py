@@ -14,7 +14,8 @@ from autopar.plan import ACCUMULATE
 from autopar.solve.search_space import Candidate
 
 
-def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str]) -> list[int]:
+def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str],
+                        root_held: list[bool] | None = None) -> list[int]:
     """The ZeRO level each layer runs at once lowered, which the plan states
     and the cost model prices (issue 12: every plan field runs as priced).
 
@@ -25,11 +26,30 @@ def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str]) -> 
     parameters nor a pipeline's per-micro-batch backward), which has no
     whole-gradient mode: those layers run as ZeRO 2, the same bytes on the
     wire and less memory. The rule mirrors
-    `autopar.lower.data_parallel.uses_replicate` (tests check they agree)."""
+    `autopar.lower.data_parallel.uses_replicate` (tests check they agree).
+    `root_held` (per layer, `root_held_layers`): layers FSDP2 runs in its root
+    unit, where ZeRO 3 runs as ZeRO 2 (pp = 1: both tied ends in the one stage)."""
     if c.dp == 1:
         return list(zeros)
     replicate = c.tp == 1 and c.pp == 1 and all(z <= 1 and o == "none" for z, o in zip(zeros, offloads))
-    return list(zeros) if replicate else [2 if z <= 1 and o == "none" else z for z, o in zip(zeros, offloads)]
+    levels = list(zeros) if replicate else [2 if z <= 1 and o == "none" else z for z, o in zip(zeros, offloads)]
+    if root_held and c.pp == 1:
+        # both ends of a tied weight live in FSDP2's root unit (one parameter, one unit),
+        # which FSDP2 does not reshard after forward: ZeRO 3 runs there as ZeRO 2
+        levels = [2 if r and z >= 3 and o == "none" else z for z, r, o in zip(levels, root_held, offloads)]
+    return levels
+
+
+def root_held_layers(model) -> list[bool]:
+    """Layers the lowering leaves to FSDP2's root unit: those holding either end of a
+    weight tied to another layer (`autopar.lower.data_parallel.apply_fsdp`: one
+    parameter lives in one FSDP unit). FSDP2 keeps its root's parameters unsharded
+    from forward to backward ("the root FSDP state has its value specially set to
+    False", fully_shard's reshard_after_forward), so they run as ZeRO 2."""
+    shared = [name for layer in model.layers for name in (getattr(layer, "shared_params", None) or [])]
+    return [bool(getattr(layer, "shared_params", None))
+            or any(n == p or n.startswith(p + ".") for n in shared for p in (layer.module_paths or []))
+            for layer in model.layers]
 
 
 def checkpoint_that_runs(layer, checkpoint: str) -> str:
@@ -44,11 +64,18 @@ def checkpoints_that_run(model, checkpoint: str) -> list[str]:
 
 
 def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
-                     checkpoint: str = "none", offload: str = "none") -> Layout:
-    """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model)."""
+                     checkpoint: str = "none", offload: str = "none", root_held: list[bool] | None = None) -> Layout:
+    """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model);
+    with `root_held`, the per-layer levels the lowering runs (`lowered_zero_levels`)."""
+    planned = zero
     zero = lowered_zero_levels(c, [zero], [offload])[0]
+    layer_zero = None
+    if root_held and any(root_held):
+        layer_zero = lowered_zero_levels(c, [planned] * len(root_held), [offload] * len(root_held), root_held)
+        if len(set(layer_zero)) == 1:
+            layer_zero = None
     # The cost model names no schedule for pp = 1 (it runs one 1F1B stage whatever it is told).
-    return Layout(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.micro_batch_size,
+    return Layout(layer_zero=layer_zero, tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.micro_batch_size,
                   num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
                   virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
                   checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer,
@@ -65,10 +92,10 @@ def _mode(values):
 
 
 def assignment_layout(c: Candidate, stage_layers: list[int], choices: list[tuple], *, precision: str,
-                      optimizer: str = "adam") -> Layout:
+                      optimizer: str = "adam", root_held: list[bool] | None = None) -> Layout:
     """Layout for a candidate with explicit stages and per-layer (zero, checkpoint, offload)."""
     offs = [o for _, _, o in choices]
-    zeros = lowered_zero_levels(c, [z for z, _, _ in choices], offs)
+    zeros = lowered_zero_levels(c, [z for z, _, _ in choices], offs, root_held)
     ckpts = [k for _, k, _ in choices]
     layout = candidate_layout(c, precision=precision, optimizer=optimizer, zero=_mode(zeros),
                               checkpoint=_mode(ckpts), offload=_mode(offs))

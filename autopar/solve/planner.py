@@ -23,7 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import LayerChoice, Mesh, Plan, Predicted, Stage
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
-from autopar.solve.layout import assignment_layout
+from autopar.solve.layout import assignment_layout, root_held_layers
 from autopar.solve.cpsat import solve_cpsat
 from autopar.solve.fusion_costs import charge_fusions, plan_fusions
 from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
@@ -123,7 +123,8 @@ def _choices(problem, solution) -> list[tuple]:
 
 def _price(model, cluster, result, precision, optimizer):
     layout = assignment_layout(result.candidate, _stage_layers(result.problem, result.solution),
-                               _choices(result.problem, result.solution), precision=precision, optimizer=optimizer)
+                               _choices(result.problem, result.solution), precision=precision, optimizer=optimizer,
+                               root_held=root_held_layers(model))
     return layout, estimate(model, layout, cluster)
 
 

@@ -35,7 +35,7 @@ import dataclasses
 from cost_models.errors import CostModelError
 from cost_models.estimate import estimate
 
-from autopar.solve.layout import candidate_layout, checkpoints_that_run
+from autopar.solve.layout import candidate_layout, checkpoints_that_run, root_held_layers
 from autopar.solve.problem import NS, StageProblem, StageSolution, evaluate, layer_classes
 
 
@@ -142,7 +142,7 @@ def uniform_layouts(model, cluster, candidates, options, *, bound_problem, preci
         if bound >= best:
             continue
         layout = candidate_layout(cand, precision=precision, optimizer=optimizer, zero=zero, checkpoint=ckpt,
-                                  offload=off)
+                                  offload=off, root_held=root_held_layers(model))
         layout.layer_checkpoint = checkpoints_that_run(model, ckpt)
         try:
             est = estimate(model, layout, cluster)

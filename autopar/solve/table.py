@@ -22,7 +22,7 @@ from cost_models.memory import FRAGMENTATION, model_state_bytes, state_bytes_per
 from cost_models.workload import fast
 
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
-from autopar.solve.layout import candidate_layout, checkpoint_that_runs, lowered_zero_levels
+from autopar.solve.layout import candidate_layout, checkpoint_that_runs, lowered_zero_levels, root_held_layers
 from autopar.solve.problem import (KIB, NS, OptionCost, lower_bound, StageProblem, in_flight_numerators, to_mem_units,
                                    to_time_units)
 from autopar.solve.search_space import Candidate
@@ -127,7 +127,9 @@ class TableBuilder:
                                             cand.num_micro_batches, "1f1b", 1, cand.sequence_parallel),
                                   precision=self.precision, optimizer=self.optimizer)
         rows = []
-        for layer in self.representative:
+        held = root_held_layers(self.model)
+        held_group = {g: held[i] for i, g in enumerate(self.group_of)}
+        for g, layer in enumerate(self.representative):
             row = []
             for zero, ckpt, off in self.options:
                 ckpt = checkpoint_that_runs(layer, ckpt)  # a layer of several modules: no recomputation
@@ -135,7 +137,7 @@ class TableBuilder:
                 # (ZeRO 2 under tp/pp); a mix of whole-gradient and FSDP2
                 # layers on a pure dp mesh is relabelled when the whole
                 # assignment is priced (assignment_layout).
-                zero = lowered_zero_levels(cand, [zero], [off])[0]
+                zero = lowered_zero_levels(cand, [zero], [off], [held_group[g]])[0]
                 lc = layer_cost(layer, self.model, layout, self.cluster, zero=zero, checkpoint=ckpt, offload=off)
                 self.layer_cost_calls += 1
                 row.append((self._option_cost(layer, lc, cand, zero), (zero, ckpt, off)))
