@@ -625,8 +625,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def calibrate(settings: Settings, progress=None) -> Profile:
-    """Run every measurement on `settings.ranks` processes and return the profile."""
+def calibrate(settings: Settings, progress=None, runs: int = 1) -> Profile:
+    """Run every measurement on `settings.ranks` processes and return the profile.
+    `runs` > 1: calibrate that many times, every number the median of its runs
+    (`cost_models.measured.median_profile`: a shared machine's slow spells)."""
+    if runs > 1:
+        from cost_models.measured import median_profile
+
+        say = progress or (lambda text: None)
+        profiles = []
+        for i in range(runs):
+            say(f"calibration run {i + 1} of {runs}")
+            profiles.append(calibrate(settings, progress))
+        return median_profile(profiles)
+    return _calibrate_once(settings, progress)
+
+
+def _calibrate_once(settings: Settings, progress=None) -> Profile:
     import torch.multiprocessing as mp
 
     progress = progress or (lambda text: None)

@@ -6,8 +6,12 @@
 
 1. Calibration: `autopar calibrate` times this machine (GEMMs, memory-bound
    ops, attention, per-op host time, gloo collectives) with `--ranks` ranks
-   sharing the cores, one thread each. That profile is the only input the
-   cost model gets from this machine.
+   sharing the cores, one thread each, before each of the first
+   `--calibrations` rounds (default 3); the cases are priced with the median
+   of those profiles (`cost_models.measured.median_profile`), the only input
+   the cost model gets from this machine. One calibration on a shared VM
+   measured it 4-25% faster than the steps that followed ran: the median of
+   calibrations taken beside the measured rounds is what the machine does.
 2. Validation: each case (a model written as people write them, a layout
    pinned in full) is planned with that profile, lowered by autopar.compile
    on `--ranks` gloo processes, and trained for `--steps` timed steps after
@@ -163,6 +167,11 @@ def measure(model_name: str, plan: dict, world: int, steps: int, warmup: int) ->
     return payload
 
 
+def _layout(plan: dict) -> tuple:
+    return (json.dumps(plan["mesh"], sort_keys=True), plan.get("micro_batch_size"), plan.get("schedule"),
+            json.dumps([[(c["zero"], c["checkpoint"], c["offload"]) for c in s["layers"]] for s in plan["stages"]]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="a profile from `autopar calibrate` (default: calibrate now)")
@@ -170,6 +179,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="measure every case this many times, in turn")
+    ap.add_argument("--calibrations", type=int, default=3,
+                    help="calibrate before each of the first N rounds; price with their median (default 3)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_step_time"))
     ap.add_argument("--cases", default=None, help="model:layout,... (default: every model x layout)")
@@ -177,16 +188,22 @@ def main() -> int:
 
     from autopar.calibrate import Settings, calibrate
     from cost_models.hardware import ClusterSpec
-    from cost_models.measured import Profile
+    from cost_models.measured import Profile, median_profile
 
-    if args.profile:
-        profile = Profile.load(args.profile)
-    else:
+    def calibrated():
         print("calibrating ...", file=sys.stderr)
-        profile = calibrate(Settings(device="cpu", ranks=args.ranks, threads_per_rank=1, dtypes=("fp32",),
-                                     quick=args.quick), progress=lambda t: print("  " + t, file=sys.stderr))
-        profile.save(args.out + "_profile.json")
-    cluster = ClusterSpec(gpus=args.ranks, device="cpu", gpus_per_node=args.ranks).with_profile(profile)
+        return calibrate(Settings(device="cpu", ranks=args.ranks, threads_per_rank=1, dtypes=("fp32",),
+                                  quick=args.quick), progress=lambda t: print("  " + t, file=sys.stderr))
+
+    def priced(profile):
+        cluster = ClusterSpec(gpus=args.ranks, device="cpu", gpus_per_node=args.ranks).with_profile(profile)
+        plans, failed = {}, {}
+        for case in cases:
+            try:
+                plans[case] = predict(*case, cluster)
+            except Exception as exc:  # a case that cannot be planned is reported, not hidden
+                failed[case] = f"{type(exc).__name__}: {exc}"
+        return plans, failed
 
     if args.cases:
         cases = [tuple(c.split(":")) for c in args.cases.split(",")]
@@ -194,15 +211,17 @@ def main() -> int:
         cases = QUICK
     else:
         cases = [(m, lay) for m in MODELS for lay in LAYOUTS]
-    plans, failed, rounds, peaks = {}, {}, {}, {}
-    for case in cases:
-        try:
-            plans[case] = predict(*case, cluster)
-        except Exception as exc:  # a case that cannot be planned is reported, not hidden
-            failed[case] = f"{type(exc).__name__}: {exc}"
+    # One calibration before each round unless a profile is given: the profile that
+    # prices the cases is the median of those calibrations, taken at the times the
+    # steps ran (a shared VM's slow spells fall on both sides alike).
+    profiles = [Profile.load(args.profile)] if args.profile else [calibrated()]
+    plans, failed = priced(profiles[0])  # the layouts run (every field pinned: no profile changes them)
+    rounds, peaks = {}, {}
     # Every case once per round, rounds in turn: a shared machine's slow spells then
     # land on all cases alike, and the spread between rounds says how noisy it was.
     for r in range(args.rounds):
+        if r > 0 and not args.profile and r < args.calibrations:
+            profiles.append(calibrated())
         for case, plan in plans.items():
             if case in failed:
                 continue
@@ -215,6 +234,16 @@ def main() -> int:
             rounds.setdefault(case, []).append(statistics.median(times["times"]))
             print(f"round {r + 1}: {case[0]:20s} {case[1]:10s} predicted {plan['predicted']['step_time_s'] * 1e3:8.1f}"
                   f" ms  measured {rounds[case][-1] * 1e3:8.1f} ms", file=sys.stderr)
+    profile = median_profile(profiles)
+    if not args.profile:
+        profile.save(args.out + "_profile.json")
+    if len(profiles) > 1:
+        ran = plans
+        plans, refused = priced(profile)
+        for case, plan in list(plans.items()):
+            if case in ran and _layout(plan) != _layout(ran[case]):  # priced what ran, or said so
+                failed[case] = "the median profile plans another layout than the one that ran"
+        failed.update({c: e for c, e in refused.items() if c not in failed})
     rows = []
     for case in cases:
         if case in failed:

@@ -191,7 +191,11 @@ def main() -> int:
             continue
         peak = json.loads(proc.stdout.strip().splitlines()[-1])
         row = {"case": name, "predicted_bytes": allocated, "tracked_bytes": peak["Total"],
-               "error": allocated / peak["Total"] - 1, "tracked": peak, "predicted_breakdown": breakdown}
+               "error": allocated / peak["Total"] - 1, "tracked": peak, "predicted_breakdown": breakdown,
+               # FSDP2's persistent states: fp32 parameter shards + AdamW's two moments, the
+               # 4 + 8 B/param/dp the estimate books for them (docs/cost_model.md section 4)
+               "predicted_sharded_states": 12 * plan["model"]["total_params"] / WORLD,
+               "tracked_sharded_states": peak.get("SHARDED_PARAM", 0.0) + peak.get("OPT", 0.0)}
         rows.append(row)
         print(f"{name:34s} predicted {allocated / 2**30:7.2f} GiB  tracked {peak['Total'] / 2**30:7.2f} GiB  "
               f"{row['error']:+.1%}", file=sys.stderr, flush=True)

@@ -693,6 +693,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     capacity = device.usable_memory_bytes
     host_per_gpu = 0.0
     tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
+    root_held = model.tied_layers()
     for r in range(pp):
         idx = ranks[r]
         step_exp = sum(costs[j].dp_step_exposed_s for j in idx)
@@ -773,30 +774,56 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         if m == 1 and layout.dp > 1 and units and layout.pp == 1:
             lp = 4 if layout.precision == "fp32" else 2
             red = 4 if (layout.main_grads != "same" or layout.precision == "fp32") else lp
+            # Layers holding an end of a tied weight run in FSDP2's root unit (the lowering
+            # keeps one parameter in one unit): never resharded, and their gradients stay
+            # unsharded from the first of them the backward reaches (the head, which makes
+            # the tied embedding's gradient) to the root's reduce-scatter after the last
+            root = set(j for j in units if root_held[j])
+            tied_grad = {j: layers[j].attrs.get("tied_param_count", 0) / _tp_for(layers[j], layout.tp) * lp
+                         for j in root if layers[j].shared_params}
+            own = [j for j in units if j not in root]
             for u in units:
                 pu = costs[u].params_local
                 before = [j for j in order if j < u]
                 params_u = sum(costs[j].param_bytes for j in order
-                               if not (zeros[j] == 2 and j >= u))  # ZeRO-2 units from u on: resharded
-                grads_u = sum(costs[j].grad_bytes for j in order if j > u)
+                               if not (zeros[j] == 2 and j >= u and j not in root))  # ZeRO-2 units from u on: resharded
+                grads_u = sum(costs[j].grad_bytes for j in order if j > u and j not in root)
+                held_u = sum(costs[j].params_local * lp for j in root if j > u) \
+                    + (sum(g for h, g in tied_grad.items() if h > u) if u not in root else 0.0)
                 act_u = sum(costs[j].activation_bytes for j in before)
                 nxt = max((j for j in units if j < u), default=None)
                 prefetch = costs[nxt].params_local * p_b if nxt is not None and zeros[nxt] >= 3 \
                     and u != units[-1] else 0.0
                 # the reduce-scatter of the unit before it in backward is still in flight: FSDP2
                 # keeps one reduce-scatter's input alive until it issues the next
-                prev = min((j for j in units if j > u), default=None)
+                prev = min((j for j in own if j > u), default=None)
                 in_flight = costs[prev].params_local * red * (1 + 1 / layout.dp) if prev is not None else 0.0
-                # its gradients appear as its activations are consumed: the larger of the two
-                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + in_flight \
+                # its gradients appear as its activations are consumed: the larger of the two,
+                # beside the gradient of its output it reads throughout (logits-sized at a head:
+                # its weight gradient is made while that is alive)
+                out_grad = costs[u].loss_grad_bytes / 2 if costs[u].loss_grad_bytes \
+                    else fast(layers[u].output_bytes)(b, s1) * byte_scale
+                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + in_flight + out_grad \
                     + max(pu * lp, costs[u].activation_bytes + costs[u].working_bytes)
-                reducing = pu * lp + pu * red * (1 + 1 / layout.dp)
-                unit_bufs = prefetch + max(computing, reducing)
+                reducing = 0.0 if u in root else pu * lp + pu * red * (1 + 1 / layout.dp)
+                unit_bufs = prefetch + max(computing, reducing) + held_u
                 frag_u = FRAGMENTATION * (act_u + grads_u)
                 t = params_u + optim + grads_u + act_u + unit_bufs + tp_buf + ddp_buf + frag_u
                 if t > at_rs:
                     at_rs = t
                     rs_parts = (params_u, grads_u, act_u, unit_bufs + tp_buf + ddp_buf + frag_u, frag_u)
+            if root:
+                # the root's reduce-scatter, after the whole backward: every other unit's
+                # gradient is a shard, the root's are unsharded beside their reduce buffers
+                grads_r = sum(costs[j].grad_bytes for j in order if j not in root)
+                last = min(own, default=None)
+                in_flight = costs[last].params_local * red * (1 + 1 / layout.dp) if last is not None else 0.0
+                bufs = sum(costs[j].params_local for j in root) * (lp + red * (1 + 1 / layout.dp)) + in_flight
+                frag_r = FRAGMENTATION * grads_r
+                t = params + optim + grads_r + bufs + tp_buf + ddp_buf + frag_r
+                if t > at_rs:
+                    at_rs = t
+                    rs_parts = (params, grads_r, 0.0, bufs + tp_buf + ddp_buf + frag_r, frag_r)
         if at_rs > max(total, at_loss, at_step):
             params, grads, activations, buffers, frag = rs_parts
             total = at_rs

@@ -490,6 +490,41 @@ class Profile:
         return cls.from_dict(data, str(path))
 
 
+def median_profile(profiles: list) -> Profile:
+    """One profile from several calibrations of the same machine: every measured number
+    the median of its repeats. A shared machine (a VM, a node with neighbours) runs
+    slow spells that one calibration can land in; the median of a few, taken at the
+    times the work runs, is what the machine does. Entries whose shape differs between
+    repeats (a grid one repeat cut short) keep the first profile's."""
+    import statistics
+
+    if not profiles:
+        raise ValueError("median_profile: no profiles")
+
+    def med(values):
+        first = values[0]
+        if isinstance(first, dict):
+            if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+                return first
+            return {k: med([v[k] for v in values]) for k in first}
+        if isinstance(first, list):
+            if any(not isinstance(v, list) or len(v) != len(first) for v in values):
+                return first
+            return [med([v[i] for v in values]) for i in range(len(first))]
+        if isinstance(first, (int, float)) and not isinstance(first, bool) \
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            # counts (group sizes, grid points) stay integers: the lower median is one of them
+            return statistics.median_low(values) if all(isinstance(v, int) for v in values) \
+                else statistics.median(values)
+        return first
+
+    dicts = [p.to_dict() for p in profiles]
+    merged = med(dicts)
+    merged["machine"] = {**dicts[0].get("machine", {}), "calibrations": len(profiles),
+                         "created": [d.get("machine", {}).get("created") for d in dicts]}
+    return Profile.from_dict(merged, profiles[0].source)
+
+
 def apply_profile(cluster, profile: Profile):
     """`cluster` with its device and links replaced by the measured ones (node
     counts, host memory and everything else kept)."""

@@ -186,3 +186,11 @@ class ModelSpec:
 
     def total(self, field_name: str, batch: int = 1) -> float:
         return sum(layer.eval(field_name, batch, self.seq_len) for layer in self.layers)
+
+    def tied_layers(self) -> list[bool]:
+        """Per layer: does it hold either end of a weight tied to another layer (the
+        layer naming it in `shared_params`, or the one whose module owns it)?"""
+        shared = [name for layer in self.layers for name in (getattr(layer, "shared_params", None) or [])]
+        return [bool(getattr(layer, "shared_params", None))
+                or any(n == p or n.startswith(p + ".") for n in shared for p in (layer.module_paths or []))
+                for layer in self.layers]

@@ -189,6 +189,31 @@ def test_profile_survives_a_plan_file_round_trip():
     assert cluster.nodes == 1 and cluster.gpus_per_node == 4 and cluster.device == "measured-test"
 
 
+def test_median_profile_takes_every_measurement_s_median():
+    """Several calibrations of one machine (`autopar calibrate --runs N`, the CPU
+    benchmark's one per round): every number the median of its runs, so one run in a
+    slow spell moves nothing; the plan priced with it sits between the runs'."""
+    from cost_models.analytic import gpt
+    from cost_models.estimate import estimate
+    from cost_models.layout import Layout
+    from cost_models.measured import median_profile
+
+    runs = [Profile.from_dict(_profile_dict(gemm_scale=s)) for s in (1.0, 0.5, 0.9)]  # one slow spell
+    merged = median_profile(runs)
+    d = merged.to_dict()
+    assert d["compute"]["gemm"]["fp32"]["flops_per_s"] == runs[2].to_dict()["compute"]["gemm"]["fp32"]["flops_per_s"]
+    assert d["compute"]["gemm"]["fp32"]["m"] == [16, 256, 4096]  # the grid itself unchanged
+    assert d["machine"]["calibrations"] == 3
+    model = gpt("g", hidden=128, heads=4, layers=2, seq_len=64, vocab_size=512)
+    layout = Layout(dp=2, zero=3, micro_batch_size=2, precision="fp32")
+
+    def step(p):
+        return estimate(model, layout, ClusterSpec(gpus=4, device="cpu", gpus_per_node=4).with_profile(p)).step_time_s
+    assert step(runs[0]) < step(merged) < step(runs[1])
+    assert step(merged) == step(runs[2])
+    assert median_profile(runs[:1]).to_dict()["compute"] == runs[0].to_dict()["compute"]
+
+
 # -- malformed files ----------------------------------------------------------------------------
 @pytest.mark.parametrize("edit, field", [
     (lambda d: d.update(schema="autopar-profile/0"), "schema"),
@@ -267,12 +292,12 @@ def test_calibrate_then_plan_with_the_profile(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_step_time_benchmark_runs_end_to_end(tmp_path):
-    """benchmarks/cpu_step_time.py --quick: calibrate, plan with the profile, train on
-    2 gloo ranks, compare. Loose bounds (a shared CI machine is noisy; the committed
+    """benchmarks/cpu_step_time.py --quick: calibrate before each of two rounds, plan with
+    the median profile, train on 2 gloo ranks, compare. Loose bounds (a shared CI machine is noisy; the committed
     table, benchmarks/results/cpu_step_time.md, is the measurement): every case is
     priced and run, step time within a factor of 2, peak memory within 50%."""
     out = tmp_path / "cst"
-    proc = subprocess.run([sys.executable, "benchmarks/cpu_step_time.py", "--quick", "--rounds", "1", "--steps", "3",
+    proc = subprocess.run([sys.executable, "benchmarks/cpu_step_time.py", "--quick", "--rounds", "2", "--calibrations", "2", "--steps", "3",
                            "--warmup", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "cst.json").read_text())
@@ -281,21 +306,31 @@ def test_cpu_step_time_benchmark_runs_end_to_end(tmp_path):
         assert 0.5 < row["predicted_s"] / row["measured_s"] < 2.0, row
         assert abs(row["memory_error"]) < 0.5, row
     assert (tmp_path / "cst.md").read_text().count("| gpt_") == 2
+    assert data["machine"]["calibrations"] == 2 and all(len(r["measured_rounds_s"]) == 2 for r in data["rows"])
 
 
 @pytest.mark.slow
 def test_memory_tracker_benchmark_agrees_with_fsdp_mem_tracker(tmp_path):
-    """benchmarks/memory_tracker.py on two layouts: the plan's peak (less fragmentation)
-    against torch's FSDPMemTracker under fake tensors, Llama 3 8B width, seq 2048, ZeRO-2
-    (peak at the loss) and ZeRO-3 with selective checkpointing (peak at the LM head's
-    reduce-scatter). The committed table (benchmarks/results/memory_tracker.md) has all 18."""
+    """benchmarks/memory_tracker.py on twelve layouts at real size (Llama 3 8B and 70B,
+    GPT-3 6.7B widths; ZeRO-2 and 3; no, selective and full checkpointing; seq 2048 to
+    8192; bf16 and fp32 reduction): the plan's peak (less fragmentation) against torch's
+    FSDPMemTracker under fake tensors, within 5% each, and FSDP2's persistent sharded
+    states (fp32 parameter shards + AdamW moments) exactly as booked. Their peaks fall
+    at different moments: the loss's first backward op, the LM head's weight gradient,
+    a block's reduce-scatter, the tied embedding's gradient held by the root unit.
+    The committed table (benchmarks/results/memory_tracker.md) has all 24."""
     out = tmp_path / "mt"
-    cases = "llama3_8b_l4_s2048_z2_none,llama3_8b_l4_s2048_z3_selective"
-    proc = subprocess.run([sys.executable, "benchmarks/memory_tracker.py", "--cases", cases, "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    cases = ["llama3_8b_l4_s2048_z2_none", "llama3_8b_l4_s2048_z3_none", "llama3_8b_l4_s2048_z3_selective",
+             "llama3_8b_l4_s2048_z3_full", "llama3_8b_l4_s8192_z2_selective", "llama3_8b_l4_s8192_z3_full",
+             "llama3_70b_l2_s4096_z2_full", "llama3_70b_l2_s4096_z3_none", "llama3_70b_l2_s4096_z3_selective",
+             "gpt3_6.7b_l4_s2048_z2_selective", "gpt3_6.7b_l4_s2048_z3_full",
+             "llama3_8b_l4_s2048_z3_none_fp32reduce"]
+    proc = subprocess.run([sys.executable, "benchmarks/memory_tracker.py", "--cases", ",".join(cases),
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
-    assert len(rows) == 2
+    assert [r["case"] for r in rows] == cases
     for row in rows:
-        assert row["tracked_bytes"] > 5 * 2 ** 30  # a real-size rank, not a toy
+        assert row["tracked_bytes"] > 3.5 * 2 ** 30  # a real-size rank, not a toy
         assert abs(row["error"]) < 0.05, (row["case"], row["error"])
+        assert row["tracked_sharded_states"] == pytest.approx(row["predicted_sharded_states"], rel=0.01), row["case"]

@@ -150,6 +150,10 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
         fields = dict(fields)
         attrs = dict(m0.attrs)
         attrs["param_tensors"] = len(owned)  # the optimizer's per-tensor work (for-loop / foreach)
+        if shared.get(layer):
+            # the tied weights it uses but another layer owns: their gradient is made here
+            # first, and a pipeline rank without the owner keeps a copy (the memory model)
+            attrs["tied_param_count"] = sum(sizes[k][0] for k in shared[layer])
         if layer == n - 1 and loss_fn is not None:
             attrs["loss"] = True
         if seq is not None:

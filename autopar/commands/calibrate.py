@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads each rank uses (default: cores / ranks)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="GEMM dtypes to time, comma-separated (default fp32,bf16)")
     parser.add_argument("--quick", action="store_true", help="a small grid: a first look in seconds, not minutes")
+    parser.add_argument("--runs", type=int, default=1, metavar="N",
+                        help="calibrate N times and keep every measurement's median: a shared machine "
+                             "(a VM, a node with neighbours) has slow spells one run can land in (default 1)")
 
 
 def run(args) -> int:
@@ -50,6 +53,8 @@ def run(args) -> int:
         raise AutoparError("--device cuda: torch sees no CUDA device", hint="calibrate CPU ranks with --device cpu")
     if args.device == "cuda" and ranks > torch.cuda.device_count():
         raise AutoparError(f"--ranks {ranks}: only {torch.cuda.device_count()} GPU(s) visible")
+    if args.runs < 1:
+        raise AutoparError(f"--runs must be positive, got {args.runs}")
     if args.threads_per_rank is not None and args.threads_per_rank < 1:
         raise AutoparError(f"--threads-per-rank must be positive, got {args.threads_per_rank}")
     settings = Settings(device=args.device, ranks=ranks, threads_per_rank=args.threads_per_rank, dtypes=dtypes,
@@ -57,7 +62,8 @@ def run(args) -> int:
     print(f"calibrating {args.device} ({ranks} ranks, backend {settings.backend}"
           + (f", {settings.threads()} threads each" if args.device == "cpu" else "") + ")", file=sys.stderr)
     try:
-        profile = calibrate(settings, progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+        profile = calibrate(settings, progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
+                            runs=args.runs)
     except RuntimeError as exc:
         raise AutoparError(str(exc), hint="rerun with --quick to check the setup; AUTOPAR_DEBUG=1 for details") from None
     profile.save(args.output)

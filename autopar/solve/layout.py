@@ -46,10 +46,7 @@ def root_held_layers(model) -> list[bool]:
     parameter lives in one FSDP unit). FSDP2 keeps its root's parameters unsharded
     from forward to backward ("the root FSDP state has its value specially set to
     False", fully_shard's reshard_after_forward), so they run as ZeRO 2."""
-    shared = [name for layer in model.layers for name in (getattr(layer, "shared_params", None) or [])]
-    return [bool(getattr(layer, "shared_params", None))
-            or any(n == p or n.startswith(p + ".") for n in shared for p in (layer.module_paths or []))
-            for layer in model.layers]
+    return model.tied_layers()
 
 
 def checkpoint_that_runs(layer, checkpoint: str) -> str:
