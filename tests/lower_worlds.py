@@ -270,21 +270,20 @@ def meta_memory_world(rank, world):
 
 
 def emitted_reference_world(rank, world, build_dir, steps):
-    """What the emitted train.py computes, done by compiling in this process."""
-    import importlib.util
+    """What the emitted train.py computes (--synthetic, AdamW at 3e-4 without weight
+    decay, a constant schedule), done by compiling in this process and feeding every
+    rank the whole global batch (train.py reads only each dp rank's share)."""
     import os
     from autopar.model_file import load_model
     from autopar.plan import Plan
-    spec = importlib.util.spec_from_file_location("emitted_train", os.path.join(build_dir, "train.py"))
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)  # defines synthetic_batch; main() does not run
+    from autopar.train.data import GlobalBatches, Synthetic
     plan = Plan.load(os.path.join(build_dir, "plan.json"))
     torch.manual_seed(0)
     loaded = load_model(os.path.join(build_dir, "model.py") + ":gpt_tiny", device="cpu")
     pm = compile(loaded.model, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                 optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 3e-4}, plan=plan)
-    return [pm.train_step(*train.synthetic_batch(loaded.example_inputs, plan.global_batch_size, s, 0))
-            for s in range(steps)]
+                 optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.0}, plan=plan)
+    data = GlobalBatches(Synthetic(loaded.example_inputs, seed=0), plan.global_batch_size, 1, 0, seed=0)
+    return [pm.train_step(*data.batch(s)) for s in range(steps)]
 
 
 def precision_world(rank, world):
@@ -379,4 +378,66 @@ def hf_precision_world(rank, world):
         losses = [pm.train_step((x,), y) for x, y in batches()]
         out[name] = {"losses": losses, "ref_losses": ref_losses,
                      "param_dtype": str(next(iter(pm.full_state_dict().values())).dtype)}
+    return out
+
+
+def _clip_reference(model_name, token_file, clip, steps, wd=0.1):
+    """One process as people write the loop: AdamW with biases and norm gains undecayed,
+    warmup + cosine LambdaLR, torch's clip_grad_norm_, the whole global batch k."""
+    from autopar.train.data import GlobalBatches, TokenFile
+    from autopar.train.schedule import lr_scheduler
+    model, _, loss_fn = build(model_name)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1e-2, weight_decay=wd)
+    sched = lr_scheduler(opt, warmup=1, total=steps, decay="cosine")
+    data = GlobalBatches(TokenFile(token_file, SEQ), GLOBAL_BATCH, 1, 0, seed=7)
+    losses, norms = [], []
+    for step in range(steps):
+        (x,), y = data.batch(step)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def training_runtime_world(rank, world, token_file, layouts, clip=0.05, steps=4):
+    """autopar.train's pieces on several layouts against `_clip_reference`: each dp rank
+    reads only its share of global batch k (local_batch), clipping by the global norm over
+    every dp / tp / pp shard, the schedule, weight-decay groups. Losses, the gradient norm
+    before clipping at every step, and the parameters after `steps` steps."""
+    from autopar.train.data import GlobalBatches, TokenFile
+    from autopar.train.schedule import lr_scheduler
+    out, refs = {}, {}
+    for name, kw in layouts:
+        kw = dict(kw)
+        model_name = kw.pop("model", "llama")
+        if model_name not in refs:
+            refs[model_name] = _clip_reference(model_name, token_file, clip, steps)
+        ref_losses, ref_norms, ref_params = refs[model_name]
+        model, example, loss_fn = build(model_name)
+        dp = kw.get("dp", 1)
+        n_mb = kw.setdefault("num_micro_batches", 1)
+        kw.setdefault("micro_batch_size", GLOBAL_BATCH // (dp * n_mb))
+        plan = plan_for_model(model, example_inputs=example, **kw)
+        pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+                     optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, plan=plan, local_batch=True,
+                     no_weight_decay_1d=True)
+        pm.max_grad_norm = clip
+        pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=1, total=steps, decay="cosine")
+        data = GlobalBatches(TokenFile(token_file, SEQ), GLOBAL_BATCH, plan.mesh.dp, pm.dp_rank, seed=7)
+        losses, norms = [], []
+        for step in range(steps):
+            inputs, targets = data.batch(step)
+            losses.append(pm.train_step(inputs, targets))
+            norms.append(pm.last_grad_norm)
+        out[name] = {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                     "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+                     "norms": norms, "ref_norms": ref_norms,
+                     "param_rel": compare(pm.full_state_dict(), ref_params)}
     return out

@@ -35,7 +35,7 @@ def test_compile_writes_a_readable_build(tmp_path, capsys):
     assert Plan.load(str(out / "plan.json")).to_dict() == plan.to_dict()
     py_compile.compile(str(out / "train.py"), doraise=True)
     train = (out / "train.py").read_text()
-    assert "autopar.compile(" in train and "pp=2 x dp=2 x tp=1" in train
+    assert "from autopar.train import main" in train and "pp=2 x dp=2 x tp=1" in train
     for script in ("launch.sh", "launch.sbatch"):
         assert subprocess.run(["bash", "-n", str(out / script)]).returncode == 0
         assert os.access(out / script, os.X_OK)
@@ -69,7 +69,7 @@ def test_emitted_build_runs_under_torchrun_and_matches_in_process_compile(tmp_pa
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), str(out / "train.py"), "--steps", "3",
+         "--master_port", str(free_port()), str(out / "train.py"), "--steps", "3", "--synthetic",
          "--losses-out", str(losses_file)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,36 +103,41 @@ def test_solver_plan_from_autopar_compile_lowers_and_matches_single_process(tmp_
 
 
 def test_emitted_training_feeds_hugging_face_models_their_labels(tmp_path):
-    """A model file without loss_fn (a transformers causal LM): train.py lets
+    """A model file without loss_fn (a transformers causal LM): the runtime lets
     autopar use the model's own loss, whose labels are the inputs unshifted
-    (transformers shifts them); a model file's loss_fn gets shifted targets."""
-    import importlib.util
+    (transformers shifts them); a model file's loss_fn gets shifted targets,
+    from --synthetic and from a token file alike. No data at all: one line."""
+    import types
+    import numpy as np
     import torch
-    from autopar.lower.emit import write_build
+    from autopar.errors import AutoparError
+    from autopar.train.run import _dataset
+    example = lambda b: (torch.randint(0, 100, (b, 8)),)  # noqa: E731
     model, _ = gpt.gpt_tiny()
-    write_build(str(tmp_path), plan_for_model(model), MODEL)
-    source = (tmp_path / "train.py").read_text()
-    assert "no loss_fn" not in source and "shift=loaded.loss_fn is not None" in source
-    spec = importlib.util.spec_from_file_location("emitted_train_hf", tmp_path / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    example = lambda b: (torch.randint(0, 100, (b, 8)),)
-    inputs, labels = train.synthetic_batch(example, 4, 0, 0, shift=False)
-    assert torch.equal(labels, inputs[0])
-    inputs, targets = train.synthetic_batch(example, 4, 0, 0)
-    assert torch.equal(targets[:, :-1], inputs[0][:, 1:])
+    plan = plan_for_model(model)
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    for loss_fn, shifted in ((gpt.loss_fn, True), (None, False)):
+        loaded = types.SimpleNamespace(model=model, example_inputs=example, loss_fn=loss_fn)
+        args = types.SimpleNamespace(data=None, synthetic=True, seed=0, data_dtype="uint16")
+        (x,), y = _dataset(args, loaded, plan, None)[5]
+        assert torch.equal(y[:-1], x[1:]) if shifted else torch.equal(y, x)
+        args.data = str(tmp_path / "t.bin")
+        (x,), y = _dataset(args, loaded, plan, None)[1]
+        assert torch.equal(y, x + 1) if shifted else torch.equal(y, x)
+    args = types.SimpleNamespace(data=None, synthetic=False, seed=0, data_dtype="uint16")
+    with pytest.raises(AutoparError, match="no training data"):
+        _dataset(args, loaded, plan, None)
 
 
 def test_inferred_keyword_inputs_are_fed_positionally_with_labels_as_targets(tmp_path):
     """Capture infers `({"input_ids", "labels", "use_cache"},)` for a Hugging Face model file that
     defines no example_inputs; lowering feeds positional tensors, so train.py and autopar.compile
     split them: input_ids in forward order, labels as train_step's targets."""
-    import importlib.util
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from autopar.errors import AutoparError
-    from autopar.lower.emit import write_build
     from autopar.lower.model_io import positional_inputs
+    from autopar.train.data import Synthetic
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     inferred = lambda b: ({"input_ids": torch.randint(0, 64, (b, 8)), "labels": torch.randint(0, 64, (b, 8)),  # noqa: E731
@@ -143,10 +148,5 @@ def test_inferred_keyword_inputs_are_fed_positionally_with_labels_as_targets(tmp
     assert positional_inputs(model, lambda b: (torch.zeros(b, 8, dtype=torch.long),)) is None  # already positional
     with pytest.raises(AutoparError, match="not the first parameters"):  # a keyword the forward takes later
         positional_inputs(model, lambda b: ({"labels": torch.zeros(b, 8), "inputs_embeds": torch.zeros(b, 8, 32)},))(2)
-    model_gpt, _ = gpt.gpt_tiny()
-    write_build(str(tmp_path), plan_for_model(model_gpt), MODEL)
-    spec = importlib.util.spec_from_file_location("emitted_train_split", tmp_path / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    inputs, labels = train.synthetic_batch(inferred, 4, 0, 0, shift=False, split=split)
-    assert inputs[0].shape == (4, 8) and labels.shape == (4, 8) and not torch.equal(labels, inputs[0])
+    (x,), labels = Synthetic(inferred, shift=False, split=split)[0]
+    assert x.shape == (8,) and labels.shape == (8,) and not torch.equal(labels, x)

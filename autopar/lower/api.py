@@ -51,7 +51,8 @@ def _plan_on_rank0(make) -> Plan:
 def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global_batch_size: int | None = None,
             loss_fn=None, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
-            local_batch: bool = False, precision: str | None = None, memory_headroom: float | None = None) -> ParallelModel:
+            local_batch: bool = False, precision: str | None = None, memory_headroom: float | None = None,
+            no_weight_decay_1d: bool = False) -> ParallelModel:
     """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
 
     Call it in every process of a torchrun/SLURM job (or after
@@ -66,6 +67,10 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     planning here) is the training compute dtype, planned and run.
     `memory_headroom` (fraction of device memory the plan leaves free; None:
     the planner's default, 0.1) applies when planning here.
+    `no_weight_decay_1d`: biases and norm gains (tensors of < 2 dims) get no
+    weight decay (a second parameter group); the rest `optimizer_kwargs`'s.
+    `local_batch`: train_step gets this dp rank's share of the global batch
+    (what `autopar.train.data.GlobalBatches` reads), not the whole batch.
     """
     if precision is not None:
         check_precision(precision)
@@ -111,7 +116,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     if split is not None:  # capture's inferred keyword inputs: labels become train_step's targets
         example_inputs = lambda batch: split(batch)[0]  # noqa: E731
     return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                 optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch)
+                 optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch,
+                 no_weight_decay_1d=no_weight_decay_1d)
 
 
 def captured_with_loss(model, example_inputs, loss_fn):

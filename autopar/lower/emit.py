@@ -3,8 +3,9 @@
 build/
   plan.json      the Plan (the only input train.py needs besides the model)
   model.py       a copy of the model file (the build is self-contained)
-  train.py       loads model + plan, autopar.compile, a training loop on
-                 synthetic data (or --data FILE.pt holding (inputs, targets))
+  train.py       loads model + plan and runs autopar.train.run: data (a token
+                 file, the model file's dataset(), or --synthetic), schedule,
+                 clipping, metrics beside the plan's predictions
   launch.sh      torchrun, single node by default, multi-node via NNODES/NODE_RANK/MASTER_ADDR
   launch.sbatch  SLURM: one torchrun per node, rendezvous on the first node
 """
@@ -24,97 +25,25 @@ TRAIN_PY = Template('''\
 Plan: mesh pp=$pp x dp=$dp x tp=$tp, schedule $schedule, $num_micro_batches micro-batch(es)
 of $micro_batch_size, global batch $global_batch_size, precision $precision.
 
-Run: ./launch.sh (torchrun), or `torchrun --nproc_per_node $world train.py`.
-Every rank builds the same model (same seed) and feeds the same global batch;
-autopar takes each rank's data-parallel slice.
+Run: ./launch.sh --data tokens.bin --steps 1000 (torchrun), or
+`torchrun --nproc_per_node $world train.py --help` for every option (data,
+learning-rate schedule, clipping, metrics). The loop is autopar.train.run:
+each data-parallel rank reads its own share of global batch k at step k, the
+same samples whatever the layout.
 """
-import argparse
-import json
 import os
 import sys
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, $source_dir)  # the model file's own imports (siblings) resolve as at plan time
 
-import autopar  # noqa: E402
-from autopar.lower.model_io import positional_inputs  # noqa: E402
-from autopar.model_file import load_model  # noqa: E402
+from autopar.train import main  # noqa: E402
 
 MODEL = os.path.join(HERE, "model.py") + $factory_suffix
 PLAN = os.path.join(HERE, "plan.json")
 
-
-def synthetic_batch(example_inputs, global_batch, step, seed, shift=True, split=None):
-    """Random tokens, the same on every rank; targets = the inputs' own labels
-    when they carry some (inferred Hugging Face inputs), else inputs shifted
-    by one for the model file's loss_fn, or the inputs themselves (labels) for
-    a Hugging Face model's own loss, which shifts them itself."""
-    torch.manual_seed(seed + 1000 + step)
-    if split is not None:
-        inputs, targets = split(global_batch)
-        if targets is not None:
-            return inputs, targets
-    else:
-        inputs = example_inputs(global_batch)
-    targets = torch.roll(inputs[0], shifts=-1, dims=1) if shift else inputs[0]
-    return inputs, targets
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data", default=None, help="torch.save'd list of (inputs_tuple, targets) batches")
-    parser.add_argument("--losses-out", default=None, help="write the per-step losses as JSON (rank 0)")
-    args = parser.parse_args()
-
-    plan = autopar.Plan.load(PLAN)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    # Real weights on the host. For a model larger than host memory build it
-    # on "meta" and pass autopar.compile(..., init_fn=f) with f(module) doing
-    # the model's own init: every rank then allocates only its shards.
-    loaded = load_model(MODEL, device="cpu", seq_len=plan.seq_len)  # inferred inputs at the planned length
-    # Inferred inputs are keywords (input_ids=..., labels=...): fed positionally, labels as targets.
-    split = positional_inputs(loaded.model, loaded.example_inputs)
-    # No loss_fn in the model file: a Hugging Face causal LM uses its own
-    # loss; any other model gets autopar's error saying what to add.
-    model = autopar.compile(
-        loaded.model, plan.cluster,
-        example_inputs=loaded.example_inputs,
-        loss_fn=loaded.loss_fn,
-        optimizer=torch.optim.AdamW,
-        optimizer_kwargs={"lr": args.lr},
-        plan=plan,
-    )
-    data = torch.load(args.data) if args.data else None
-    rank = torch.distributed.get_rank()
-    losses = []
-    for step in range(args.steps):
-        if data is not None:
-            inputs, targets = data[step % len(data)]
-        else:
-            inputs, targets = synthetic_batch(loaded.example_inputs, plan.global_batch_size, step, args.seed,
-                                              shift=loaded.loss_fn is not None, split=split)
-        loss = model.train_step(inputs, targets)
-        losses.append(loss)
-        if rank == 0:
-            print(f"step {step:5d}  loss {loss:.6f}", flush=True)
-    if rank == 0 and args.losses_out:
-        with open(args.losses_out, "w") as f:
-            json.dump(losses, f)
-    torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except autopar.AutoparError as exc:  # a message a person can act on, not a traceback
-        if os.environ.get("RANK", "0") == "0":  # once, not once per rank
-            print(f"autopar: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+    sys.exit(main(MODEL, PLAN, description=__doc__.splitlines()[0]))
 ''')
 
 LAUNCH_SH = Template('''\

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import checkpointing, data_parallel, pipeline_parallel, tensor_parallel, what_runs
+from autopar.lower import checkpointing, data_parallel, grad_norm, pipeline_parallel, tensor_parallel, what_runs
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
@@ -47,6 +47,10 @@ class ParallelModel:
 
     train_step(inputs, targets) -> float   one optimizer step over the global batch;
                                            returns the global mean loss (same on every rank)
+    max_grad_norm, lr_scheduler,           what train_step does between backward and step:
+    before_optimizer_step                  clip by the global norm, hooks(pm), then step
+                                           the optimizer and the schedule
+    clip_grad_norm_(max_norm) -> norm      the global norm over every dp / tp / pp shard
     full_state_dict() -> {name: tensor}    unsharded parameters (a collective: call on all ranks)
     plan, mesh, module, stages, optimizer
     notes                                  where lowering runs something other than the plan says
@@ -61,6 +65,13 @@ class ParallelModel:
         self._holders, self._tied_groups = holders, tied_groups
         self.local_batch, self.device, self._fsdp, self._replicated = local_batch, device, fsdp, replicated
         self.loss_parallel = loss_parallel  # logits stay vocab-sharded into the loss
+        # Between the backward and the optimizer step (train_step): clipping by the global
+        # gradient norm, the user's hooks, then the optimizer and the learning-rate schedule.
+        self.max_grad_norm: float | None = None
+        self.track_grad_norm = False  # compute last_grad_norm even without clipping (metrics)
+        self.last_grad_norm: float | None = None
+        self.before_optimizer_step: list = []  # callables(ParallelModel)
+        self.lr_scheduler = None  # stepped after every optimizer step
         self.notes: list[str] = []
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
@@ -109,8 +120,32 @@ class ParallelModel:
                 local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
                               if self.has_last else None)
         self._sync_tied_grads()
+        if self.max_grad_norm is not None or self.track_grad_norm:
+            self.last_grad_norm = grad_norm.global_grad_norm(self)
+            if self.max_grad_norm is not None:
+                grad_norm.clip_grads_(self, self.max_grad_norm, self.last_grad_norm)
+        for hook in self.before_optimizer_step:
+            hook(self)
         self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         return self._global_mean(local_loss)
+
+    def parameters(self):
+        """This rank's parameters (shards and local copies), each once."""
+        seen = set()
+        for s in self.stages:
+            for p in s.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global norm (every dp / tp / pp shard); returns the norm before.
+        Collective. train_step does it itself when `max_grad_norm` is set."""
+        norm = grad_norm.global_grad_norm(self)
+        grad_norm.clip_grads_(self, max_norm, norm)
+        return norm
 
     def _weigh_by_tokens(self, targets: torch.Tensor) -> None:
         """Global count of scored tokens (summed over dp: with local_batch the
@@ -266,7 +301,8 @@ def _dummy_inputs_fn(example_inputs, device):
 
 
 def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=torch.optim.AdamW,
-          optimizer_kwargs=None, init_fn=None, local_batch: bool = False) -> ParallelModel:
+          optimizer_kwargs=None, init_fn=None, local_batch: bool = False,
+          no_weight_decay_1d: bool = False) -> ParallelModel:
     loss_fn = resolve_loss_fn(model, loss_fn)  # the user's, or a Hugging Face model's own
     _check_example_inputs(example_inputs)
     if init_fn is None:
@@ -420,6 +456,11 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
         # torch's foreach kernels reject a list mixing DTensor and plain tensors.
         kwargs.setdefault("foreach", False)
+    if no_weight_decay_1d and kwargs.get("weight_decay"):
+        # Biases and norm gains (every tensor of fewer than 2 dims; a DTensor shard
+        # keeps its global dims) are not decayed, as GPT-2/3, Llama and nanoGPT train.
+        params = [g for g in ({"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
     if replicated and any(c.zero == 1 for c in plan.layer_choices):
         opt = data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, mesh["dp"])
     else:

@@ -1,0 +1,161 @@
+"""Training data: which samples each step reads, on every layout alike.
+
+The order of samples is a property of the run, not of its layout: a seeded
+permutation of the dataset per epoch, cut into global batches of the plan's
+size. Step k always trains on global batch k; a data-parallel rank reads only
+its contiguous share of it (the share `ParallelModel` would cut from the whole
+batch), so dp 4 and pp 2 x tp 2 see the same samples at the same step, and a
+snapshot's data position is one number (the step), valid under any plan.
+
+Sources:
+  TokenFile      a flat binary of token ids (uint16 / uint32, as nanoGPT's and
+                 Megatron's tokenization scripts write them), read by memory
+                 map; sample i = tokens [i s, i s + s] and the next-token targets
+  a Dataset      a model file's `dataset()`: any torch Dataset of
+                 (inputs, targets) with inputs a tensor or a tuple of tensors
+  Synthetic      random tokens from the model's example inputs (`--synthetic`)
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from autopar.errors import AutoparError
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
+
+
+class TokenFile(Dataset):
+    """Non-overlapping windows of `seq_len` tokens from a flat token file; targets
+    are the same window shifted by one (next-token prediction). The file is memory
+    mapped: a rank touches only the pages of its own samples. `shift=False`: targets
+    are the inputs themselves (a Hugging Face causal LM shifts its labels itself)."""
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", shift: bool = True):
+        if dtype not in TOKEN_DTYPES:
+            raise AutoparError(f"--data-dtype {dtype}: unknown", hint=f"choose from {', '.join(TOKEN_DTYPES)}")
+        if not os.path.isfile(path):
+            raise AutoparError(f"--data {path}: no such file")
+        size = os.path.getsize(path)
+        itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+        if size % itemsize:
+            raise AutoparError(f"--data {path}: {size} bytes is not a whole number of {dtype} tokens",
+                               hint="check --data-dtype (uint16 for vocabularies up to 65,536, else uint32)")
+        self.tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+        self.seq_len = seq_len
+        self.path, self.dtype, self.shift = path, dtype, shift
+        if len(self) < 1:
+            raise AutoparError(f"--data {path}: {len(self.tokens)} tokens, fewer than one sample of "
+                               f"{seq_len + 1} (the plan's sequence length + 1 target)")
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int):
+        s = self.seq_len
+        window = torch.from_numpy(self.tokens[i * s: i * s + s + 1].astype(np.int64))
+        return (window[:-1],), (window[1:] if self.shift else window[:-1])
+
+
+class GlobalBatches:
+    """Global batch k of a seeded, per-epoch shuffled order; this dp rank's share.
+
+    `batch(step)` -> (inputs tuple, targets) of this rank's `global_batch / dp`
+    samples. Stateless in the step: resuming at step k (any layout) reads what an
+    uninterrupted run reads at step k. `state_dict()` records what fixes the order
+    (seed, dataset size, global batch) so a resume refuses a different one."""
+
+    def __init__(self, dataset, global_batch: int, dp: int, dp_rank: int, seed: int = 0, shuffle: bool = True):
+        if global_batch % dp:
+            raise AutoparError(f"global batch {global_batch} does not split over dp={dp} ranks")
+        n = len(dataset)
+        if n < global_batch:
+            raise AutoparError(f"the dataset has {n} samples, fewer than one global batch of {global_batch}",
+                               hint="use more data or a smaller --batch-size when planning")
+        self.dataset, self.global_batch, self.dp, self.dp_rank = dataset, global_batch, dp, dp_rank
+        self.seed, self.shuffle = seed, shuffle
+        self.batches_per_epoch = n // global_batch  # the last partial batch of an epoch is dropped
+        self._order_epoch, self._order = None, None
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order_epoch != epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._order = torch.randperm(n, generator=g)
+            else:
+                self._order = torch.arange(n)
+            self._order_epoch = epoch
+        return self._order
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.batches_per_epoch)
+        order = self._epoch_order(epoch)
+        share = self.global_batch // self.dp
+        start = k * self.global_batch + self.dp_rank * share
+        return order[start:start + share].tolist()
+
+    def batch(self, step: int):
+        samples = [self.dataset[i] for i in self.indices(step)]
+        return collate(samples)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "samples": len(self.dataset), "global_batch": self.global_batch,
+                "shuffle": self.shuffle}
+
+    def check_resume(self, state: dict) -> None:
+        """A snapshot's data settings must be this run's: else the order differs."""
+        mine = self.state_dict()
+        diff = [f"{k} {state.get(k)} -> {v}" for k, v in mine.items() if state.get(k) != v]
+        if diff:
+            raise AutoparError(f"the snapshot was trained on another data order ({', '.join(diff)})",
+                               hint="resume with the same --data, --seed and plan batch size, or start a new "
+                                    "--save-dir")
+
+
+def collate(samples: list):
+    """[(inputs, target), ...] -> (tuple of stacked inputs, stacked targets)."""
+    first_inputs = samples[0][0]
+    if isinstance(first_inputs, torch.Tensor):
+        inputs = (torch.stack([s[0] for s in samples]),)
+    else:
+        inputs = tuple(torch.stack([s[0][j] for s in samples]) for j in range(len(first_inputs)))
+    targets = torch.stack([torch.as_tensor(s[1]) for s in samples])
+    return inputs, targets
+
+
+class Synthetic:
+    """Random samples shaped as the model's example inputs (`--synthetic`): a smoke
+    test of the layout, nothing to learn. Targets: the inputs shifted by one for a
+    token model with the model file's own loss, the inputs themselves for a Hugging
+    Face causal LM (which shifts its labels itself), or the example inputs' own
+    labels when they carry some."""
+
+    def __init__(self, example_inputs, seed: int = 0, shift: bool = True, split=None, size: int = 1 << 20):
+        self.example_inputs, self.seed, self.shift, self.split, self.size = example_inputs, seed, shift, split, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        with torch.random.fork_rng(devices=[]):  # the training RNG (dropout) is not touched
+            torch.manual_seed(self.seed * 1_000_003 + 1000 + i)
+            return self._sample()
+
+    def _sample(self):
+        if self.split is not None:
+            inputs, targets = self.split(1)
+            if targets is not None:
+                return tuple(x[0] for x in inputs), targets[0]
+        else:
+            inputs = self.example_inputs(1)
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        first = inputs[0][0]
+        if first.dtype.is_floating_point:
+            raise AutoparError("--synthetic makes token targets; this model's inputs are not token ids",
+                               hint="define dataset() in the model file returning (inputs, targets) samples")
+        target = torch.roll(first, shifts=-1, dims=0) if self.shift else first
+        return tuple(x[0] for x in inputs), target

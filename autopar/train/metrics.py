@@ -1,0 +1,136 @@
+"""Per-step metrics beside the plan's predictions, and alerts.
+
+Every step rank 0 appends one JSON line (`--metrics FILE`): loss, gradient
+norm, learning rate, loss scale, step time (the slowest rank's), tokens or
+samples per second, measured MFU and peak memory, each with the plan's
+predicted value next to it (`predicted_*`). TensorBoard gets the same scalars
+when it is installed. Measured MFU uses the plan's own FLOP count: MFU_measured
+= MFU_predicted x predicted step time / measured step time, so the two MFUs
+differ exactly as the step times do.
+
+Alerts call the registered callbacks (and print one line): a loss or gradient
+norm that is NaN or Inf, a loss spike (above `spike_factor` x the median of the
+last `window` losses), and a straggler (a rank whose step took more than
+`straggler_factor` x the median rank's).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Alert:
+    step: int
+    kind: str  # "nonfinite" | "loss_spike" | "straggler"
+    message: str
+
+
+@dataclass
+class Metrics:
+    plan: object  # autopar.Plan
+    path: str | None = None
+    rank: int = 0
+    spike_factor: float = 3.0
+    straggler_factor: float = 1.5
+    window: int = 20
+    callbacks: list = field(default_factory=list)  # callables(Alert)
+    alerts: list = field(default_factory=list)
+    _losses: list = field(default_factory=list)
+    _times: list = field(default_factory=list)
+    _tb: object = None
+
+    def __post_init__(self):
+        pred = self.plan.predicted or {}
+        self.predicted = {
+            "step_time_s": pred.get("step_time_s"),
+            "throughput": pred.get("tokens_per_s") or pred.get("samples_per_s"),
+            "mfu": pred.get("mfu"),
+            "peak_memory_bytes": max(pred.get("peak_memory_bytes") or [0]) or None,
+        }
+        self.unit = "tokens" if pred.get("tokens_per_s") else "samples"
+        per_sample = (self.plan.seq_len or 1) if self.unit == "tokens" else 1
+        self.items_per_step = self.plan.global_batch_size * per_sample
+        if self.rank == 0 and self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # optional
+
+                self._tb = SummaryWriter(os.path.join(os.path.dirname(os.path.abspath(self.path)), "tensorboard"))
+            except Exception:  # tensorboard not installed: JSONL only
+                self._tb = None
+
+    def record(self, step: int, *, loss: float, step_time_s: float, rank_times: list | None = None,
+               grad_norm: float | None = None, lr: float | None = None, loss_scale: float | None = None,
+               skipped: bool = False, peak_memory_bytes: int | None = None) -> dict:
+        throughput = self.items_per_step / step_time_s if step_time_s > 0 else None
+        p = self.predicted
+        mfu = p["mfu"] * p["step_time_s"] / step_time_s if p["mfu"] and p["step_time_s"] and step_time_s > 0 \
+            else None
+        row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "loss_scale": loss_scale,
+               "skipped": skipped, "step_time_s": step_time_s, "predicted_step_time_s": p["step_time_s"],
+               f"{self.unit}_per_s": throughput, f"predicted_{self.unit}_per_s": p["throughput"],
+               "mfu": mfu, "predicted_mfu": p["mfu"], "peak_memory_bytes": peak_memory_bytes,
+               "predicted_peak_memory_bytes": p["peak_memory_bytes"]}
+        self._check(step, loss, grad_norm, rank_times)
+        if self.rank == 0:
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            if self._tb is not None:
+                for k in ("loss", "grad_norm", "lr", "loss_scale", "step_time_s", f"{self.unit}_per_s", "mfu"):
+                    if isinstance(row[k], (int, float)) and math.isfinite(row[k]):
+                        self._tb.add_scalar(k, row[k], step)
+        self._times.append(step_time_s)
+        return row
+
+    def _alert(self, step: int, kind: str, message: str) -> None:
+        alert = Alert(step, kind, message)
+        self.alerts.append(alert)
+        if self.rank == 0:
+            print(f"autopar alert, step {step}: {message}", file=sys.stderr, flush=True)
+        for cb in self.callbacks:
+            cb(alert)
+
+    def _check(self, step, loss, grad_norm, rank_times) -> None:
+        bad = [n for n, v in (("loss", loss), ("gradient norm", grad_norm)) if v is not None and not math.isfinite(v)]
+        if bad:
+            self._alert(step, "nonfinite", f"{' and '.join(bad)} not finite ({loss=}, {grad_norm=})")
+        elif len(self._losses) >= min(self.window, 5):
+            ref = statistics.median(self._losses[-self.window:])
+            if ref > 0 and loss > self.spike_factor * ref:
+                self._alert(step, "loss_spike", f"loss {loss:.4g} is {loss / ref:.1f}x the median of the last "
+                                                f"{min(self.window, len(self._losses))} steps ({ref:.4g})")
+        if math.isfinite(loss):
+            self._losses.append(loss)
+        if rank_times and len(rank_times) > 1:
+            mid = statistics.median(rank_times)
+            slow = max(range(len(rank_times)), key=lambda r: rank_times[r])
+            if mid > 0 and rank_times[slow] > self.straggler_factor * mid:
+                self._alert(step, "straggler", f"rank {slow} took {rank_times[slow]:.3f} s, "
+                                               f"{rank_times[slow] / mid:.1f}x the median rank's {mid:.3f} s")
+
+    def summary(self) -> str:
+        """Predicted vs measured, over the steps after the first (warm-up)."""
+        times = self._times[1:] or self._times
+        if not times:
+            return "no steps"
+        t = statistics.median(times)
+        p = self.predicted
+        lines = ["predicted vs measured (median step after the first):"]
+        if p["step_time_s"]:
+            lines.append(f"  step time   {p['step_time_s']:.4g} s predicted, {t:.4g} s measured "
+                         f"({p['step_time_s'] / t - 1:+.1%})")
+            lines.append(f"  {self.unit}/s  {self.items_per_step / p['step_time_s']:,.0f} predicted, "
+                         f"{self.items_per_step / t:,.0f} measured")
+        if p["mfu"]:
+            lines.append(f"  MFU         {p['mfu']:.1%} predicted, {p['mfu'] * p['step_time_s'] / t:.1%} measured")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

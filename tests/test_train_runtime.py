@@ -1,0 +1,158 @@
+"""The training runtime (autopar/train): data each rank reads, the learning-rate
+schedule, metrics and alerts, and clipping by the global gradient norm on sharded
+layouts against one process."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from autopar.errors import AutoparError
+from autopar.train.data import GlobalBatches, Synthetic, TokenFile
+from autopar.train.metrics import Metrics
+from autopar.train.schedule import lr_factor, lr_scheduler
+from dist_utils import run_world
+
+
+def _token_file(tmp_path, n=1025, vocab=128, dtype=np.uint16, seed=0):
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(seed).integers(0, vocab, n).astype(dtype).tofile(path)
+    return str(path)
+
+
+def test_token_file_windows_and_next_token_targets(tmp_path):
+    path = _token_file(tmp_path, n=101)
+    tokens = np.fromfile(path, dtype=np.uint16)
+    ds = TokenFile(path, seq_len=10)
+    assert len(ds) == 10  # (101 - 1) // 10: every window has its next-token target
+    (x,), y = ds[3]
+    assert x.tolist() == tokens[30:40].tolist() and y.tolist() == tokens[31:41].tolist()
+    assert x.dtype == torch.long
+    (x,), labels = TokenFile(path, 10, shift=False)[3]  # a Hugging Face model shifts its labels itself
+    assert torch.equal(x, labels)
+    np.arange(50, dtype=np.uint32).tofile(tmp_path / "t32.bin")
+    assert TokenFile(str(tmp_path / "t32.bin"), 7, "uint32")[1][0][0].tolist() == list(range(7, 14))
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
+    with pytest.raises(AutoparError, match="not a whole number of uint16"):
+        TokenFile(str(tmp_path / "odd.bin"), 4)
+    with pytest.raises(AutoparError, match="fewer than one sample"):
+        TokenFile(path, 200)
+
+
+def test_each_dp_rank_reads_its_share_of_the_same_global_batches(tmp_path):
+    """Step k trains on global batch k whatever dp is: the dp ranks' shares, in rank
+    order, are the dp = 1 batch; the order is the seed's; a new epoch reshuffles."""
+    ds = TokenFile(_token_file(tmp_path), seq_len=16)  # 64 samples
+    whole = GlobalBatches(ds, 8, 1, 0, seed=3)
+    for dp in (2, 4, 8):
+        for step in (0, 5, 9):  # 9: second epoch
+            shares = [GlobalBatches(ds, 8, dp, r, seed=3).batch(step) for r in range(dp)]
+            (x,), y = whole.batch(step)
+            assert torch.equal(torch.cat([s[0][0] for s in shares]), x)
+            assert torch.equal(torch.cat([s[1] for s in shares]), y)
+    epoch0 = sorted(i for k in range(8) for i in whole.indices(k))
+    assert epoch0 == list(range(64))  # an epoch visits every sample once
+    assert whole.indices(8) != whole.indices(0)  # the next epoch's order differs
+    assert GlobalBatches(ds, 8, 1, 0, seed=4).indices(0) != whole.indices(0)
+    with pytest.raises(AutoparError, match="another data order"):
+        whole.check_resume({**whole.state_dict(), "seed": 4})
+    with pytest.raises(AutoparError, match="does not split over dp=3"):
+        GlobalBatches(ds, 8, 3, 0)
+
+
+def test_synthetic_samples_do_not_touch_the_training_rng():
+    ds = Synthetic(lambda b: (torch.randint(0, 50, (b, 6)),), seed=1)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    (x,), y = ds[4]
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(y[:-1], x[1:]) and torch.equal(ds[4][0][0], x)
+    with pytest.raises(AutoparError, match="not token ids"):
+        Synthetic(lambda b: (torch.randn(b, 3, 8, 8),))[0]
+
+
+def test_learning_rate_warmup_then_decay():
+    f = lambda s, d="cosine": lr_factor(s, warmup=10, total=110, decay=d, min_ratio=0.1)  # noqa: E731
+    assert [f(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+    assert f(60, "linear") == pytest.approx(0.55) and f(35, "linear") == pytest.approx(1 - 0.9 * 0.25)
+    assert f(35, "cosine") == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert f(500) == pytest.approx(0.1)  # past the end: the floor
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=2.0)
+    sched = lr_scheduler(opt, warmup=2, total=4, decay="linear", min_ratio=0.0)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([1.0, 2.0, 2.0, 1.0])
+    again = lr_scheduler(torch.optim.SGD([p], lr=2.0), warmup=2, total=4, decay="linear", min_ratio=0.0)
+    again.load_state_dict(sched.state_dict())  # a snapshot's one counter resumes it
+    assert again.get_last_lr() == sched.get_last_lr()
+    with pytest.raises(AutoparError, match="--decay"):
+        lr_scheduler(opt, warmup=0, total=4, decay="step")
+
+
+class _Plan:
+    predicted = {"step_time_s": 0.5, "tokens_per_s": 1024 / 0.5, "mfu": 0.4, "peak_memory_bytes": [3e9, 4e9]}
+    seq_len, global_batch_size = 128, 8
+
+
+def test_metrics_rows_hold_measured_and_predicted_values(tmp_path):
+    path = tmp_path / "m.jsonl"
+    alerts = []
+    m = Metrics(_Plan(), path=str(path), callbacks=[alerts.append])
+    m.record(0, loss=2.0, step_time_s=1.0, grad_norm=0.7, lr=1e-3, peak_memory_bytes=None)
+    m.record(1, loss=1.9, step_time_s=0.25, grad_norm=0.6, lr=1e-3)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 2
+    r = rows[1]
+    for key in ("loss", "grad_norm", "lr", "loss_scale", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes",
+                "predicted_step_time_s", "predicted_tokens_per_s", "predicted_mfu", "predicted_peak_memory_bytes"):
+        assert key in r, key
+    assert r["tokens_per_s"] == pytest.approx(1024 / 0.25) and r["predicted_tokens_per_s"] == pytest.approx(2048)
+    assert r["mfu"] == pytest.approx(0.4 * 0.5 / 0.25)  # the plan's FLOPs over the measured time
+    assert r["predicted_peak_memory_bytes"] == 4e9  # the fullest rank
+    assert alerts == []
+    assert "0.5 s predicted" in m.summary()
+
+
+def test_alerts_for_nonfinite_values_loss_spikes_and_stragglers():
+    alerts = []
+    m = Metrics(_Plan(), callbacks=[alerts.append])
+    for step in range(6):
+        m.record(step, loss=2.0 - 0.01 * step, step_time_s=0.5, rank_times=[0.5, 0.5, 0.5, 0.5])
+    assert alerts == []
+    m.record(6, loss=float("nan"), step_time_s=0.5)
+    m.record(7, loss=1.9, step_time_s=0.5, grad_norm=float("inf"))
+    m.record(8, loss=9.0, step_time_s=0.5)
+    m.record(9, loss=1.9, step_time_s=1.2, rank_times=[0.5, 0.5, 1.2, 0.5])
+    assert [(a.step, a.kind) for a in alerts] == [(6, "nonfinite"), (7, "nonfinite"), (8, "loss_spike"),
+                                                   (9, "straggler")]
+    assert "rank 2" in alerts[-1].message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_clipping_schedule_and_data_shares_match_one_process(tmp_path):
+    """Four ranks, each reading only its dp share of a token file: FSDP (dp 4), pp 2 x tp 2,
+    dp 2 x tp 2 (FSDP + TP) and pp 2 x dp 2 with a tied embedding on both pipeline ends,
+    AdamW with biases and norms undecayed, warmup + cosine, clipping at a norm every step
+    exceeds: the global gradient norm, the losses and the parameters after 4 steps equal
+    one process running torch's clip_grad_norm_ on the whole batch."""
+    from lower_worlds import training_runtime_world
+    path = _token_file(tmp_path, n=64 * 16 + 1)
+    layouts = [("fsdp_dp4", dict(dp=4, zero=3)),
+               ("pp2_tp2", dict(pp=2, tp=2, schedule="1f1b", num_micro_batches=2)),
+               ("dp2_tp2_zero3", dict(dp=2, tp=2, zero=3)),
+               ("tied_pp2_dp2", dict(model="llama_tied", pp=2, dp=2, zero=3, schedule="1f1b",
+                                     num_micro_batches=2))]
+    results = run_world(training_runtime_world, 4, path, layouts, timeout=500)
+    for name, r in results[0].items():
+        assert min(r["ref_norms"]) > 0.05, r  # every step clipped
+        assert r["norm_rel"] < 1e-5, (name, r["norms"], r["ref_norms"])
+        assert r["loss_rel"] < 1e-5 and r["param_rel"] < 1e-5, (name, r)
+    assert all(res == results[0] for res in results[1:])
