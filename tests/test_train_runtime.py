@@ -153,6 +153,10 @@ def test_clipping_schedule_and_data_shares_match_one_process(tmp_path):
     results = run_world(training_runtime_world, 4, path, layouts, timeout=500)
     for name, r in results[0].items():
         assert min(r["ref_norms"]) > 0.05, r  # every step clipped
-        assert r["norm_rel"] < 1e-5, (name, r["norms"], r["ref_norms"])
-        assert r["loss_rel"] < 1e-5 and r["param_rel"] < 1e-5, (name, r)
+        # The first step's norm is the same gradients summed per shard, then across ranks:
+        # equal to fp32 rounding. Later steps carry tensor-parallel matmul rounding,
+        # which Adam's normalised update amplifies in the near-zero gradient entries.
+        assert abs(r["norms"][0] / r["ref_norms"][0] - 1) < 1e-6, (name, r["norms"], r["ref_norms"])
+        assert r["norm_rel"] < 1e-4, (name, r["norms"], r["ref_norms"])
+        assert r["loss_rel"] < 1e-4 and r["param_rel"] < 1e-3, (name, r)  # test_lower_equivalence: Adam 1e-3
     assert all(res == results[0] for res in results[1:])

@@ -297,7 +297,8 @@ def test_compile_takes_the_model_from_the_plan(capsys, tmp_path, plan_dict):
 def test_build_launched_on_the_wrong_number_of_ranks(tmp_path, plan_dict):
     path = edited(plan_dict, tmp_path, lambda d: _set(d, ["model", "source"], GPT + ":gpt_tiny"))
     assert main(["compile", "--plan", path, "-o", str(tmp_path / "build")]) == 0
-    run = subprocess.run(["torchrun", "--nproc_per_node", "1", str(tmp_path / "build" / "train.py"), "--steps", "1"],
+    run = subprocess.run(["torchrun", "--nproc_per_node", "1", str(tmp_path / "build" / "train.py"), "--steps", "1",
+                          "--synthetic"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode != 0
     assert "the plan is for 4 ranks" in run.stderr and "this job has 1" in run.stderr

@@ -15,6 +15,7 @@ last `window` losses), and a straggler (a rank whose step took more than
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -46,13 +47,15 @@ class Metrics:
 
     def __post_init__(self):
         pred = self.plan.predicted or {}
+        if dataclasses.is_dataclass(pred):
+            pred = dataclasses.asdict(pred)  # a Plan's Predicted; 0 where nothing was priced
         self.predicted = {
-            "step_time_s": pred.get("step_time_s"),
-            "throughput": pred.get("tokens_per_s") or pred.get("samples_per_s"),
-            "mfu": pred.get("mfu"),
+            "step_time_s": pred.get("step_time_s") or None,
+            "throughput": pred.get("tokens_per_s") or pred.get("samples_per_s") or None,
+            "mfu": pred.get("mfu") or None,
             "peak_memory_bytes": max(pred.get("peak_memory_bytes") or [0]) or None,
         }
-        self.unit = "tokens" if pred.get("tokens_per_s") else "samples"
+        self.unit = "tokens" if pred.get("tokens_per_s") or getattr(self.plan, "seq_len", None) else "samples"
         per_sample = (self.plan.seq_len or 1) if self.unit == "tokens" else 1
         self.items_per_step = self.plan.global_batch_size * per_sample
         if self.rank == 0 and self.path:
@@ -127,6 +130,9 @@ class Metrics:
                          f"({p['step_time_s'] / t - 1:+.1%})")
             lines.append(f"  {self.unit}/s  {self.items_per_step / p['step_time_s']:,.0f} predicted, "
                          f"{self.items_per_step / t:,.0f} measured")
+        else:
+            lines.append(f"  step time   {t:.4g} s measured, {self.items_per_step / t:,.0f} {self.unit}/s "
+                         "(the plan has no prediction: a hand-written plan)")
         if p["mfu"]:
             lines.append(f"  MFU         {p['mfu']:.1%} predicted, {p['mfu'] * p['step_time_s'] / t:.1%} measured")
         return "\n".join(lines)
