@@ -39,6 +39,7 @@ class LoadedModel:
     source: str  # "file.py:factory" as given
     name: str  # factory name, used in plan and report titles
     inputs_note: str | None = None  # set when example_inputs were inferred: what was assumed
+    dataset: Callable | None = None  # the file's dataset() -> torch Dataset of (inputs, targets), if any
 
 
 def _prints_to_stderr():
@@ -119,4 +120,5 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
         inputs_fn, note = inferred, f"example inputs inferred: {inferred.description}"
     return LoadedModel(model=built, example_inputs=inputs_fn, loss_fn=getattr(module, "loss_fn", None),
                        source=spec, name=factory_name if factory_name != "build_model" else
-                       os.path.splitext(os.path.basename(path))[0], inputs_note=note)
+                       os.path.splitext(os.path.basename(path))[0], inputs_note=note,
+                       dataset=getattr(module, "dataset", None))

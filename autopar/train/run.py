@@ -94,7 +94,7 @@ def main(model_spec: str, plan_path: str, argv=None, description: str | None = N
 
 def _train(args, model_spec: str, plan_path: str) -> int:
     import autopar
-    from autopar.model_file import import_model_file, load_model, split_spec
+    from autopar.model_file import load_model
 
     plan = autopar.Plan.load(plan_path)
     if args.steps < 1:
@@ -103,8 +103,7 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         raise AutoparError(f"--clip must be positive, got {args.clip}")
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     loaded = load_model(model_spec, device="cpu", seq_len=plan.seq_len)
-    module_dataset = getattr(import_model_file(split_spec(model_spec)[0]), "dataset", None)
-    dataset = _dataset(args, loaded, plan, module_dataset)
+    dataset = _dataset(args, loaded, plan, loaded.dataset)
     pm = autopar.compile(loaded.model, plan.cluster, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                          optimizer=torch.optim.AdamW,
                          optimizer_kwargs={"lr": args.lr, "weight_decay": args.weight_decay},
