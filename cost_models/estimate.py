@@ -782,6 +782,15 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
             tied_grad = {j: layers[j].attrs.get("tied_param_count", 0) / _tp_for(layers[j], layout.tp) * lp
                          for j in root if layers[j].shared_params}
             own = [j for j in units if j not in root]
+
+            def rs_buffers(n: float) -> float:  # a reduce-scatter's input and output shard
+                return n * red * (1 + 1 / layout.dp)
+
+            def moment(t: float, parts: tuple) -> None:
+                nonlocal at_rs, rs_parts
+                if t > at_rs:
+                    at_rs, rs_parts = t, parts
+
             for u in units:
                 pu = costs[u].params_local
                 before = [j for j in order if j < u]
@@ -797,7 +806,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
                 # the reduce-scatter of the unit before it in backward is still in flight: FSDP2
                 # keeps one reduce-scatter's input alive until it issues the next
                 prev = min((j for j in own if j > u), default=None)
-                in_flight = costs[prev].params_local * red * (1 + 1 / layout.dp) if prev is not None else 0.0
+                in_flight = rs_buffers(costs[prev].params_local) if prev is not None else 0.0
                 # its gradients appear as its activations are consumed: the larger of the two,
                 # beside the gradient of its output it reads throughout (logits-sized at a head:
                 # its weight gradient is made while that is alive)
@@ -805,25 +814,22 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
                     else fast(layers[u].output_bytes)(b, s1) * byte_scale
                 computing = (pu * p_b if zeros[u] >= 3 else 0.0) + in_flight + out_grad \
                     + max(pu * lp, costs[u].activation_bytes + costs[u].working_bytes)
-                reducing = 0.0 if u in root else pu * lp + pu * red * (1 + 1 / layout.dp)
+                reducing = 0.0 if u in root else pu * lp + rs_buffers(pu)
                 unit_bufs = prefetch + max(computing, reducing) + held_u
                 frag_u = FRAGMENTATION * (act_u + grads_u)
-                t = params_u + optim + grads_u + act_u + unit_bufs + tp_buf + ddp_buf + frag_u
-                if t > at_rs:
-                    at_rs = t
-                    rs_parts = (params_u, grads_u, act_u, unit_bufs + tp_buf + ddp_buf + frag_u, frag_u)
+                moment(params_u + optim + grads_u + act_u + unit_bufs + tp_buf + ddp_buf + frag_u,
+                       (params_u, grads_u, act_u, unit_bufs + tp_buf + ddp_buf + frag_u, frag_u))
             if root:
                 # the root's reduce-scatter, after the whole backward: every other unit's
                 # gradient is a shard, the root's are unsharded beside their reduce buffers
                 grads_r = sum(costs[j].grad_bytes for j in order if j not in root)
                 last = min(own, default=None)
-                in_flight = costs[last].params_local * red * (1 + 1 / layout.dp) if last is not None else 0.0
-                bufs = sum(costs[j].params_local for j in root) * (lp + red * (1 + 1 / layout.dp)) + in_flight
+                in_flight = rs_buffers(costs[last].params_local) if last is not None else 0.0
+                held = sum(costs[j].params_local for j in root)
+                bufs = held * lp + rs_buffers(held) + in_flight
                 frag_r = FRAGMENTATION * grads_r
-                t = params + optim + grads_r + bufs + tp_buf + ddp_buf + frag_r
-                if t > at_rs:
-                    at_rs = t
-                    rs_parts = (params, grads_r, 0.0, bufs + tp_buf + ddp_buf + frag_r, frag_r)
+                moment(params + optim + grads_r + bufs + tp_buf + ddp_buf + frag_r,
+                       (params, grads_r, 0.0, bufs + tp_buf + ddp_buf + frag_r, frag_r))
         if at_rs > max(total, at_loss, at_step):
             params, grads, activations, buffers, frag = rs_parts
             total = at_rs

@@ -50,17 +50,12 @@ def global_grad_norm(pm) -> float:
     """The L2 norm of every gradient of the model (as one process would see it).
     Collective over the pipeline group: call it on every rank."""
     tied = {id(param_of()): group for param_of, group in pm._tied_groups}
-    plain, shared = [], {}
-    for p in pm.parameters():
-        if p.grad is None:
-            continue
-        if id(p) in tied:
-            shared.setdefault(id(p), (p.grad, tied[id(p)]))
-        else:
-            plain.append(p.grad)
-    sq = _sum_of_squares(plain)
-    for grad, group in shared.values():
-        sq = sq + _sum_of_squares([grad]) / dist.get_world_size(group)
+    grads = [p.grad for p in pm.parameters() if p.grad is not None and id(p) not in tied]
+    sq = _sum_of_squares(grads)
+    for param_of, group in pm._tied_groups:  # one copy per pipeline end: each counts its share
+        p = param_of()
+        if p.grad is not None:
+            sq = sq + _sum_of_squares([p.grad]) / dist.get_world_size(group)
     if pm.plan.mesh.pp > 1:
         t = sq.to(pm.device).reshape(1)
         dist.all_reduce(t, group=pm.mesh["pp"].get_group())

@@ -133,12 +133,7 @@ class ParallelModel:
 
     def parameters(self):
         """This rank's parameters (shards and local copies), each once."""
-        seen = set()
-        for s in self.stages:
-            for p in s.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return _unique_parameters(self.stages)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global norm (every dp / tp / pp shard); returns the norm before.
@@ -239,6 +234,16 @@ class ParallelModel:
                     seen.add(id(t))
                     total += t.numel() * t.element_size()
         return total
+
+
+def _unique_parameters(stages):
+    """The parameters of this rank's stage modules, each once (a stage may share one)."""
+    seen = set()
+    for s in stages:
+        for p in s.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
@@ -446,12 +451,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     tied_groups = _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta)
 
     # 7. optimizer over the unique local parameters
-    params, seen = [], set()
-    for s in stages:
-        for p in s.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+    params = list(_unique_parameters(stages))
     kwargs = dict(optimizer_kwargs or {})
     if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
         # torch's foreach kernels reject a list mixing DTensor and plain tensors.
