@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import checkpointing, data_parallel, grad_norm, pipeline_parallel, tensor_parallel, what_runs
+from autopar.lower import (checkpointing, data_parallel, grad_norm, pipeline_parallel, state_dict, tensor_parallel,
+                           what_runs)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
@@ -52,6 +53,8 @@ class ParallelModel:
                                            the optimizer and the schedule
     clip_grad_norm_(max_norm) -> norm      the global norm over every dp / tp / pp shard
     full_state_dict() -> {name: tensor}    unsharded parameters (a collective: call on all ranks)
+    sharded_state_dict() -> {name: tensor} this rank's shards of parameters, buffers and optimizer
+                                           state, layout-free names (autopar.train.snapshot)
     plan, mesh, module, stages, optimizer
     notes                                  where lowering runs something other than the plan says
                                            (e.g. zero 1 under tp/pp runs as zero 2), one sentence each
@@ -59,10 +62,11 @@ class ParallelModel:
 
     def __init__(self, *, plan: Plan, mesh, layout: ModelLayout, stages: list[nn.Module], optimizer,
                  loss_fn, schedule, holders: dict, tied_groups: list, local_batch: bool, device,
-                 fsdp: bool, replicated: bool = False, loss_parallel: bool = False):
+                 fsdp: bool, replicated: bool = False, loss_parallel: bool = False, buffers: dict | None = None):
         self.plan, self.mesh, self.layout, self.stages = plan, mesh, layout, stages
         self.optimizer, self.loss_fn, self.schedule = optimizer, loss_fn, schedule
         self._holders, self._tied_groups = holders, tied_groups
+        self._buffers = buffers or {}  # persistent buffers by first name -> holders (state_dict)
         self.local_batch, self.device, self._fsdp, self._replicated = local_batch, device, fsdp, replicated
         self.loss_parallel = loss_parallel  # logits stay vocab-sharded into the loss
         # Between the backward and the optimizer step (train_step): clipping by the global
@@ -191,17 +195,18 @@ class ParallelModel:
 
     # -- state -------------------------------------------------------------
     def _local_params(self) -> dict[str, torch.Tensor]:
-        local_modules = {id(m) for s in self.stages for m in s.modules()}
-        out = {}
-        for name in sorted(self._holders):
-            for module, attr in self._holders[name]:
-                if id(module) in local_modules:
-                    out[name] = getattr(module, attr)
-                    break
-        return out
+        return state_dict.local_tensors(self, self._holders)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters under the user's names (tied weights once). Collective."""
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, persistent buffers and optimizer state under the
+        user's names, sharded as this plan holds them (DTensor shards or whole
+        tensors): what torch.distributed.checkpoint saves and reshards on load
+        under any other plan (autopar.train.snapshot)."""
+        return {**state_dict.model_tensors(self), **state_dict.optimizer_tensors(self)}
+
+    def full_state_dict(self, buffers: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded parameters under the user's names (tied weights once), and the
+        persistent buffers with `buffers=True` (an export for inference). Collective."""
         mine = {}
         # 2-D (FSDP x TP) gathers warn that they take two all-gathers; expected here.
         quiet = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -209,6 +214,8 @@ class ParallelModel:
         quiet.setLevel(logging.ERROR)
         try:
             local = self._local_params()
+            if buffers:
+                local.update(state_dict.local_tensors(self, self._buffers))
             for name, p in local.items():
                 t = p.full_tensor() if isinstance(p, DTensor) else p
                 mine[name] = t.detach().to("cpu", copy=True)
@@ -343,6 +350,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pp_rank = mesh["pp"].get_local_rank()
     local = sorted(st.index for st in plan.stages if st.pp_rank == pp_rank)
     holders = _param_holders(model)
+    buffers = state_dict.buffer_holders(model)
 
     # Tensor-parallel roles come from one traced forward of the whole model.
     # Every block is probed on every rank (not only this rank's), so a
@@ -472,7 +480,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         schedule = pipeline_parallel.build_schedule(plan, stages, mesh["pp"].get_group(), device, loss_fn)
     pm = ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
                        schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
-                       device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel)
+                       device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel,
+                       buffers=buffers)
     pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
     if dist.get_rank() == 0:  # once per job, not once per GPU
         for note in pm.notes:

@@ -39,6 +39,7 @@ class Metrics:
     spike_factor: float = 3.0
     straggler_factor: float = 1.5
     window: int = 20
+    start_step: int = 0  # a resumed run: rows of later steps (replayed after the snapshot) are dropped
     callbacks: list = field(default_factory=list)  # callables(Alert)
     alerts: list = field(default_factory=list)
     _losses: list = field(default_factory=list)
@@ -60,12 +61,30 @@ class Metrics:
         self.items_per_step = self.plan.global_batch_size * per_sample
         if self.rank == 0 and self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._keep_rows_before(self.start_step)
             try:
                 from torch.utils.tensorboard import SummaryWriter  # optional
 
                 self._tb = SummaryWriter(os.path.join(os.path.dirname(os.path.abspath(self.path)), "tensorboard"))
             except Exception:  # tensorboard not installed: JSONL only
                 self._tb = None
+
+    def _keep_rows_before(self, step: int) -> None:
+        """One row per step in the file: a new run starts it afresh, a resumed one keeps
+        the rows up to its snapshot (the steps after it run again)."""
+        if not os.path.exists(self.path):
+            return
+        kept = []
+        if step > 0:
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line).get("step", step) < step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except ValueError:  # a line cut off by a crash
+                        continue
+        with open(self.path, "w") as f:
+            f.writelines(kept)
 
     def record(self, step: int, *, loss: float, step_time_s: float, rank_times: list | None = None,
                grad_norm: float | None = None, lr: float | None = None, loss_scale: float | None = None,

@@ -1,19 +1,22 @@
 """The training job `autopar compile` emits (`build/train.py` calls `main`).
 
     torchrun --nproc_per_node N build/train.py --data tokens.bin --steps 1000 \\
-        --lr 3e-4 --warmup 100 --decay cosine --clip 1.0 --metrics metrics.jsonl
+        --lr 3e-4 --warmup 100 --decay cosine --clip 1.0 --save-dir ckpt --save-every 100
 
 One process per rank: load the model file and plan.json, compile (this rank's
-shards only), read this dp rank's share of global batch k at step k
-(`data.GlobalBatches`), step with clipping by the global norm and the
-learning-rate schedule, and log each step beside the plan's prediction
-(`metrics.Metrics`).
+shards only), resume from the newest complete snapshot in --save-dir (saved
+under any plan: `snapshot`), read this dp rank's share of global batch k at
+step k (`data.GlobalBatches`), step with clipping by the global norm and the
+learning-rate schedule, log each step beside the plan's prediction
+(`metrics.Metrics`), and snapshot every --save-every steps, at the end, and
+when SIGTERM / SIGUSR1 arrives (a scheduler's preemption notice).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
+from autopar.train import snapshot
 from autopar.train.data import TOKEN_DTYPES, GlobalBatches, Synthetic, TokenFile
 from autopar.train.metrics import Metrics
 from autopar.train.schedule import DECAYS, lr_scheduler
@@ -47,8 +51,19 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
                      help="AdamW weight decay; biases and norm gains are never decayed (default 0)")
     opt.add_argument("--clip", type=float, default=None, metavar="NORM",
                      help="clip gradients by their global norm over every dp / tp / pp shard")
+    snap = ap.add_argument_group("snapshots (torch.distributed.checkpoint; loadable under any plan)")
+    snap.add_argument("--save-dir", default=None, metavar="DIR", help="where snapshots go (step-N directories)")
+    snap.add_argument("--save-every", type=int, default=0, metavar="N",
+                      help="snapshot every N steps (default 0: only at the end and on SIGTERM)")
+    snap.add_argument("--keep", type=int, default=3, metavar="K", help="complete snapshots kept (default 3; 0 all)")
+    snap.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                      help="auto (default): continue from the newest complete snapshot in --save-dir; "
+                           "never: start over; PATH: a snapshot or a save dir (any plan's)")
+    snap.add_argument("--export", default=None, metavar="FILE.safetensors",
+                      help="at the end, the whole model (parameters and buffers) in one safetensors file")
     out = ap.add_argument_group("output")
-    out.add_argument("--metrics", default=None, metavar="FILE", help="per-step JSONL metrics (rank 0)")
+    out.add_argument("--metrics", default=None, metavar="FILE",
+                     help="per-step JSONL metrics (rank 0; default DIR/metrics.jsonl with --save-dir)")
     out.add_argument("--losses-out", default=None, help="write the per-step losses as JSON (rank 0)")
     out.add_argument("--quiet", action="store_true", help="no per-step line on the terminal")
     return ap
@@ -109,22 +124,27 @@ def _train(args, model_spec: str, plan_path: str) -> int:
                          optimizer_kwargs={"lr": args.lr, "weight_decay": args.weight_decay},
                          plan=plan, local_batch=True, no_weight_decay_1d=True)
     pm.max_grad_norm, pm.track_grad_norm = args.clip, True
-    pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=args.warmup, total=args.steps, decay=args.decay,
-                                   min_ratio=args.min_lr_ratio)
     rank = dist.get_rank()
     batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
-    metrics = Metrics(plan, path=args.metrics, rank=rank)
-    losses = []
-    for step in range(args.steps):
+    start = _resume(args, pm, batches)
+    pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=args.warmup, total=args.steps, decay=args.decay,
+                                   min_ratio=args.min_lr_ratio, start_step=start)
+    metrics_path = args.metrics or (os.path.join(args.save_dir, "metrics.jsonl") if args.save_dir else None)
+    metrics = Metrics(plan, path=metrics_path, rank=rank, start_step=start)
+    stop = _StopSignal()
+    losses, saved_at = [], start if start else None
+    for step in range(start, args.steps):
         inputs, targets = batches.batch(step)
         lr = pm.optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
         loss = pm.train_step(inputs, targets)
-        # every rank's step time (a straggler shows here), on the device the backend moves
-        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=pm.device)
-        rank_times = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rank_times, mine)
-        rank_times = [float(t.item()) for t in rank_times]
+        # Every rank's step time (a straggler shows here) and whether a stop signal
+        # reached it, on the device the backend moves: all ranks stop at the same step.
+        mine = torch.tensor([time.perf_counter() - t0, float(stop.received)], dtype=torch.float64, device=pm.device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        rank_times = [float(t[0].item()) for t in gathered]
+        stopping = any(float(t[1].item()) for t in gathered)
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         metrics.record(step, loss=loss, step_time_s=max(rank_times), rank_times=rank_times,
                        grad_norm=pm.last_grad_norm, lr=lr, peak_memory_bytes=peak)
@@ -132,6 +152,25 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         if rank == 0 and not args.quiet:
             print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}  "
                   f"{max(rank_times) * 1e3:.1f} ms", flush=True)
+        done = step + 1
+        if args.save_dir and (stopping or done == args.steps or (args.save_every and done % args.save_every == 0)):
+            path = snapshot.save(pm, args.save_dir, done, {"data": batches.state_dict(), "seed": args.seed},
+                                 keep=args.keep)
+            saved_at = done
+            if rank == 0 and not args.quiet:
+                print(f"snapshot {path}", flush=True)
+        if stopping:
+            if rank == 0:
+                where = f"snapshot at step {saved_at} in {args.save_dir}" if args.save_dir else "no --save-dir"
+                print(f"autopar: stopped by signal after step {done} ({where}); run the same command to "
+                      "continue", file=sys.stderr, flush=True)
+            break
+    stop.restore()
+    if args.export:
+        full = pm.full_state_dict(buffers=True)  # collective
+        if rank == 0:
+            snapshot.export_safetensors(full, args.export, {"autopar_step": saved_at or args.steps,
+                                                            "model": plan.model.get("name")})
     if rank == 0:
         print(metrics.summary(), flush=True)
         if args.losses_out:
@@ -140,3 +179,49 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     metrics.close()
     dist.destroy_process_group()
     return 0
+
+
+def _resume(args, pm, batches) -> int:
+    """Load the snapshot --resume names (every rank the same one: rank 0 decides) -> the step to start at."""
+    if args.save_every < 0 or args.keep < 0:
+        raise AutoparError("--save-every and --keep must be >= 0")
+    if args.resume == "auto" and not args.save_dir:
+        return 0
+    choice = [snapshot.resolve(args.resume, args.save_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return 0
+    meta = snapshot.read_meta(choice[0])
+    batches.check_resume(meta.get("data", {}))
+    meta = snapshot.load(pm, choice[0])
+    if dist.get_rank() == 0:
+        saved = meta.get("mesh", {})
+        layout = "" if meta["rng_restored"] else (
+            f" (saved on pp {saved.get('pp')} x dp {saved.get('dp')} x tp {saved.get('tp')}, "
+            f"{meta.get('world_size')} ranks: resharded; dropout streams start afresh)")
+        print(f"resuming from {choice[0]} at step {meta['step']}{layout}", flush=True)
+    return int(meta["step"])
+
+
+class _StopSignal:
+    """SIGTERM / SIGUSR1 (torchrun and SLURM pass them on before killing) only set a
+    flag: the step in flight finishes, every rank learns of it at the step's end, and
+    all save the same step."""
+
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
+
+    def __init__(self):
+        self.received = False
+        self._old = {}
+        for sig in self.SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (embedded use): no handler
+                pass
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

@@ -2,8 +2,9 @@
 
 The shape GPT-3 (warmup, cosine to 10%), Llama (2,000 warmup steps, cosine to
 10%) and torchtitan (warmup, linear decay) train with, as a torch LambdaLR, so
-its state is the scheduler's own `state_dict()` (one step counter) and a
-snapshot resumes it exactly.
+its position is one step counter: a snapshot records the step, and a resumed
+run builds the schedule at that step (`start_step`), on whatever optimizer
+param groups the new plan has.
 """
 from __future__ import annotations
 
@@ -29,11 +30,17 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: str = "cosine", min_
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lr_scheduler(optimizer, *, warmup: int, total: int, decay: str = "cosine", min_ratio: float = 0.1) -> LambdaLR:
+def lr_scheduler(optimizer, *, warmup: int, total: int, decay: str = "cosine", min_ratio: float = 0.1,
+                 start_step: int = 0) -> LambdaLR:
+    """The schedule, at optimizer step `start_step` (a resumed run: the learning rate
+    of that step is set now, as torch's schedulers resume with `last_epoch`)."""
     if decay not in DECAYS:
         raise AutoparError(f"--decay {decay}: unknown", hint=f"choose from {', '.join(DECAYS)}")
     if warmup < 0 or total < 1 or not 0.0 <= min_ratio <= 1.0:
         raise AutoparError(f"learning-rate schedule: warmup {warmup}, steps {total}, min ratio {min_ratio} "
                            "(need warmup >= 0, steps >= 1, 0 <= min ratio <= 1)")
+    if start_step:
+        for group in optimizer.param_groups:  # the peak rate LambdaLR scales (it sets it itself at step 0)
+            group.setdefault("initial_lr", group["lr"])
     return LambdaLR(optimizer, lambda step: lr_factor(step, warmup=warmup, total=total, decay=decay,
-                                                      min_ratio=min_ratio))
+                                                      min_ratio=min_ratio), last_epoch=start_step - 1)

@@ -1,0 +1,120 @@
+"""This rank's training state as one flat dict of tensors, named as the user's model names them.
+
+A snapshot must load under any other plan: dp 4 saved, pp 2 x tp 2 resumed. So
+names never mention the layout (no stage views' "model." prefix, no FSDP
+wrapper, a tied weight under its first name on every pipeline end), and every
+tensor is what torch.distributed.checkpoint reshards by itself: a DTensor
+(FSDP / TP shards carry their global shape and placements) or a plain tensor
+every rank holding it holds whole.
+
+  model.<name>          parameters and persistent buffers (BatchNorm statistics...)
+  optim.<name>.<key>    the optimizer's per-parameter state (AdamW: step, exp_avg,
+                        exp_avg_sq), sharded as its parameter is
+
+Buffers a data-parallel rank updates on its own batch (BatchNorm running
+statistics without SyncBatchNorm) differ between dp ranks; the snapshot keeps
+one rank's, as torch's own checkpointing of such models does. They do not enter
+a training-mode forward, so the losses after resuming are unaffected.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+
+MODEL, OPTIM = "model.", "optim."
+
+
+def buffer_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Persistent buffers by their first name -> every (module, attribute) holding them."""
+    first: dict[int, str] = {}
+    holders: dict[str, list] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, buf in module._buffers.items():
+            if buf is None or attr in module._non_persistent_buffers_set:
+                continue
+            name = first.setdefault(id(buf), f"{mod_name}.{attr}" if mod_name else attr)
+            if (module, attr) not in holders.setdefault(name, []):
+                holders[name].append((module, attr))
+    return holders
+
+
+def local_tensors(pm, holders: dict) -> dict[str, torch.Tensor]:
+    """name -> this rank's tensor, for the names whose holder module is on this rank."""
+    local_modules = {id(m) for s in pm.stages for m in s.modules()}
+    out = {}
+    for name in sorted(holders):
+        for module, attr in holders[name]:
+            if id(module) in local_modules:
+                out[name] = getattr(module, attr)
+                break
+    return out
+
+
+def model_tensors(pm) -> dict[str, torch.Tensor]:
+    out = {MODEL + n: p for n, p in local_tensors(pm, pm._holders).items()}
+    out.update({MODEL + n: b for n, b in local_tensors(pm, pm._buffers).items()})
+    return out
+
+
+def all_model_names(pm) -> set[str]:
+    """Every model.* name of the whole model (all ranks together)."""
+    return {MODEL + n for n in list(pm._holders) + list(pm._buffers)}
+
+
+def _stepping_optimizer(opt):
+    """The optimizer that holds state: ZeroRedundancyOptimizer keeps its rank's in `.optim`."""
+    return getattr(opt, "optim", opt) if type(opt).__name__ == "ZeroRedundancyOptimizer" else opt
+
+
+def _stepped_params(pm) -> dict[str, torch.Tensor]:
+    """name -> parameter, for the parameters this rank's optimizer updates."""
+    mine = {id(p) for g in _stepping_optimizer(pm.optimizer).param_groups for p in g["params"]}
+    return {n: p for n, p in local_tensors(pm, pm._holders).items() if id(p) in mine}
+
+
+def optimizer_tensors(pm) -> dict[str, torch.Tensor]:
+    state = _stepping_optimizer(pm.optimizer).state
+    out = {}
+    for name, p in _stepped_params(pm).items():
+        for key, value in state.get(p, {}).items():
+            if not isinstance(value, torch.Tensor):
+                raise AutoparError(f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor: "
+                                   "a snapshot holds tensors only",
+                                   hint="use an optimizer whose per-parameter state is tensors (torch.optim's are)")
+            out[f"{OPTIM}{name}.{key}"] = value
+    return out
+
+
+def optimizer_targets(pm, saved: dict) -> tuple[dict[str, torch.Tensor], object]:
+    """Empty tensors to load a snapshot's optimizer state into, and a function that
+    installs them as the optimizer's state once loaded.
+
+    An optimizer has no state before its first step, so the snapshot's own
+    metadata (`saved`: name -> (shape, dtype)) says what to allocate: a tensor of
+    the parameter's global shape is sharded like the parameter on this plan
+    (DTensor), anything else (AdamW's step count) is a plain tensor on the CPU,
+    where torch.optim keeps it."""
+    targets, installs = {}, []
+    for name, p in _stepped_params(pm).items():
+        prefix = f"{OPTIM}{name}."
+        state = {}
+        for key, (shape, dtype) in saved.items():
+            if not key.startswith(prefix) or "." in key[len(prefix):]:
+                continue
+            if tuple(shape) == tuple(p.shape):
+                t = torch.zeros_like(p, dtype=dtype, requires_grad=False)
+            else:
+                t = torch.zeros(shape, dtype=dtype)
+            state[key[len(prefix):]] = t
+            targets[key] = t
+        if state:
+            installs.append((p, state))
+
+    def install():
+        opt_state = _stepping_optimizer(pm.optimizer).state
+        for p, state in installs:
+            opt_state[p] = state
+
+    return targets, install

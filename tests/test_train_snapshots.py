@@ -1,0 +1,90 @@
+"""Snapshots of the training job: resume-exact, resume under another plan and world
+size, the directory's atomicity and retention, refusal of a foreign model, and a
+safe read of DCP's metadata."""
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from autopar.errors import AutoparError
+from autopar.train import snapshot
+from dist_utils import run_world
+from train_worlds import GPT_TINY, load_safetensors, main_world, write_plan
+
+ARGS = ["--seed", "3", "--lr", "1e-2", "--warmup", "2", "--decay", "cosine", "--clip", "1.0", "--quiet"]
+
+
+def _tokens(tmp_path, n=64 * 16 + 1):
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 128, n).astype(np.uint16).tofile(path)
+    return str(path)
+
+
+def _run(world, plan, tmp_path, name, extra, timeout=300):
+    out = tmp_path / name
+    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", "8", "--losses-out", str(out / "losses.json"),
+                   "--export", str(out / "model.safetensors"), "--metrics", str(out / "metrics.jsonl")] + extra
+    os.makedirs(out, exist_ok=True)
+    rcs = run_world(main_world, world, GPT_TINY, plan, argv, timeout=timeout)
+    assert rcs == [0] * world, rcs
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "losses.json").read_text()), load_safetensors(str(out / "model.safetensors")), rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_exact_and_on_other_plans_and_world_sizes(tmp_path):
+    """8 steps of FSDP dp 4 with a snapshot at step 4 (AdamW, warmup + cosine, clipping).
+    From that snapshot: the same plan continues bit for bit (losses and final weights
+    equal); pp 2 x tp 2 on 4 ranks and tp 2 on 2 ranks continue with the same losses and
+    weights as the uninterrupted run, to the lowering tests' tolerance, data order included."""
+    dp4 = write_plan(str(tmp_path / "dp4.json"), dp=4, zero=3, micro_batch_size=2)
+    ref_losses, ref_weights, _ = _run(4, dp4, tmp_path, "ref",
+                                      ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "4", "--keep", "0"])
+    snap4 = str(tmp_path / "ckpt" / "step-00000004")
+    assert [s for s, _ in snapshot.complete(str(tmp_path / "ckpt"))] == [4, 8]
+    assert json.loads(open(os.path.join(snap4, "autopar.json")).read())["mesh"] == {"pp": 1, "dp": 4, "tp": 1}
+
+    losses, weights, rows = _run(4, dp4, tmp_path, "same", ["--resume", snap4])
+    assert losses == ref_losses[4:]  # bit for bit
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights) and weights.keys() == ref_weights.keys()
+    assert [r["step"] for r in rows] == [4, 5, 6, 7]
+
+    others = [(4, write_plan(str(tmp_path / "pp2tp2.json"), pp=2, tp=2, micro_batch_size=4, num_micro_batches=2,
+                                    schedule="1f1b"), "pp2_tp2"),
+              (2, write_plan(str(tmp_path / "tp2.json"), tp=2, micro_batch_size=8), "tp2_on_2_ranks")]
+    for world, plan, name in others:
+        losses, weights, _ = _run(world, plan, tmp_path, name, ["--resume", str(tmp_path / "ckpt" / "step-00000004")])
+        rel = max(abs(a - b) / b for a, b in zip(losses, ref_losses[4:]))
+        assert len(losses) == 4 and rel < 1e-4, (name, losses, ref_losses[4:])
+        worst = max(((weights[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+                    for k, v in ref_weights.items())
+        assert worst < 1e-3, (name, worst)  # test_lower_equivalence's Adam tolerance
+
+
+def test_metadata_reader_admits_dcp_classes_only(tmp_path):
+    """DCP's .metadata is a pickle: a snapshot that names any other callable is refused."""
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        snapshot.SafeFileSystemReader(str(tmp_path)).read_metadata()
+
+
+def test_only_complete_snapshots_count(tmp_path):
+    root = tmp_path / "ckpt"
+    for name, files in [("step-00000005", [".metadata", "autopar.json"]), ("step-00000010.partial", [".metadata"]),
+                        ("step-00000015", [".metadata"]), ("notes", [])]:
+        os.makedirs(root / name)
+        for f in files:
+            (root / name / f).write_text(json.dumps({"format": "autopar-snapshot", "version": 1, "step": 5}))
+    assert snapshot.complete(str(root)) == [(5, str(root / "step-00000005"))]
+    assert snapshot.resolve("auto", str(root)) == str(root / "step-00000005")
+    assert snapshot.resolve(str(root), None) == str(root / "step-00000005")
+    assert snapshot.resolve("never", str(root)) is None
+    with pytest.raises(AutoparError, match="no complete snapshot"):
+        snapshot.resolve(str(tmp_path / "empty"), None)
