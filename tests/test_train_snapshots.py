@@ -88,3 +88,102 @@ def test_only_complete_snapshots_count(tmp_path):
     assert snapshot.resolve("never", str(root)) is None
     with pytest.raises(AutoparError, match="no complete snapshot"):
         snapshot.resolve(str(tmp_path / "empty"), None)
+
+
+SLOW_MODEL = '''
+import sys, time
+sys.path.insert(0, {examples!r})
+from torch.utils.data import Dataset
+from gpt import gpt_tiny, loss_fn
+from autopar.train.data import TokenFile
+
+
+class SlowTokens(Dataset):
+    """Token windows read at 20 ms a sample: a step lasts long enough to kill a rank in it."""
+    def __init__(self):
+        self.tokens = TokenFile({tokens!r}, 16)
+    def __len__(self):
+        return len(self.tokens)
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return self.tokens[i]
+
+
+def dataset():
+    return SlowTokens()
+'''
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return int(env[b"RANK"]) if b"RANK" in env else None
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
+    """launch.sh (torchrun --max_restarts) on 2 ranks: rank 1 is SIGKILLed after the
+    first snapshot, torchrun restarts both, train.py resumes from the newest complete
+    snapshot, and the final weights equal an uninterrupted run's bit for bit."""
+    import signal
+    import subprocess
+    import time
+    from autopar.lower.emit import write_build
+    from autopar.plan import Plan
+    from dist_utils import free_port
+    from train_worlds import EXAMPLES
+
+    model_file = tmp_path / "slow_gpt.py"
+    model_file.write_text(SLOW_MODEL.format(examples=EXAMPLES, tokens=_tokens(tmp_path)))
+    plan_path = write_plan(str(tmp_path / "dp2.json"), dp=2, zero=3, micro_batch_size=4)
+    build = tmp_path / "build"
+    write_build(str(build), Plan.load(plan_path), f"{model_file}:gpt_tiny")
+    argv = ARGS + ["--steps", "16", "--save-every", "4"]
+
+    ref = tmp_path / "ref.safetensors"
+    assert run_world(main_world, 2, f"{model_file}:gpt_tiny", plan_path,
+                     argv + ["--export", str(ref)], timeout=300) == [0, 0]
+
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "2", "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "job.log", "w")
+    job = subprocess.Popen([str(build / "launch.sh"), *argv, "--save-dir", str(ckpt),
+                            "--export", str(tmp_path / "final.safetensors")],
+                           stdout=log, stderr=subprocess.STDOUT, env=env)
+    killed = None
+    deadline = time.monotonic() + 240
+    while killed is None and job.poll() is None and time.monotonic() < deadline:
+        if snapshot.complete(str(ckpt)):
+            victims = [p for p in _children(job.pid) if _rank_of(p) == 1]
+            if victims:
+                os.kill(victims[0], signal.SIGKILL)
+                killed = snapshot.complete(str(ckpt))[-1][0]
+        time.sleep(0.01)
+    rc = job.wait(timeout=300)
+    log.close()
+    text = (tmp_path / "job.log").read_text()
+    assert killed is not None and killed < 16, text[-3000:]
+    assert rc == 0, text[-3000:]
+    assert "resuming from" in text, text[-3000:]
+    final, expected = load_safetensors(str(tmp_path / "final.safetensors")), load_safetensors(str(ref))
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(16))  # one row a step, replayed steps once

@@ -52,6 +52,8 @@ LAUNCH_SH = Template('''\
 #   single node:  ./launch.sh [train.py args]
 #   multi-node:   on every node: NNODES=$nodes NODE_RANK=<i> MASTER_ADDR=<node 0 host> ./launch.sh
 # The plan needs $world processes: NNODES x NPROC_PER_NODE must equal $world.
+# A failed rank restarts every rank (up to MAX_RESTARTS times, default 3); with
+# --save-dir the job continues from its newest complete snapshot by itself.
 set -euo pipefail
 HERE="$$(cd "$$(dirname "$${BASH_SOURCE[0]}")" && pwd)"
 NNODES="$${NNODES:-$nodes}"
@@ -59,6 +61,7 @@ NPROC_PER_NODE="$${NPROC_PER_NODE:-$gpus_per_node}"
 exec torchrun \\
   --nnodes "$$NNODES" --nproc_per_node "$$NPROC_PER_NODE" --node_rank "$${NODE_RANK:-0}" \\
   --master_addr "$${MASTER_ADDR:-127.0.0.1}" --master_port "$${MASTER_PORT:-29500}" \\
+  --max_restarts "$${MAX_RESTARTS:-3}" \\
   "$$HERE/train.py" "$$@"
 ''')
 
@@ -71,12 +74,16 @@ LAUNCH_SBATCH = Template('''\
 #SBATCH --gpus-per-node=$gpus_per_node
 #SBATCH --exclusive
 #SBATCH --output=autopar-%j.out
+#SBATCH --signal=TERM@120
+# --signal: SIGTERM two minutes before the time limit; train.py saves a snapshot
+# at the end of the step in flight and stops (resubmit with the same --save-dir).
 set -euo pipefail
 HERE="$${SLURM_SUBMIT_DIR:-$$(pwd)}"
 HEAD_NODE="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
 # One torchrun per node; torchrun starts $gpus_per_node ranks and rendezvouses on the head node.
+# A failed rank restarts every rank (MAX_RESTARTS, default 3), resuming from --save-dir's newest snapshot.
 srun torchrun \\
-  --nnodes "$$SLURM_NNODES" --nproc_per_node $gpus_per_node \\
+  --nnodes "$$SLURM_NNODES" --nproc_per_node $gpus_per_node --max_restarts "$${MAX_RESTARTS:-3}" \\
   --rdzv_id "$$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$$HEAD_NODE:29500" \\
   "$$HERE/train.py" "$$@"
 ''')

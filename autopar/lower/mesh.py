@@ -46,7 +46,23 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **_restart_store())
+
+
+def _restart_store() -> dict:
+    """After torchrun restarts failed ranks, a store of their own for the new attempt.
+
+    torchrun's agent keeps one TCPStore for the whole job (static and c10d rendezvous
+    alike, torch 2.13), and init_process_group's keys carry no attempt number: the
+    restarted ranks read the dead attempt's addresses and cannot connect ("Gloo
+    connectFullMesh failed ... Connection refused"). A prefix per attempt keeps them apart.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return {"store": dist.PrefixStore(f"autopar/attempt-{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def check_world_size(plan: Plan) -> None:

@@ -186,6 +186,9 @@ def _resume(args, pm, batches) -> int:
     if args.save_every < 0 or args.keep < 0:
         raise AutoparError("--save-every and --keep must be >= 0")
     if args.resume == "auto" and not args.save_dir:
+        if dist.get_rank() == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+            print("autopar: torchrun restarts failed ranks, but without --save-dir a restart trains again "
+                  "from step 0", file=sys.stderr, flush=True)
         return 0
     choice = [snapshot.resolve(args.resume, args.save_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
