@@ -26,6 +26,7 @@ COMMANDS = {
     "report": "write a self-contained HTML report of a plan",
     "compile": "emit a runnable build/ (train.py, plan.json, launch scripts)",
     "calibrate": "time this machine and write a measured profile for --profile",
+    "export": "write a training snapshot's model as one safetensors file",
 }
 
 EPILOG = """examples:
@@ -36,6 +37,7 @@ EPILOG = """examples:
   autopar compile examples/gpt.py:gpt_tiny --gpus 4 --device cpu -o build/
   autopar calibrate --device cpu --ranks 2 -o cpu.json
   autopar plan examples/gpt.py:gpt_tiny --gpus 2 --device cpu --profile cpu.json
+  autopar export ckpt/ -o model.safetensors
 
 `autopar COMMAND --help` lists each command's options."""
 

@@ -53,6 +53,12 @@ def test_resume_exact_and_on_other_plans_and_world_sizes(tmp_path):
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights) and weights.keys() == ref_weights.keys()
     assert [r["step"] for r in rows] == [4, 5, 6, 7]
 
+    # `autopar export`, offline on one process: the newest snapshot (step 8) is the run's final model.
+    from autopar.cli import main as cli
+    assert cli(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "step8.safetensors")]) == 0
+    exported = load_safetensors(str(tmp_path / "step8.safetensors"))
+    assert exported.keys() == ref_weights.keys() and all(torch.equal(exported[k], ref_weights[k]) for k in exported)
+
     others = [(4, write_plan(str(tmp_path / "pp2tp2.json"), pp=2, tp=2, micro_batch_size=4, num_micro_batches=2,
                                     schedule="1f1b"), "pp2_tp2"),
               (2, write_plan(str(tmp_path / "tp2.json"), tp=2, micro_batch_size=8), "tp2_on_2_ranks")]
@@ -73,6 +79,15 @@ def test_metadata_reader_admits_dcp_classes_only(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
         snapshot.SafeFileSystemReader(str(tmp_path)).read_metadata()
+
+
+def test_export_refuses_what_is_not_a_snapshot(tmp_path, capsys):
+    from autopar.cli import main as cli
+    (tmp_path / "step-00000004.partial").mkdir()
+    assert cli(["export", str(tmp_path), "-o", str(tmp_path / "m.safetensors")]) == 2
+    assert "holds no complete snapshot" in capsys.readouterr().err
+    assert cli(["export", str(tmp_path / "nowhere")]) == 2
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 def test_only_complete_snapshots_count(tmp_path):

@@ -29,6 +29,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ def complete(root: str) -> list[tuple[int, str]]:
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata")):
+        if m and is_snapshot(path):
             out.append((int(m.group(1)), path))
     return sorted(out)
 
@@ -96,6 +97,11 @@ def complete(root: str) -> list[tuple[int, str]]:
 def latest(root: str) -> str | None:
     snaps = complete(root)
     return snaps[-1][1] if snaps else None
+
+
+def is_snapshot(path: str) -> bool:
+    """A complete step directory: DCP's .metadata and autopar.json are written after every shard."""
+    return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
 def read_meta(path: str) -> dict:
@@ -117,7 +123,7 @@ def resolve(resume: str, save_dir: str | None) -> str | None:
         return None
     if resume == "auto":
         return latest(save_dir) if save_dir else None
-    if os.path.isfile(os.path.join(resume, META)):
+    if is_snapshot(resume):
         return resume
     found = latest(resume)
     if found is None:
@@ -248,12 +254,13 @@ def export_safetensors(full: dict[str, torch.Tensor], out: str, metadata: dict |
 def snapshot_to_safetensors(path: str, out: str) -> list[str]:
     """Offline export of a snapshot's model (no process group, no plan): every
     model.* tensor read whole. Returns the tensor names written."""
-    path = resolve(path, None) if not os.path.isfile(os.path.join(path, META)) else path
     meta = read_meta(path)
     reader = SafeFileSystemReader(path)
     saved = _saved_tensors(reader)
     state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in saved.items() if k.startswith(lsd.MODEL)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose: DCP's "assuming ... a single process" says nothing new
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     full = {k[len(lsd.MODEL):]: v for k, v in sorted(state.items())}
     export_safetensors(full, out, {"autopar_step": meta["step"], "model": meta.get("model")})
     return list(full)
