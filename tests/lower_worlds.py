@@ -5,6 +5,7 @@ seconds) and returns plain numbers; the tests assert on them.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -440,4 +441,91 @@ def training_runtime_world(rank, world, token_file, layouts, clip=0.05, steps=4)
                      "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
                      "norms": norms, "ref_norms": ref_norms,
                      "param_rel": compare(pm.full_state_dict(), ref_params)}
+    return out
+
+
+FP16_LR = 0.05
+
+
+def _fp16_reference(model_name, token_file, steps, init_scale, growth_interval, inf_at):
+    """One process, fp16 as people wrote it before bf16 (apex O2 / Megatron): an fp16
+    copy of fp32 master weights runs forward and backward on the scaled loss; its
+    gradients, in fp32, are unscaled; an Inf or NaN anywhere (or step `inf_at`) skips
+    the step and halves the scale, `growth_interval` clean steps in a row double it."""
+    from autopar.train.data import GlobalBatches, TokenFile
+    master, _, loss_fn = build(model_name)
+    work = copy.deepcopy(master).half()
+    # Plain SGD: Adam's normalised step and heavy momentum turn fp16 rounding into whole
+    # steps (0.23 apart between one batch and two halves of it, measured), SGD keeps it 7e-5.
+    opt = torch.optim.SGD(master.parameters(), lr=FP16_LR)
+    data = GlobalBatches(TokenFile(token_file, SEQ), GLOBAL_BATCH, 1, 0, seed=7)
+    scale, clean, out = init_scale, 0, {"losses": [], "scales": [], "skipped": []}
+    for step in range(steps):
+        (x,), y = data.batch(step)
+        with torch.no_grad():
+            for w, m in zip(work.parameters(), master.parameters()):
+                w.copy_(m)
+                w.grad = None
+        loss = loss_fn(work(x), y)
+        (loss.float() * scale).backward()
+        grads = [w.grad.float() / scale for w in work.parameters()]
+        skip = step == inf_at or not all(bool(torch.isfinite(g).all()) for g in grads)
+        out["losses"].append(loss.item())
+        out["scales"].append(scale)
+        out["skipped"].append(skip)
+        if skip:
+            scale, clean = scale / 2, 0
+            continue
+        clean += 1
+        if clean == growth_interval:
+            scale, clean = scale * 2, 0
+        for m, g in zip(master.parameters(), grads):
+            m.grad = g
+        opt.step()
+    out["params"] = {k: v.detach().clone() for k, v in master.named_parameters()}
+    return out
+
+
+def _poison_one_gradient(pm, step: int, when: int) -> None:
+    """At step `when`, the last rank (only) finds an Inf in one of its gradient shards
+    after backward: every rank must skip that step."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    if step != when or dist.get_rank() != dist.get_world_size() - 1:
+        return
+    p = next(p for p in pm.parameters() if p.grad is not None)
+    local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+    local.view(-1)[0] = float("inf")
+
+
+def fp16_world(rank, world, token_file, layouts, steps, init_scale, growth_interval=3, inf_at=2):
+    """fp16 plans (fp16 compute over fp32 master shards, the LossScaler over the world)
+    against `_fp16_reference`: the same steps skipped on every rank (natural overflow,
+    and an Inf on one rank only), the same scales, losses and parameters to fp16's precision."""
+    from autopar.train.data import GlobalBatches, TokenFile
+    ref = _fp16_reference("llama", token_file, steps, init_scale, growth_interval, inf_at)
+    out = {}
+    for name, kw in layouts:
+        kw = dict(kw)
+        model, example, loss_fn = build("llama")
+        dp = kw.get("dp", 1)
+        n_mb = kw.setdefault("num_micro_batches", 1)
+        kw.setdefault("micro_batch_size", GLOBAL_BATCH // (dp * n_mb))
+        plan = plan_for_model(model, example_inputs=example, precision="fp16", **kw)
+        pm = compile(model, example_inputs=example, loss_fn=loss_fn, optimizer=torch.optim.SGD,
+                     optimizer_kwargs={"lr": FP16_LR}, plan=plan, local_batch=True)
+        pm.grad_scaler.configure(init_scale=init_scale, growth_interval=growth_interval)
+        sync = pm._sync_tied_grads  # runs after backward, before the scaler unscales
+        data = GlobalBatches(TokenFile(token_file, SEQ), GLOBAL_BATCH, plan.mesh.dp, pm.dp_rank, seed=7)
+        losses, scales, skipped = [], [], []
+        for step in range(steps):
+            pm._sync_tied_grads = lambda step=step: (sync(), _poison_one_gradient(pm, step, inf_at))
+            inputs, targets = data.batch(step)
+            scales.append(pm.grad_scaler.scale_value())
+            losses.append(pm.train_step(inputs, targets))
+            skipped.append(pm.last_step_skipped)
+        out[name] = {"losses": losses, "scales": scales, "skipped": skipped,
+                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+                     "param_rel": compare(pm.full_state_dict(), ref["params"])}
+    out["ref"] = {k: v for k, v in ref.items() if k != "params"}
     return out

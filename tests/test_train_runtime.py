@@ -160,3 +160,27 @@ def test_clipping_schedule_and_data_shares_match_one_process(tmp_path):
         assert r["norm_rel"] < 1e-4, (name, r["norms"], r["ref_norms"])
         assert r["loss_rel"] < 1e-4 and r["param_rel"] < 1e-3, (name, r)  # test_lower_equivalence: Adam 1e-3
     assert all(res == results[0] for res in results[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fp16_loss_scaling_skips_together_and_matches_one_process(tmp_path):
+    """fp16 plans on 2 ranks (FSDP dp 2, tp 2, pp 2 with 1F1B) against one process running
+    the classic fp16 loop (fp16 copy of fp32 master weights, scaled loss, skip on Inf):
+    the initial scale 2**16 overflows at step 0 on every rank; at step 2 only the last rank
+    finds an Inf, and every rank skips; three clean steps double the scale. Scales and
+    skipped steps equal the reference's, losses agree to fp16 rounding and parameters
+    after 8 steps to 1e-4 (one batch and two halves of it differ by 7e-5 in fp16)."""
+    from lower_worlds import fp16_world
+    layouts = [("fsdp_dp2", dict(dp=2, zero=3)), ("tp2", dict(tp=2)),
+               ("pp2_1f1b", dict(pp=2, schedule="1f1b", num_micro_batches=2))]
+    results = run_world(fp16_world, 2, _token_file(tmp_path, n=64 * 16 + 1), layouts, 8, 2.0 ** 16, timeout=500)
+    ref = results[0].pop("ref")
+    assert ref["skipped"] == [True, False, True, False, False, False, False, False], ref
+    assert ref["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14, 2.0 ** 14, 2.0 ** 15, 2.0 ** 15]
+    for name, r in results[0].items():
+        assert r["skipped"] == ref["skipped"] and r["scales"] == ref["scales"], (name, r)
+        assert r["loss_rel"] < 2e-3, (name, r["losses"], ref["losses"])  # fp16 carries 11 bits
+        assert r["param_rel"] < 1e-4, (name, r["param_rel"])
+    results[1].pop("ref")
+    assert results[1] == results[0]  # every rank reports the same steps, scales and losses

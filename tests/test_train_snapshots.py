@@ -2,6 +2,7 @@
 size, the directory's atomicity and retention, refusal of a foreign model, and a
 safe read of DCP's metadata."""
 import json
+import math
 import os
 import pickle
 
@@ -69,6 +70,36 @@ def test_resume_exact_and_on_other_plans_and_world_sizes(tmp_path):
         worst = max(((weights[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
                     for k, v in ref_weights.items())
         assert worst < 1e-3, (name, worst)  # test_lower_equivalence's Adam tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fp16_resume_continues_the_loss_scale(tmp_path):
+    """An fp16 plan (FSDP dp 2) through train.py: the metrics carry the scale each step
+    used and the skipped steps (the scale halves after each, doubles after 3 clean ones);
+    the snapshot holds the scaler and the schedule's position (skipped steps do not advance
+    it, as in Megatron and DeepSpeed), and resuming at step 4 repeats steps 4-7 bit for bit."""
+    plan = write_plan(str(tmp_path / "fp16.json"), dp=2, zero=3, micro_batch_size=4, precision="fp16")
+    fp16 = ["--initial-loss-scale", str(2 ** 20), "--loss-scale-window", "3"]
+    ref_losses, ref_weights, rows = _run(2, plan, tmp_path, "ref", fp16 + [
+        "--save-dir", str(tmp_path / "ckpt"), "--save-every", "4", "--keep", "0"])
+    scales, ref_lrs = [r["loss_scale"] for r in rows], [r["lr"] for r in rows]
+    assert rows[0]["skipped"] and scales[0] == 2 ** 20, rows[0]  # 2**20 overflows gpt_tiny's fp16 backward
+    clean = 0
+    for prev, now, row in zip(scales, scales[1:], rows):
+        clean = 0 if row["skipped"] else clean + 1
+        expected = prev / 2 if row["skipped"] else prev * 2 if clean == 3 else prev
+        clean = 0 if clean == 3 else clean
+        assert now == expected, scales
+    assert not all(r["skipped"] for r in rows) and all(math.isfinite(l) for l in ref_losses)
+    meta = json.loads(open(tmp_path / "ckpt" / "step-00000004" / "autopar.json").read())
+    assert meta["loss_scaler"]["scale"] == scales[4], (meta, scales)
+
+    losses, weights, rows = _run(2, plan, tmp_path, "resumed", fp16 + [
+        "--resume", str(tmp_path / "ckpt" / "step-00000004")])
+    assert losses == ref_losses[4:] and [r["loss_scale"] for r in rows] == scales[4:]
+    assert [r["lr"] for r in rows] == ref_lrs[4:]
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
 def test_metadata_reader_admits_dcp_classes_only(tmp_path):

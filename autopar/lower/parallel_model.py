@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (checkpointing, data_parallel, grad_norm, pipeline_parallel, state_dict, tensor_parallel,
-                           what_runs)
+from autopar.lower import (checkpointing, data_parallel, grad_norm, loss_scaling, pipeline_parallel, state_dict,
+                           tensor_parallel, what_runs)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
@@ -52,6 +52,8 @@ class ParallelModel:
     before_optimizer_step                  clip by the global norm, hooks(pm), then step
                                            the optimizer and the schedule
     clip_grad_norm_(max_norm) -> norm      the global norm over every dp / tp / pp shard
+    grad_scaler                            fp16 plans: the dynamic loss scaler (loss_scaling);
+                                           last_step_skipped says whether the step overflowed
     full_state_dict() -> {name: tensor}    unsharded parameters (a collective: call on all ranks)
     sharded_state_dict() -> {name: tensor} this rank's shards of parameters, buffers and optimizer
                                            state, layout-free names (autopar.train.snapshot)
@@ -62,7 +64,8 @@ class ParallelModel:
 
     def __init__(self, *, plan: Plan, mesh, layout: ModelLayout, stages: list[nn.Module], optimizer,
                  loss_fn, schedule, holders: dict, tied_groups: list, local_batch: bool, device,
-                 fsdp: bool, replicated: bool = False, loss_parallel: bool = False, buffers: dict | None = None):
+                 fsdp: bool, replicated: bool = False, loss_parallel: bool = False, buffers: dict | None = None,
+                 grad_scaler: loss_scaling.LossScaler | None = None):
         self.plan, self.mesh, self.layout, self.stages = plan, mesh, layout, stages
         self.optimizer, self.loss_fn, self.schedule = optimizer, loss_fn, schedule
         self._holders, self._tied_groups = holders, tied_groups
@@ -75,7 +78,9 @@ class ParallelModel:
         self.track_grad_norm = False  # compute last_grad_norm even without clipping (metrics)
         self.last_grad_norm: float | None = None
         self.before_optimizer_step: list = []  # callables(ParallelModel)
-        self.lr_scheduler = None  # stepped after every optimizer step
+        self.lr_scheduler = None  # stepped after every optimizer step the loss scaler does not skip
+        self.grad_scaler = grad_scaler
+        self.last_step_skipped = False
         self.notes: list[str] = []
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
@@ -111,6 +116,8 @@ class ParallelModel:
                 f"{self.plan.num_micro_batches} micro-batches of {self.plan.micro_batch_size}",
                 hint=f"feed global batches of {self.plan.global_batch_size} samples (or re-plan)")
         self.optimizer.zero_grad(set_to_none=True)
+        if self.grad_scaler is not None:
+            self.grad_scaler.begin_step(self.device)
         if isinstance(self.loss_fn, TokenWeighedLoss):
             self._weigh_by_tokens(targets)
         with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()), \
@@ -123,15 +130,26 @@ class ParallelModel:
                 self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
                 local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
                               if self.has_last else None)
+                if local_loss is not None and self.grad_scaler is not None:
+                    local_loss = local_loss / self.grad_scaler.current  # a power of two: exact
         self._sync_tied_grads()
+        skip = False
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)  # one all-reduce of the Inf flag over the world
+            skip = self.grad_scaler.found_inf(self.optimizer)
         if self.max_grad_norm is not None or self.track_grad_norm:
             self.last_grad_norm = grad_norm.global_grad_norm(self)
-            if self.max_grad_norm is not None:
+            if self.max_grad_norm is not None and not skip:
                 grad_norm.clip_grads_(self, self.max_grad_norm, self.last_grad_norm)
         for hook in self.before_optimizer_step:
             hook(self)
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)  # skipped on every rank when any gradient overflowed
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.last_step_skipped = skip
+        if self.lr_scheduler is not None and not skip:  # as Megatron: a skipped step does not advance the schedule
             self.lr_scheduler.step()
         return self._global_mean(local_loss)
 
@@ -168,7 +186,8 @@ class ParallelModel:
             if self._fsdp or self._replicated:  # sync gradients once, after the last micro-batch
                 stage.set_requires_gradient_sync(i == n - 1)
             loss = self.loss_fn(stage(*(c[i] for c in chunks)), tchunks[i])
-            (loss / n).backward()
+            scaled = loss if self.grad_scaler is None else self.grad_scaler.scale_loss(loss)
+            (scaled / n).backward()
             total += _plain(loss).float()
         return total / n
 
@@ -474,14 +493,17 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     else:
         opt = optimizer(params, **kwargs)
 
-    # 8. schedule
+    # 8. loss scaling (fp16) and schedule
+    scaler = loss_scaling.LossScaler(device.type) if plan.precision == "fp16" else None
     schedule = None
     if pp > 1:
-        schedule = pipeline_parallel.build_schedule(plan, stages, mesh["pp"].get_group(), device, loss_fn)
+        schedule = pipeline_parallel.build_schedule(
+            plan, stages, mesh["pp"].get_group(), device,
+            loss_fn if scaler is None else loss_scaling.ScaledLoss(loss_fn, scaler))
     pm = ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
                        schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
                        device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel,
-                       buffers=buffers)
+                       buffers=buffers, grad_scaler=scaler)
     pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
     if dist.get_rank() == 0:  # once per job, not once per GPU
         for note in pm.notes:

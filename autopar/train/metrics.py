@@ -45,6 +45,7 @@ class Metrics:
     _losses: list = field(default_factory=list)
     _times: list = field(default_factory=list)
     _tb: object = None
+    skipped: int = 0  # steps the fp16 loss scaler skipped
 
     def __post_init__(self):
         pred = self.plan.predicted or {}
@@ -98,7 +99,8 @@ class Metrics:
                f"{self.unit}_per_s": throughput, f"predicted_{self.unit}_per_s": p["throughput"],
                "mfu": mfu, "predicted_mfu": p["mfu"], "peak_memory_bytes": peak_memory_bytes,
                "predicted_peak_memory_bytes": p["peak_memory_bytes"]}
-        self._check(step, loss, grad_norm, rank_times)
+        self._check(step, loss, None if skipped else grad_norm, rank_times)  # fp16 overflow: expected, skipped
+        self.skipped += bool(skipped)
         if self.rank == 0:
             if self.path:
                 with open(self.path, "a") as f:
@@ -154,6 +156,8 @@ class Metrics:
                          "(the plan has no prediction: a hand-written plan)")
         if p["mfu"]:
             lines.append(f"  MFU         {p['mfu']:.1%} predicted, {p['mfu'] * p['step_time_s'] / t:.1%} measured")
+        if self.skipped:
+            lines.append(f"  {self.skipped} step(s) skipped by the fp16 loss scaler (gradient overflow)")
         return "\n".join(lines)
 
     def close(self) -> None:

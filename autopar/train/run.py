@@ -51,6 +51,12 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
                      help="AdamW weight decay; biases and norm gains are never decayed (default 0)")
     opt.add_argument("--clip", type=float, default=None, metavar="NORM",
                      help="clip gradients by their global norm over every dp / tp / pp shard")
+    fp16 = ap.add_argument_group("fp16 plans: dynamic loss scaling (a step with an Inf / NaN gradient on any "
+                                 "rank is skipped by all and the scale halves)")
+    fp16.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, metavar="S",
+                      help="starting scale, a power of two (default 65536)")
+    fp16.add_argument("--loss-scale-window", type=int, default=2000, metavar="N",
+                      help="clean steps in a row before the scale doubles (default 2000)")
     snap = ap.add_argument_group("snapshots (torch.distributed.checkpoint; loadable under any plan)")
     snap.add_argument("--save-dir", default=None, metavar="DIR", help="where snapshots go (step-N directories)")
     snap.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -125,10 +131,12 @@ def _train(args, model_spec: str, plan_path: str) -> int:
                          plan=plan, local_batch=True, no_weight_decay_1d=True)
     pm.max_grad_norm, pm.track_grad_norm = args.clip, True
     rank = dist.get_rank()
+    if pm.grad_scaler is not None:
+        pm.grad_scaler.configure(init_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
     batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
-    start = _resume(args, pm, batches)
+    start, schedule_at = _resume(args, pm, batches)
     pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=args.warmup, total=args.steps, decay=args.decay,
-                                   min_ratio=args.min_lr_ratio, start_step=start)
+                                   min_ratio=args.min_lr_ratio, start_step=schedule_at)
     metrics_path = args.metrics or (os.path.join(args.save_dir, "metrics.jsonl") if args.save_dir else None)
     metrics = Metrics(plan, path=metrics_path, rank=rank, start_step=start)
     stop = _StopSignal()
@@ -136,6 +144,7 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     for step in range(start, args.steps):
         inputs, targets = batches.batch(step)
         lr = pm.optimizer.param_groups[0]["lr"]
+        scale = pm.grad_scaler.scale_value() if pm.grad_scaler is not None else None
         t0 = time.perf_counter()
         loss = pm.train_step(inputs, targets)
         # Every rank's step time (a straggler shows here) and whether a stop signal
@@ -147,10 +156,13 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         stopping = any(float(t[1].item()) for t in gathered)
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         metrics.record(step, loss=loss, step_time_s=max(rank_times), rank_times=rank_times,
-                       grad_norm=pm.last_grad_norm, lr=lr, peak_memory_bytes=peak)
+                       grad_norm=pm.last_grad_norm, lr=lr, loss_scale=scale, skipped=pm.last_step_skipped,
+                       peak_memory_bytes=peak)
         losses.append(loss)
         if rank == 0 and not args.quiet:
-            print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}  "
+            fp16 = "" if scale is None else f"  scale {scale:.0f}" + ("  skipped (overflow)" if pm.last_step_skipped
+                                                                        else "")
+            print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}{fp16}  "
                   f"{max(rank_times) * 1e3:.1f} ms", flush=True)
         done = step + 1
         if args.save_dir and (stopping or done == args.steps or (args.save_every and done % args.save_every == 0)):
@@ -181,19 +193,20 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     return 0
 
 
-def _resume(args, pm, batches) -> int:
-    """Load the snapshot --resume names (every rank the same one: rank 0 decides) -> the step to start at."""
+def _resume(args, pm, batches) -> tuple[int, int]:
+    """Load the snapshot --resume names (every rank the same one: rank 0 decides) -> the step
+    to start at and the learning-rate schedule's position (behind it by the fp16 steps skipped)."""
     if args.save_every < 0 or args.keep < 0:
         raise AutoparError("--save-every and --keep must be >= 0")
     if args.resume == "auto" and not args.save_dir:
         if dist.get_rank() == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
             print("autopar: torchrun restarts failed ranks, but without --save-dir a restart trains again "
                   "from step 0", file=sys.stderr, flush=True)
-        return 0
+        return 0, 0
     choice = [snapshot.resolve(args.resume, args.save_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
-        return 0
+        return 0, 0
     meta = snapshot.read_meta(choice[0])
     batches.check_resume(meta.get("data", {}))
     meta = snapshot.load(pm, choice[0])
@@ -203,7 +216,8 @@ def _resume(args, pm, batches) -> int:
             f" (saved on pp {saved.get('pp')} x dp {saved.get('dp')} x tp {saved.get('tp')}, "
             f"{meta.get('world_size')} ranks: resharded; dropout streams start afresh)")
         print(f"resuming from {choice[0]} at step {meta['step']}{layout}", flush=True)
-    return int(meta["step"])
+    step = int(meta["step"])
+    return step, int(meta.get("lr_scheduler", {}).get("last_epoch", step))
 
 
 class _StopSignal:

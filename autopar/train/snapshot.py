@@ -163,6 +163,10 @@ def save(pm, root: str, step: int, meta: dict, keep: int | None = None) -> str:
         record = {"format": FORMAT, "version": VERSION, "step": step, "world_size": dist.get_world_size(),
                   "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp},
                   "model": plan.model.get("name"), **meta}
+        if pm.grad_scaler is not None:  # fp16: the scale every rank holds alike
+            record["loss_scaler"] = pm.grad_scaler.snapshot()
+        if pm.lr_scheduler is not None:  # steps the schedule took: fewer than `step` when fp16 skipped some
+            record["lr_scheduler"] = {"last_epoch": int(pm.lr_scheduler.last_epoch)}
         with open(os.path.join(partial, META), "w") as f:
             json.dump(record, f, indent=1, sort_keys=True)
             f.flush()
@@ -235,6 +239,8 @@ def load(pm, path: str) -> dict:
         else:
             torch.cuda.set_rng_state(v)
     meta["rng_restored"] = bool(rng)
+    if pm.grad_scaler is not None and meta.get("loss_scaler"):
+        pm.grad_scaler.restore(meta["loss_scaler"])  # a snapshot of a bf16 / fp32 run: the configured start
     return meta
 
 
