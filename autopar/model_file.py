@@ -6,7 +6,10 @@ A model file defines
 and may define more factories, selected as `path/to/file.py:factory`; a
 factory returns `(model, example_inputs_fn)` or the model alone (then the
 file's `example_inputs` is used). An optional `loss_fn(output, target)` is
-picked up for `autopar compile`.
+picked up for `autopar compile`, and an optional `dataset()` (or
+`dataset(model)`, given the model the factory built, e.g. to read its image
+size) returning a torch Dataset of (inputs, targets) is what the emitted
+train.py trains on when no --data is given.
 
 A file that only builds the model (a Hugging Face `...ForCausalLM(config)`, a
 nanoGPT `GPT(GPTConfig())`) needs no example_inputs for the common cases:
@@ -39,7 +42,7 @@ class LoadedModel:
     source: str  # "file.py:factory" as given
     name: str  # factory name, used in plan and report titles
     inputs_note: str | None = None  # set when example_inputs were inferred: what was assumed
-    dataset: Callable | None = None  # the file's dataset() -> torch Dataset of (inputs, targets), if any
+    dataset: Callable | None = None  # the file's dataset() or dataset(model) -> torch Dataset, if any
 
 
 def _prints_to_stderr():

@@ -1,7 +1,8 @@
 """ResNet-50 (He et al. 2016) in plain PyTorch, laid out like torchvision's:
 stem (conv1, bn1, relu, maxpool), four stages `layer1..layer4` of Bottleneck
 blocks (the first block of a stage downsamples through a 1x1 conv), global
-average pool and a linear classifier. Nothing here knows about autopar.
+average pool and a linear classifier. The model knows nothing about autopar;
+`dataset()` lends autopar's stand-in image set to the training job.
 
 Presets: resnet_tiny (tests), resnet50, resnet101.
 """
@@ -105,3 +106,11 @@ def example_inputs(batch_size: int, cfg: ResNetConfig | None = None) -> tuple:
 
 def loss_fn(logits, targets):
     return F.cross_entropy(logits, targets)
+
+
+def dataset(model):
+    """What `train.py` trains on without --data: autopar's stand-in image set (10
+    classes of gratings, made on the fly) at this model's image size. For real
+    images return e.g. torchvision.datasets.ImageFolder(root, transform=...) here."""
+    from autopar.train.data import StripeImages
+    return StripeImages(model.cfg.image_size, classes=model.cfg.num_classes)

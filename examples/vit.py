@@ -4,7 +4,8 @@ Written the way the common implementations write it: a strided Conv2d patch
 embedding, a learned class token and position embedding held directly as
 parameters of the root module, pre-norm encoder blocks built on
 nn.MultiheadAttention, and a linear classification head on the class token.
-Nothing here knows about autopar.
+The model knows nothing about autopar; `dataset()` lends autopar's stand-in
+image set to the training job.
 
 Presets: vit_tiny (tests), vit_b_16 (86M), vit_l_16, vit_h_14 (632M).
 Model-file convention: build_model(), example_inputs(batch_size), and one
@@ -109,3 +110,11 @@ def example_inputs(batch_size: int, cfg: ViTConfig | None = None) -> tuple:
 
 def loss_fn(logits, targets):
     return F.cross_entropy(logits, targets)
+
+
+def dataset(model):
+    """What `train.py` trains on without --data: autopar's stand-in image set (10
+    classes of gratings, made on the fly) at this model's image size. For real
+    images return e.g. torchvision.datasets.ImageFolder(root, transform=...) here."""
+    from autopar.train.data import StripeImages
+    return StripeImages(model.cfg.image_size, classes=model.cfg.num_classes)

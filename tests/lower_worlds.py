@@ -529,3 +529,27 @@ def fp16_world(rank, world, token_file, layouts, steps, init_scale, growth_inter
                      "param_rel": compare(pm.full_state_dict(), ref["params"])}
     out["ref"] = {k: v for k, v in ref.items() if k != "params"}
     return out
+
+
+def batchnorm_world(rank, world, plan_path):
+    """ResNet (BatchNorm) on its planned dp 2 FSDP layout in bf16 and in fp32: BatchNorm
+    runs with fp32 weights inside bf16 layers (its own FSDP unit), the first loss is the
+    fp32 run's to bf16 rounding, and the running statistics are the same on every rank."""
+    import resnet
+    from autopar.plan import Plan
+    plan = Plan.load(plan_path)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    out = {}
+    for precision in ("bf16", "fp32"):
+        torch.manual_seed(0)
+        model, example = resnet.resnet_tiny()
+        seen = {}
+        model.bn1.register_forward_hook(lambda m, i, o: seen.update(weight=str(m.weight.dtype), out=str(o.dtype)))
+        model.conv1.register_forward_hook(lambda m, i, o: seen.update(conv=str(m.weight.dtype)))
+        pm = compile(model, example_inputs=example, loss_fn=resnet.loss_fn, optimizer=torch.optim.SGD,
+                     optimizer_kwargs={"lr": 0.01}, plan=dataclasses.replace(plan, precision=precision))
+        losses = [pm.train_step((x,), y) for x, y in data]
+        stats = torch.cat([b.reshape(-1) for n, b in model.named_buffers() if "running_" in n])
+        out[precision] = {"losses": losses, "dtypes": seen, "stats": stats.tolist()}
+    return out

@@ -22,10 +22,26 @@ overlapped with the neighbour's compute); the stage module is the root unit
 and collects what no layer owns (tied weights). The dp axis of the mesh is
 used; with tp > 1 FSDP2 composes with the TP DTensors (2-D sharding).
 Gradient averaging over dp matches a mean loss over the global batch.
+
+Modules that must keep fp32 parameters under bf16 / fp16 plans get an FSDP
+unit of their own with an fp32 MixedPrecisionPolicy (`fp32_modules`):
+BatchNorm (its running statistics are fp32; torch's batch_norm takes a bf16
+input with fp32 weight and statistics, not bf16 weight with fp32 statistics:
+"expected scalar type BFloat16 but found Float"), and the modules a Hugging
+Face model lists in `_keep_in_fp32_modules` (fed fp32 inputs, as it expects).
+
+BatchNorm normalises over each rank's micro-batch, as DDP does without
+SyncBatchNorm (which runs on GPUs only); the running statistics are averaged
+over dp after every step (`average_batchnorm_stats`), so every rank holds the
+same buffers (with one micro-batch per rank, the running mean is the one a
+single process keeps over the global batch).
 """
 from __future__ import annotations
 
+import re
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -100,6 +116,42 @@ def apply_replicate(module: nn.Module, dp_mesh) -> nn.Module:
     return replicate(module, device_mesh=dp_mesh)
 
 
+def fp32_modules(model: nn.Module, keep: list[str] | None = None) -> dict[str, bool]:
+    """{module path: cast its inputs to fp32} for the modules under `model` that keep fp32
+    parameters; `keep`: the Hugging Face model's _keep_in_fp32_modules (default: model's own)."""
+    keep = (getattr(model, "_keep_in_fp32_modules", None) if keep is None else keep) or []
+    pattern = re.compile(rf"(^|\.)({'|'.join(map(re.escape, keep))})($|\.)") if keep else None
+    out = {}
+    for name, m in model.named_modules():
+        if not any(True for _ in m.parameters(recurse=False)):
+            continue
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            out[name] = False  # a bf16 input is what its kernel takes with fp32 weights
+        elif pattern is not None and pattern.search(name):
+            out[name] = True
+    return out
+
+
+def batchnorm_stats(stages) -> list[torch.Tensor]:
+    """The running mean and variance of every BatchNorm on this rank's stages."""
+    return [b for s in stages for m in s.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            for b in (m.running_mean, m.running_var) if b is not None]
+
+
+def average_batchnorm_stats(stats: list[torch.Tensor], dp_group) -> None:
+    """Mean over dp of the running statistics, in one all-reduce (gloo has no AVG)."""
+    if not stats:
+        return
+    flat = torch.cat([b.reshape(-1).float() for b in stats])
+    dist.all_reduce(flat, group=dp_group)
+    flat /= dist.get_world_size(dp_group)
+    at = 0
+    for b in stats:
+        b.copy_(flat[at:at + b.numel()].view_as(b))
+        at += b.numel()
+
+
 def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh, precision: str,
                tied_local: set[str], grads: str = "fp32") -> None:
     """Shard one stage module: one FSDP unit per layer, the stage as root unit."""
@@ -109,6 +161,16 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
         kwargs["mp_policy"] = mp
     mine = layout.layers_of_stage(stage_index)
     model = stage.model
+    own_units = set()
+    if mp is not None:  # innermost first: these units keep fp32 parameters inside bf16 / fp16 layers
+        keep = getattr(model, "_keep_in_fp32_modules", None)
+        for path in (p for l in mine for p in l.paths):
+            layer = model.get_submodule(path)
+            for sub, cast in fp32_modules(layer, keep).items():
+                fully_shard(layer.get_submodule(sub) if sub else layer, mesh=dp_mesh, reshard_after_forward=False,
+                            mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                                           cast_forward_inputs=cast))
+                own_units.add(f"{path}.{sub}" if sub else path)
     for l in mine:
         # A layer holding one end of a weight tied to another local layer is
         # left to the root unit: one parameter must live in one FSDP unit.
@@ -117,7 +179,7 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
         off = offload_policy(l.choice.offload)
         for path in l.paths:
             module = model.get_submodule(path)
-            if any(True for _ in module.parameters()):
+            if path not in own_units and any(True for _ in module.parameters()):
                 fully_shard(module, reshard_after_forward=l.choice.zero >= 3,
                             **kwargs, **({"offload_policy": off} if off else {}))
     off = offload_policy(mine[0].choice.offload if mine else "none")

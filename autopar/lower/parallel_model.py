@@ -88,6 +88,8 @@ class ParallelModel:
         n_stages = len(plan.stages)
         self.has_first = any(s.stage_index == 0 for s in stages)
         self.has_last = any(s.stage_index == n_stages - 1 for s in stages)
+        # BatchNorm running statistics, averaged over dp after each step (data_parallel)
+        self._bn_stats = data_parallel.batchnorm_stats(stages) if plan.mesh.dp > 1 else []
 
     @property
     def module(self) -> nn.Module:
@@ -151,6 +153,7 @@ class ParallelModel:
         self.last_step_skipped = skip
         if self.lr_scheduler is not None and not skip:  # as Megatron: a skipped step does not advance the schedule
             self.lr_scheduler.step()
+        data_parallel.average_batchnorm_stats(self._bn_stats, self.mesh["dp"].get_group())
         return self._global_mean(local_loss)
 
     def parameters(self):

@@ -14,6 +14,7 @@ Sources:
   a Dataset      a model file's `dataset()`: any torch Dataset of
                  (inputs, targets) with inputs a tensor or a tuple of tensors
   Synthetic      random tokens from the model's example inputs (`--synthetic`)
+  StripeImages   a stand-in image set (gratings by class) for vision examples
 """
 from __future__ import annotations
 
@@ -159,3 +160,32 @@ class Synthetic:
                                hint="define dataset() in the model file returning (inputs, targets) samples")
         target = torch.roll(first, shifts=-1, dims=0) if self.shift else first
         return tuple(x[0] for x in inputs), target
+
+
+class StripeImages(Dataset):
+    """A stand-in image classification set, made on the fly: class c is a grating at
+    angle c x 180 / classes degrees, with a random phase, frequency jitter and pixel
+    noise per sample (deterministic from seed and index). Learnable in a few hundred
+    steps, so a vision model's training run shows a falling loss without a download;
+    a model file's dataset() swaps in torchvision's ImageFolder for real images."""
+
+    def __init__(self, image_size: int, classes: int = 10, size: int = 50_000, channels: int = 3, seed: int = 0,
+                 noise: float = 0.5):
+        self.image_size, self.classes, self.size = image_size, classes, size
+        self.channels, self.seed, self.noise = channels, seed, noise
+        coords = torch.arange(image_size, dtype=torch.float32) / image_size
+        self._y, self._x = torch.meshgrid(coords, coords, indexing="ij")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        label = int(torch.randint(self.classes, (1,), generator=g))
+        angle = torch.tensor(torch.pi * label / self.classes)
+        freq = 4.0 + 2.0 * torch.rand((), generator=g)
+        phase = 2 * torch.pi * torch.rand((), generator=g)
+        wave = torch.sin(2 * torch.pi * freq * (self._x * torch.cos(angle) + self._y * torch.sin(angle)) + phase)
+        image = wave.expand(self.channels, -1, -1) + self.noise * torch.randn(
+            self.channels, self.image_size, self.image_size, generator=g)
+        return image, torch.tensor(label)

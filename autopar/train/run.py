@@ -14,6 +14,7 @@ when SIGTERM / SIGUSR1 arrives (a scheduler's preemption notice).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -89,7 +90,9 @@ def _dataset(args, loaded, plan, module_dataset):
                                hint="define dataset() in the model file returning (inputs, targets) samples")
         return TokenFile(args.data, seq, args.data_dtype, shift=shift)
     if module_dataset is not None:
-        ds = module_dataset()
+        takes_model = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                          for p in inspect.signature(module_dataset).parameters.values())
+        ds = module_dataset(loaded.model) if takes_model else module_dataset()
         if not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
             raise AutoparError(f"the model file's dataset() returned {type(ds).__name__}, not a map-style "
                                "torch Dataset of (inputs, targets)")
