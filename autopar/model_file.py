@@ -9,7 +9,10 @@ file's `example_inputs` is used). An optional `loss_fn(output, target)` is
 picked up for `autopar compile`, and an optional `dataset()` (or
 `dataset(model)`, given the model the factory built, e.g. to read its image
 size) returning a torch Dataset of (inputs, targets) is what the emitted
-train.py trains on when no --data is given.
+train.py trains on when no --data is given. An optional `init_fn(module)`
+(applied like nn.Module.apply, after each module's reset_parameters) lets
+train.py build the parameters on the meta device and initialise only each
+rank's shards; without it the model's own `_init_weights(module)` serves.
 
 A file that only builds the model (a Hugging Face `...ForCausalLM(config)`, a
 nanoGPT `GPT(GPTConfig())`) needs no example_inputs for the common cases:
@@ -34,6 +37,25 @@ from autopar.capture.auto_inputs import infer_example_inputs
 from autopar.errors import ModelFileError
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter a module registers goes to the meta device the moment it is
+    registered (the constructor's own init then costs nothing); buffers stay real."""
+    register = torch.nn.Module.register_parameter
+
+    def to_meta(self, name, param):
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and not p.is_meta:
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -43,6 +65,7 @@ class LoadedModel:
     name: str  # factory name, used in plan and report titles
     inputs_note: str | None = None  # set when example_inputs were inferred: what was assumed
     dataset: Callable | None = None  # the file's dataset() or dataset(model) -> torch Dataset, if any
+    init_fn: Callable | None = None  # the file's init_fn(module): the model's init, module by module
 
 
 def _prints_to_stderr():
@@ -78,6 +101,11 @@ def import_model_file(path: str):
 def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int | None = None) -> LoadedModel:
     """Import the file, build the model (on `device`) and find its example inputs.
 
+    device "meta-params": parameters built on the meta device and buffers real on the
+    CPU (what the constructor computed: position ids, causal masks, RoPE tables), as
+    accelerate's init_empty_weights(include_buffers=False) builds; the buffers then go
+    to meta too, their values kept for lowering, which materialises only this rank's
+    shards and puts the buffers back (autopar.lower.materialize).
     seq_len: the sequence length for inferred inputs (the CLI's --seq-len);
     a file's own example_inputs keep theirs.
     """
@@ -94,7 +122,10 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
             hint=("a model file defines build_model() -> nn.Module and example_inputs(batch_size) -> tuple; "
                   f"functions found in this file: {', '.join(available) or 'none'}"),
         )
-    ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+    if device == "meta-params":
+        ctx = parameters_on_meta()
+    else:
+        ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     try:
         with ctx, _prints_to_stderr():
             built = factory()
@@ -109,6 +140,10 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
         built, inputs_fn = built
     if not isinstance(built, torch.nn.Module):
         raise ModelFileError(f"{path}:{factory_name}() returned {type(built).__name__}, not an nn.Module")
+    if device == "meta-params":
+        from autopar.lower.materialize import keep_buffer_values
+
+        keep_buffer_values(built)
     inputs_fn = inputs_fn or getattr(module, "example_inputs", None)
     note = None
     if inputs_fn is None:
@@ -124,4 +159,4 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
     return LoadedModel(model=built, example_inputs=inputs_fn, loss_fn=getattr(module, "loss_fn", None),
                        source=spec, name=factory_name if factory_name != "build_model" else
                        os.path.splitext(os.path.basename(path))[0], inputs_note=note,
-                       dataset=getattr(module, "dataset", None))
+                       dataset=getattr(module, "dataset", None), init_fn=getattr(module, "init_fn", None))

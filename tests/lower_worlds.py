@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 import torch
 
@@ -14,6 +15,8 @@ from autopar.lower import compile, plan_for_model
 
 SEQ = 16
 GLOBAL_BATCH = 8
+GPT_TINY_SPEC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                             "gpt.py") + ":gpt_tiny"
 STEPS = 3
 
 
@@ -271,7 +274,7 @@ def meta_memory_world(rank, world):
 
 
 def emitted_reference_world(rank, world, build_dir, steps):
-    """What the emitted train.py computes (--synthetic, AdamW at 3e-4 without weight
+    """What the emitted train.py computes (--synthetic, the model's meta build, AdamW at 3e-4 without weight
     decay, a constant schedule), done by compiling in this process and feeding every
     rank the whole global batch (train.py reads only each dp rank's share)."""
     import os
@@ -280,7 +283,8 @@ def emitted_reference_world(rank, world, build_dir, steps):
     from autopar.train.data import GlobalBatches, Synthetic
     plan = Plan.load(os.path.join(build_dir, "plan.json"))
     torch.manual_seed(0)
-    loaded = load_model(os.path.join(build_dir, "model.py") + ":gpt_tiny", device="cpu")
+    # As train.py builds it (--init auto): meta parameters, initialised shard by shard.
+    loaded = load_model(os.path.join(build_dir, "model.py") + ":gpt_tiny", device="meta-params")
     pm = compile(loaded.model, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                  optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.0}, plan=plan)
     data = GlobalBatches(Synthetic(loaded.example_inputs, seed=0), plan.global_batch_size, 1, 0, seed=0)
@@ -552,4 +556,39 @@ def batchnorm_world(rank, world, plan_path):
         losses = [pm.train_step((x,), y) for x, y in data]
         stats = torch.cat([b.reshape(-1) for n, b in model.named_buffers() if "running_" in n])
         out[precision] = {"losses": losses, "dtypes": seen, "stats": stats.tolist()}
+    return out
+
+
+def meta_init_world(rank, world, layouts):
+    """gpt_tiny built on the meta device and lowered on several layouts: every layout
+    ends with the same weights, bit for bit, as one process initialising the same
+    meta model module by module (materialize.init_module_tree, the run's seed 0)."""
+    import gpt
+    from autopar.lower.materialize import init_module_tree
+    from autopar.lower.model_io import default_init_fn
+    from autopar.model_file import load_model, parameters_on_meta
+    with parameters_on_meta():  # buffers (GPT's position ids) real, as train.py builds
+        ref, _ = gpt.gpt_tiny()
+    pos = ref.pos.clone()
+    ref.to_empty(device="cpu")  # (which unties the head from the embedding: tie again)
+    ref.pos.copy_(pos)
+    ref.lm_head.weight = ref.wte.weight
+    init_module_tree([ref], default_init_fn(ref), seed=0)
+    expected = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    out = {}
+    for name, kw in layouts:
+        torch.manual_seed(0)
+        loaded = load_model(GPT_TINY_SPEC, device="meta-params")  # as train.py builds it
+        model, example = loaded.model, loaded.example_inputs
+        plan = plan_for_model(model, example_inputs=example, **kw)
+        pm = compile(model, example_inputs=example, loss_fn=gpt.loss_fn, plan=plan, optimizer=torch.optim.SGD,
+                     optimizer_kwargs={"lr": 0.1})
+        full = pm.full_state_dict()
+        w = full["blocks.0.mlp.fc.weight"]
+        out[name] = {"equal": sorted(full) == sorted(expected) and all(torch.equal(full[k], expected[k])
+                                                                        for k in expected),
+                     "std": w.std().item(), "halves_differ": not torch.equal(w[:w.shape[0] // 2], w[w.shape[0] // 2:]),
+                     "pos": [b.tolist() for s in pm.stages for n, b in s.model.named_buffers() if n == "pos"],
+                     "differ": sorted(k for k in full if not torch.equal(full[k], expected[k]))[:6],
+                     "tied": [s.model.lm_head.weight is s.model.wte.weight for s in pm.stages]}
     return out

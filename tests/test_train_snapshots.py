@@ -233,3 +233,22 @@ def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(16))  # one row a step, replayed steps once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fresh_runs_start_from_the_same_weights_on_any_layout(tmp_path):
+    """train.py builds the parameters on the meta device and initialises each rank's
+    shards (--init auto: gpt's own _init_weights): FSDP dp 2 and tp 2 start from the
+    same weights bit for bit (one step at lr 0, then --export), and so would one process."""
+    weights = {}
+    for name, layout in (("dp2", dict(dp=2, zero=3, micro_batch_size=4)), ("tp2", dict(tp=2, micro_batch_size=8))):
+        plan = write_plan(str(tmp_path / f"{name}.json"), **layout)
+        out = tmp_path / f"{name}.safetensors"
+        assert run_world(main_world, 2, GPT_TINY, plan, ["--synthetic", "--steps", "1", "--lr", "0", "--quiet",
+                                                         "--export", str(out)], timeout=200) == [0, 0]
+        weights[name] = load_safetensors(str(out))
+    assert weights["dp2"].keys() == weights["tp2"].keys()
+    assert all(torch.equal(weights["dp2"][k], weights["tp2"][k]) for k in weights["dp2"])
+    w = weights["dp2"]["blocks.0.mlp.fc.weight"]
+    assert abs(w.std().item() - 0.02) < 0.002 and not torch.equal(w[: w.shape[0] // 2], w[w.shape[0] // 2:])

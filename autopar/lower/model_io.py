@@ -283,7 +283,17 @@ class HFTokenLoss(TokenWeighedLoss):
 
 
 def default_init_fn(model: nn.Module):
-    """The model's own per-module init for meta models: Hugging Face's
-    `_init_weights` (weights, norms and RoPE buffers); None for other models."""
-    init = getattr(model, "_init_weights", None) if is_hf_model(model) else None
-    return init if callable(init) else None
+    """The model's own per-module init for meta models: an `_init_weights(module)`
+    method, as Hugging Face models (weights, norms and RoPE buffers), nanoGPT and the
+    GPT example write it and apply it in their constructor; None when there is none."""
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        return None
+    if is_hf_model(model):
+        return init
+    try:
+        params = [p for p in inspect.signature(init).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return None
+    return init if len(params) == 1 else None

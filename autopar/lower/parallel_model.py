@@ -475,7 +475,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             s.autocast_dtype = _DTYPES[plan.precision]
 
     # 5. weights
-    was_meta = materialize(stages, device, init_fn)
+    was_meta = materialize(stages, device, init_fn, model=model)
 
     # 6. tied ends on different pipeline ranks
     tied_groups = _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta)

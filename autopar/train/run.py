@@ -41,6 +41,12 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     data.add_argument("--synthetic", action="store_true",
                       help="random inputs shaped as the model's example inputs (a smoke test, nothing to learn)")
     data.add_argument("--seed", type=int, default=0, help="weights, data order and dropout (default 0)")
+    data.add_argument("--init", default="auto", choices=("auto", "meta", "cpu"),
+                      help="meta: build the model's parameters on the meta device and initialise only this "
+                           "rank's shards (the model file's init_fn(module), else the model's own "
+                           "_init_weights(module), after each module's reset_parameters; the same weights on "
+                           "every layout); cpu: every rank builds the whole model in host memory first; auto "
+                           "(default): meta when such an init exists, else cpu")
     opt = ap.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     opt.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
@@ -74,6 +80,28 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     out.add_argument("--losses-out", default=None, help="write the per-step losses as JSON (rank 0)")
     out.add_argument("--quiet", action="store_true", help="no per-step line on the terminal")
     return ap
+
+
+def _build(args, model_spec: str, plan):
+    """(LoadedModel, init_fn): the model with meta parameters when it can be initialised
+    shard by shard (--init), else built whole on the CPU as its constructor builds it."""
+    from autopar.lower.model_io import default_init_fn
+    from autopar.model_file import load_model
+
+    if args.init == "cpu":
+        return load_model(model_spec, device="cpu", seq_len=plan.seq_len), None
+    loaded = load_model(model_spec, device="meta-params", seq_len=plan.seq_len)
+    init_fn = loaded.init_fn if callable(loaded.init_fn) else default_init_fn(loaded.model)
+    if init_fn is not None or args.init == "meta":
+        return loaded, init_fn
+    big = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    if os.environ.get("RANK", "0") == "0" and big > 1 << 30:
+        print(f"autopar: every rank builds the whole model ({big / 2 ** 30:.1f} GiB of fp32 parameters) in host "
+              "memory: define init_fn(module) in the model file (or give the model an _init_weights(module)) "
+              "to build only each rank's shards, or pass --init meta when the modules' own "
+              "reset_parameters is the model's whole init", file=sys.stderr, flush=True)
+    torch.manual_seed(args.seed)  # the meta build drew nothing, but start from the seed exactly
+    return load_model(model_spec, device="cpu", seq_len=plan.seq_len), None
 
 
 def _dataset(args, loaded, plan, module_dataset):
@@ -125,11 +153,11 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         raise AutoparError(f"--steps must be positive, got {args.steps}")
     if args.clip is not None and args.clip <= 0:
         raise AutoparError(f"--clip must be positive, got {args.clip}")
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    loaded = load_model(model_spec, device="cpu", seq_len=plan.seq_len)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank (and dropout streams)
+    loaded, init_fn = _build(args, model_spec, plan)
     dataset = _dataset(args, loaded, plan, loaded.dataset)
     pm = autopar.compile(loaded.model, plan.cluster, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                         optimizer=torch.optim.AdamW,
+                         init_fn=init_fn, optimizer=torch.optim.AdamW,
                          optimizer_kwargs={"lr": args.lr, "weight_decay": args.weight_decay},
                          plan=plan, local_batch=True, no_weight_decay_1d=True)
     pm.max_grad_norm, pm.track_grad_norm = args.clip, True
