@@ -120,6 +120,18 @@ def test_metrics_rows_hold_measured_and_predicted_values(tmp_path):
     assert "0.5 s predicted" in m.summary()
 
 
+def test_summary_says_when_a_cpu_plan_was_priced_without_a_measured_profile():
+    plan = _Plan()
+    plan.cluster = {"device": "cpu", "world_size": 4}
+    m = Metrics(plan)
+    m.record(0, loss=2.0, step_time_s=1.0)
+    assert "autopar calibrate --device cpu --ranks 4" in m.summary()
+    plan.cluster = {"device": "cpu", "devices": {"cpu": {"name": "cpu", "measured": {"gemm": []}}}}
+    assert Metrics(plan).uncalibrated() is None  # priced with this machine's profile
+    plan.cluster = {"device": "h100-80g"}
+    assert Metrics(plan).uncalibrated() is None
+
+
 def test_alerts_for_nonfinite_values_loss_spikes_and_stragglers():
     alerts = []
     m = Metrics(_Plan(), callbacks=[alerts.append])

@@ -18,7 +18,8 @@ Both substitutions are said, not silent: `zero_substitutions(plan)` names
 the layers, compile warns (LoweringWarning) and keeps the sentences in
 `ParallelModel.notes`.
 Each layer is one FSDP unit (one all-gather / reduce-scatter per layer,
-overlapped with the neighbour's compute); the stage module is the root unit
+overlapped with the neighbour's compute; a layer of several modules, such as
+a head's final norm and output Linear, is one unit over all of them); the stage module is the root unit
 and collects what no layer owns (tied weights). The dp axis of the mesh is
 used; with tp > 1 FSDP2 composes with the TP DTensors (2-D sharding).
 Gradient averaging over dp matches a mean loss over the global batch.
@@ -177,11 +178,13 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
         if any(t == p or t.startswith(p + ".") for p in l.paths for t in tied_local):
             continue
         off = offload_policy(l.choice.offload)
-        for path in l.paths:
-            module = model.get_submodule(path)
-            if path not in own_units and any(True for _ in module.parameters()):
-                fully_shard(module, reshard_after_forward=l.choice.zero >= 3,
-                            **kwargs, **({"offload_policy": off} if off else {}))
+        # One unit per layer, also when the layer is several modules (a head's final norm
+        # and output Linear): one all-gather for them, as torchtitan groups [norm, output].
+        modules = [model.get_submodule(p) for p in l.paths if p not in own_units]
+        modules = [m for m in modules if any(True for _ in m.parameters())]
+        if modules:
+            fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=l.choice.zero >= 3,
+                        **kwargs, **({"offload_policy": off} if off else {}))
     off = offload_policy(mine[0].choice.offload if mine else "none")
     fully_shard(stage, reshard_after_forward=any(l.choice.zero >= 3 for l in mine),
                 **kwargs, **({"offload_policy": off} if off else {}))

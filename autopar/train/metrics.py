@@ -138,6 +138,20 @@ class Metrics:
                 self._alert(step, "straggler", f"rank {slow} took {rank_times[slow]:.3f} s, "
                                                f"{rank_times[slow] / mid:.1f}x the median rank's {mid:.3f} s")
 
+    def uncalibrated(self) -> str | None:
+        """A sentence when the plan priced this CPU run with the generic CPU entry of the
+        device table rather than a profile measured on the machine (`autopar calibrate`):
+        such predictions are a rough guess (a CPU's speed varies tenfold by core, threads
+        and dtype), not what the cost model claims for a calibrated machine."""
+        cluster = getattr(self.plan, "cluster", None) or {}
+        devices = cluster.get("devices") or {}
+        if cluster.get("device") != "cpu" or not self.predicted["step_time_s"] or \
+                any(isinstance(d, dict) and d.get("measured") for d in devices.values()):
+            return None
+        world = cluster.get("world_size") or "N"
+        return ("the plan's predictions use the generic CPU profile, not this machine's: run `autopar calibrate "
+                f"--device cpu --ranks {world} -o cpu.json` and compile with --profile cpu.json")
+
     def summary(self) -> str:
         """Predicted vs measured, over the steps after the first (warm-up)."""
         times = self._times[1:] or self._times
@@ -158,6 +172,9 @@ class Metrics:
             lines.append(f"  MFU         {p['mfu']:.1%} predicted, {p['mfu'] * p['step_time_s'] / t:.1%} measured")
         if self.skipped:
             lines.append(f"  {self.skipped} step(s) skipped by the fp16 loss scaler (gradient overflow)")
+        note = self.uncalibrated()
+        if note and p["step_time_s"]:
+            lines.append(f"  note: {note}")
         return "\n".join(lines)
 
     def close(self) -> None:
