@@ -182,18 +182,11 @@ def _rank_of(pid: int) -> int | None:
         return None
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
-    """launch.sh (torchrun --max_restarts) on 2 ranks: rank 1 is SIGKILLed after the
-    first snapshot, torchrun restarts both, train.py resumes from the newest complete
-    snapshot, and the final weights equal an uninterrupted run's bit for bit."""
-    import signal
-    import subprocess
-    import time
+def _slow_job(tmp_path):
+    """(build dir, train.py args, reference export): gpt_tiny on FSDP dp 2 reading a
+    slow dataset, emitted by write_build, and its uninterrupted 16-step run's weights."""
     from autopar.lower.emit import write_build
     from autopar.plan import Plan
-    from dist_utils import free_port
     from train_worlds import EXAMPLES
 
     model_file = tmp_path / "slow_gpt.py"
@@ -202,17 +195,73 @@ def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
     build = tmp_path / "build"
     write_build(str(build), Plan.load(plan_path), f"{model_file}:gpt_tiny")
     argv = ARGS + ["--steps", "16", "--save-every", "4"]
-
     ref = tmp_path / "ref.safetensors"
     assert run_world(main_world, 2, f"{model_file}:gpt_tiny", plan_path,
                      argv + ["--export", str(ref)], timeout=300) == [0, 0]
+    return build, argv, ref
 
+
+def _launch(build, argv, ckpt, export, log, **env):
+    import subprocess
+    from dist_utils import free_port
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen([str(build / "launch.sh"), *argv, "--save-dir", str(ckpt), "--export", str(export)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _assert_as_uninterrupted(tmp_path, ckpt, ref):
+    final, expected = load_safetensors(str(tmp_path / "final.safetensors")), load_safetensors(str(ref))
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(16))  # one row a step, replayed steps once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_saves_stops_and_the_same_command_continues(tmp_path):
+    """SIGTERM to one rank (a preemption notice): every rank finishes the step in
+    flight, saves that step, exits 0; the same command run again resumes there and
+    ends with the uninterrupted run's weights bit for bit."""
+    import signal
+    import time
+    build, argv, ref = _slow_job(tmp_path)
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "2", "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "job.log", "w")
-    job = subprocess.Popen([str(build / "launch.sh"), *argv, "--save-dir", str(ckpt),
-                            "--export", str(tmp_path / "final.safetensors")],
-                           stdout=log, stderr=subprocess.STDOUT, env=env)
+    job = _launch(build, argv, ckpt, tmp_path / "final.safetensors", log, MAX_RESTARTS="0")
+    sent, deadline = False, time.monotonic() + 240
+    while not sent and job.poll() is None and time.monotonic() < deadline:
+        metrics = ckpt / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            victims = [p for p in _children(job.pid) if _rank_of(p) == 1]
+            if victims:
+                os.kill(victims[0], signal.SIGTERM)
+                sent = True
+        time.sleep(0.01)
+    assert job.wait(timeout=300) == 0
+    text = (tmp_path / "job.log").read_text()
+    assert sent and "stopped by signal after step" in text, text[-3000:]
+    stopped = snapshot.complete(str(ckpt))[-1][0]
+    assert 2 <= stopped < 16 and f"stopped by signal after step {stopped} (snapshot at step {stopped}" in text, \
+        (stopped, text[-2000:])  # the step in flight when the signal came, saved
+    log = open(tmp_path / "job2.log", "w")
+    assert _launch(build, argv, ckpt, tmp_path / "final.safetensors", log).wait(timeout=300) == 0
+    assert f"at step {stopped}" in (tmp_path / "job2.log").read_text()
+    _assert_as_uninterrupted(tmp_path, ckpt, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
+    """launch.sh (torchrun --max_restarts) on 2 ranks: rank 1 is SIGKILLed after the
+    first snapshot, torchrun restarts both, train.py resumes from the newest complete
+    snapshot, and the final weights equal an uninterrupted run's bit for bit."""
+    import signal
+    import time
+    build, argv, ref = _slow_job(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    log = open(tmp_path / "job.log", "w")
+    job = _launch(build, argv, ckpt, tmp_path / "final.safetensors", log, MAX_RESTARTS="2")
     killed = None
     deadline = time.monotonic() + 240
     while killed is None and job.poll() is None and time.monotonic() < deadline:
@@ -228,11 +277,7 @@ def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
     assert killed is not None and killed < 16, text[-3000:]
     assert rc == 0, text[-3000:]
     assert "resuming from" in text, text[-3000:]
-    final, expected = load_safetensors(str(tmp_path / "final.safetensors")), load_safetensors(str(ref))
-    assert final.keys() == expected.keys()
-    assert all(torch.equal(final[k], expected[k]) for k in expected)
-    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(16))  # one row a step, replayed steps once
+    _assert_as_uninterrupted(tmp_path, ckpt, ref)
 
 
 @pytest.mark.slow
