@@ -37,16 +37,24 @@ from autopar.capture.auto_inputs import infer_example_inputs
 from autopar.errors import ModelFileError
 
 
+CONSTRUCTOR_VALUES = "_autopar_constructor_values"  # module attribute: {parameter name: value}
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Every parameter a module registers goes to the meta device the moment it is
-    registered (the constructor's own init then costs nothing); buffers stay real."""
+    registered (the constructor's own init then costs nothing); buffers stay real.
+    A module without reset_parameters (an RMSNorm's `nn.Parameter(torch.ones(d))`)
+    has no init to replay but its constructor's: those values are kept beside it,
+    for autopar.lower.materialize to start that module's parameters from."""
     register = torch.nn.Module.register_parameter
 
     def to_meta(self, name, param):
         register(self, name, param)
         p = self._parameters.get(name)
         if p is not None and not p.is_meta:
+            if not callable(getattr(self, "reset_parameters", None)):
+                self.__dict__.setdefault(CONSTRUCTOR_VALUES, {})[name] = p.detach()
             self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
     torch.nn.Module.register_parameter = to_meta

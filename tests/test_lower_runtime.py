@@ -2,7 +2,9 @@
 bf16 plans, compile without a plan, meta-device models materialised shard by
 shard (memory measured). The 2-rank checks share one spawned world."""
 import pytest
+import torch
 
+from conftest import EXAMPLES
 from dist_utils import run_world
 from lower_worlds import meta_memory_world, two_rank_runtime_world
 
@@ -83,3 +85,33 @@ def test_meta_init_is_the_same_on_every_layout_and_one_process():
         assert r["halves_differ"] and abs(r["std"] - 0.02) < 0.002, (name, r)
         assert all(pos == list(range(len(pos))) for pos in r["pos"]) and r["pos"], (name, r["pos"])
     assert results[0]["dp2_zero3"]["tied"] == [True] and results[0]["tp2"]["tied"] == [True]
+
+
+def test_meta_build_keeps_constructor_values_and_refuses_what_nothing_initialises():
+    """Llama's RMSNorm sets its gain to ones in the constructor and has no
+    reset_parameters: built as train.py builds it (parameters_on_meta), it starts
+    from those ones; the Linears and embedding get the model's _init_weights. A
+    meta module whose parameters nothing would fill is refused by name, not left
+    as uninitialised memory (which trained to NaN before)."""
+    import torch.nn as nn
+    from autopar.errors import AutoparError
+    from autopar.lower.materialize import materialize
+    from autopar.lower.model_io import default_init_fn
+    from autopar.model_file import load_model
+    loaded = load_model(str(EXAMPLES / "llama.py") + ":llama_tiny", device="meta-params")
+    model = loaded.model
+    materialize([model], torch.device("cpu"), default_init_fn(model), seed=0, model=model)
+    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for n, m in model.named_modules()
+               if type(m).__name__ == "RMSNorm")
+    assert abs(model.layers[0].attention.wq.weight.std().item() - 0.02) < 0.004
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    class Gain(nn.Module):  # no reset_parameters: only its constructor knew its values
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        bare = nn.Sequential(nn.Linear(4, 4), Gain())
+    with pytest.raises(AutoparError, match=r"left 1\.g unfilled"):
+        materialize([bare], torch.device("cpu"), None, seed=0)

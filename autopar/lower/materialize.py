@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.errors import AutoparError
+from autopar.model_file import CONSTRUCTOR_VALUES
 
 
 def has_meta(modules: list[nn.Module]) -> bool:
@@ -46,37 +47,41 @@ def materialize(modules: list[nn.Module], device: torch.device, init_fn=None, se
         for m in modules:
             m.to(device)
         return False
-    meta_buffers = [n for m in modules for n, b in m.named_buffers() if b.is_meta]
-    if meta_buffers and init_fn is None:
+    # Buffers keep what the constructor computed (a real tensor, or the value
+    # keep_buffer_values hung on a meta one); the others init_fn must refill.
+    kept, refill = [], []
+    for m in modules:
+        for sub in m.modules():
+            for n, b in sub.named_buffers(recurse=False):
+                if not b.is_meta or hasattr(b, "autopar_value"):
+                    kept.append((sub, n, getattr(b, "autopar_value", b)))
+                else:
+                    refill.append((sub, n))
+    if refill and init_fn is None:
         raise AutoparError(
-            f"the model was built on the meta device and has buffers ({', '.join(sorted(set(meta_buffers))[:4])}) "
+            f"the model was built on the meta device and has buffers ({', '.join(sorted({n for _, n in refill})[:4])}) "
             "whose values cannot be recomputed from a meta model",
             hint="pass init_fn(module) that also fills these buffers, or build the model on the CPU "
                  "(real weights are kept as they are)")
-    real_buffers = [(sub, n, b) for m in modules for sub in m.modules()
-                     for n, b in sub.named_buffers(recurse=False) if not b.is_meta]
-    real_buffers += [(sub, n, b.autopar_value) for m in modules for sub in m.modules()
-                     for n, b in sub.named_buffers(recurse=False) if b.is_meta and hasattr(b, "autopar_value")]
     for m in modules:
         m.to_empty(device=device)
-    for sub, n, b in real_buffers:  # computed by the constructor (parameters_on_meta): kept
+    for sub, n, b in kept:
         sub._buffers[n].copy_(b)
-    # Meta buffers must be refilled by init_fn: a sentinel shows the ones it left empty.
-    kept = {(id(sub), n) for sub, n, _ in real_buffers}
-    unfilled = [(sub, n) for m in modules for sub in m.modules() for n, b in sub.named_buffers(recurse=False)
-                if (id(sub), n) not in kept and _fill_sentinel(b)]
+    # A sentinel shows the buffers init_fn left empty.
+    unfilled = [(sub, n) for sub, n in refill if _fill_sentinel(sub._buffers[n])]
     names = None
     if model is not None:
         names = {}
         for n, m in model.named_modules(remove_duplicate=False):
             names.setdefault(id(m), n)
-    init_module_tree(modules, init_fn, torch.initial_seed() if seed is None else seed, names)
-    left = sorted({n for sub, n in unfilled if _still_sentinel(sub._buffers[n])})
+    left = init_module_tree(modules, init_fn, torch.initial_seed() if seed is None else seed, names)
+    left += sorted({n for sub, n in unfilled if _still_sentinel(sub._buffers[n])})
     if left:
         raise AutoparError(
-            f"init_fn left buffer(s) {', '.join(left[:4])} of the meta-built model unfilled",
-            hint="build the model with its parameters only on meta (autopar.model_file.parameters_on_meta(): "
-                 "buffers are then computed by the constructor), or make init_fn fill these buffers")
+            f"the meta-built model's init left {', '.join(left[:4])}{' and more' if len(left) > 4 else ''} "
+            "unfilled (a module without reset_parameters that init_fn does not initialise either)",
+            hint="pass init_fn(module) that initialises them (a model file's init_fn), or build the model on "
+                 "the CPU (train.py --init cpu): its constructor's values are kept")
     return True
 
 
@@ -111,24 +116,27 @@ def _still_sentinel(b: torch.Tensor) -> bool:
     return bool((b == torch.iinfo(b.dtype).max).all())
 
 
-def init_module_tree(roots: list[nn.Module], init_fn, seed: int, names: dict[int, str] | None = None) -> None:
+def init_module_tree(roots: list[nn.Module], init_fn, seed: int, names: dict[int, str] | None = None) -> list[str]:
     """The model's own init, module by module (children first), each on whole tensors
     under a seed from `seed` and its name in the user's model (`names`: id -> name;
     a module not in it, e.g. a pipeline stage's view of the root, by its path with the
-    stage wrapper's `model.` dropped); sharded parameters keep their shard."""
+    stage wrapper's `model.` dropped); sharded parameters keep their shard. Returns
+    the floating-point parameters nothing initialised (still the NaN they started as)."""
     names = dict(names or {})
     for root in roots:
         for name, sub in _post_order(root, ""):
             names.setdefault(id(sub), name[len("model."):] if name.startswith("model.") else
                              "" if name == "model" else name)
-    done, initialised = set(), set()
+    done, initialised, left = set(), set(), []
     with torch.no_grad():
         for root in roots:
             for _, sub in _post_order(root, ""):
                 if id(sub) in done:
                     continue
                 done.add(id(sub))
-                _init_one(sub, init_fn, _module_seed(seed, names[id(sub)]), initialised)
+                prefix = f"{names[id(sub)]}." if names[id(sub)] else ""
+                left += [prefix + n for n in _init_one(sub, init_fn, _module_seed(seed, names[id(sub)]), initialised)]
+    return left
 
 
 def _post_order(module: nn.Module, prefix: str):
@@ -142,15 +150,18 @@ def _module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _init_one(module: nn.Module, init_fn, seed: int, initialised: set) -> None:
+def _init_one(module: nn.Module, init_fn, seed: int, initialised: set) -> list[str]:
     """A tied weight keeps the values of the first module holding it (the embedding,
     before the head that shares it): the same on a pipeline, where the head's rank
-    receives the first stage's copy."""
+    receives the first stage's copy. Returns the names of the module's own
+    floating-point parameters nothing wrote (a NaN sentinel shows them)."""
     own = {n: p for n, p in module.named_parameters(recurse=False)}
     reset = getattr(module, "reset_parameters", None)
-    if not callable(reset) and init_fn is None:
-        return
-    whole = {n: torch.empty(p.shape, dtype=p.dtype, device=_device_of(p)) for n, p in own.items()}
+    # What the constructor set, where nothing else would (model_file.parameters_on_meta).
+    built = module.__dict__.pop(CONSTRUCTOR_VALUES, {})
+    whole = {n: built[n].to(_device_of(p), p.dtype, copy=True) if n in built else
+             torch.full(p.shape, float("nan"), dtype=p.dtype, device=_device_of(p)) if p.dtype.is_floating_point
+             else torch.empty(p.shape, dtype=p.dtype, device=_device_of(p)) for n, p in own.items()}
     for n, t in whole.items():  # the module sees whole plain tensors while it initialises itself
         module._parameters[n] = nn.Parameter(t, requires_grad=own[n].requires_grad)
     devices = sorted({t.device for t in whole.values() if t.device.type == "cuda"}, key=str)
@@ -164,10 +175,11 @@ def _init_one(module: nn.Module, init_fn, seed: int, initialised: set) -> None:
     finally:
         for n, p in own.items():
             module._parameters[n] = p
-    for n, p in own.items():
-        if id(p) not in initialised:
-            initialised.add(id(p))
-            _keep_my_shard(p, whole[n])
+    fresh = [n for n, p in own.items() if id(p) not in initialised]
+    for n in fresh:
+        initialised.add(id(own[n]))
+        _keep_my_shard(own[n], whole[n])
+    return [n for n in fresh if whole[n].dtype.is_floating_point and _still_sentinel(whole[n])]
 
 
 def _device_of(p: torch.Tensor) -> torch.device:

@@ -12,9 +12,8 @@ every rank holding it holds whole.
                         exp_avg_sq), sharded as its parameter is
 
 Buffers a data-parallel rank updates on its own batch (BatchNorm running
-statistics without SyncBatchNorm) differ between dp ranks; the snapshot keeps
-one rank's, as torch's own checkpointing of such models does. They do not enter
-a training-mode forward, so the losses after resuming are unaffected.
+statistics) are averaged over dp after every step (data_parallel), so every
+rank saves the same values.
 """
 from __future__ import annotations
 

@@ -172,8 +172,8 @@ class Metrics:
             lines.append(f"  MFU         {p['mfu']:.1%} predicted, {p['mfu'] * p['step_time_s'] / t:.1%} measured")
         if self.skipped:
             lines.append(f"  {self.skipped} step(s) skipped by the fp16 loss scaler (gradient overflow)")
-        note = self.uncalibrated()
-        if note and p["step_time_s"]:
+        note = self.uncalibrated()  # None for a plan without a prediction
+        if note:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
 

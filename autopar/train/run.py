@@ -170,8 +170,9 @@ def _train(args, model_spec: str, plan_path: str) -> int:
                                    min_ratio=args.min_lr_ratio, start_step=schedule_at)
     metrics_path = args.metrics or (os.path.join(args.save_dir, "metrics.jsonl") if args.save_dir else None)
     metrics = Metrics(plan, path=metrics_path, rank=rank, start_step=start)
-    if rank == 0 and metrics.uncalibrated():
-        print(f"autopar: {metrics.uncalibrated()}", file=sys.stderr, flush=True)
+    uncalibrated = metrics.uncalibrated()
+    if rank == 0 and uncalibrated:
+        print(f"autopar: {uncalibrated}", file=sys.stderr, flush=True)
     stop = _StopSignal()
     losses, saved_at = [], start if start else None
     for step in range(start, args.steps):
