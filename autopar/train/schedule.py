@@ -2,9 +2,10 @@
 
 The shape GPT-3 (warmup, cosine to 10%), Llama (2,000 warmup steps, cosine to
 10%) and torchtitan (warmup, linear decay) train with, as a torch LambdaLR, so
-its position is one step counter: a snapshot records the step, and a resumed
-run builds the schedule at that step (`start_step`), on whatever optimizer
-param groups the new plan has.
+its position is one step counter: a snapshot records it (`last_epoch`, behind
+the training step by the fp16 steps the loss scaler skipped), and a resumed
+run builds the schedule there (`start_step`), on whatever optimizer param
+groups the new plan has.
 """
 from __future__ import annotations
 
