@@ -8,7 +8,10 @@ What is timed, each on the device and backend training will use:
   log-softmax, copy, embedding gather) from cache-sized to memory-sized tensors;
 - the optimizer step of torch's default AdamW and SGD on this device, as
   seconds per step, per parameter tensor and per element;
-- the host time of one DTensor op (what tensor parallelism adds per op);
+- the host time DTensor takes per op under tensor parallelism: toy Llama
+  blocks split by autopar's own TP lowering, on a one-rank mesh (host work
+  alone), then over every rank (what each of their collectives costs beyond
+  a plain one);
 - scaled_dot_product_attention forward and backward, causal and full;
 - collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all,
   point-to-point) by size over every power-of-two group up to `ranks`.
@@ -136,19 +139,6 @@ def _rate(work: float, seconds: float, overhead: float) -> float:
     return work / max(seconds - overhead, 0.1 * seconds)
 
 
-def _block_chain(x, weights):
-    """A miniature of what a block dispatches (matmul, activation, layout ops,
-    elementwise), on tiny tensors so that only host time is left. Every matmul
-    reads the same replicated input, so a column-sharded DTensor version needs no
-    communication."""
-    acc = None
-    for w in weights:
-        h = torch.nn.functional.gelu(torch.mm(x, w))
-        h = h.transpose(0, 1).transpose(0, 1) * 0.5
-        acc = h if acc is None else acc + h
-    return acc
-
-
 class _TinyBlock(torch.nn.Module):
     """A pre-norm transformer block at toy width: the modules, views and op mix a
     real block dispatches, with no work to speak of, so only host time is left."""
@@ -167,6 +157,44 @@ class _TinyBlock(torch.nn.Module):
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).contiguous().view(b, s, d))
         return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class _TinyAttention(torch.nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (w(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, d))
+
+
+class _TinyGatedMLP(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(d, 2 * d, bias=False), torch.nn.Linear(d, 2 * d, bias=False)
+        self.w2 = torch.nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _TinyTPBlock(torch.nn.Module):
+    """A Llama-style block at toy width, attention and MLP as child modules the
+    way people write them, so that autopar's own tensor-parallel lowering
+    (`parallelize_block`) splits it exactly as it splits a real model's."""
+
+    def __init__(self, d: int = 8, heads: int = 2):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+        self.attention, self.feed_forward = _TinyAttention(d, heads), _TinyGatedMLP(d)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 def _count_ops(fn) -> tuple[int, int]:
@@ -188,12 +216,9 @@ def _count_ops(fn) -> tuple[int, int]:
     return fwd, Count.n - 1  # less the backward of sum, which the chain itself does not have
 
 
-def measure_overhead(timer: Timer, device: torch.device, mesh=None) -> dict:
-    """Host seconds per dispatched op: eager (a toy transformer block: forward with
-    autograd recording, backward, forward with autograd off) and, given a mesh,
-    DTensor (a block-like chain of tiny ops, column-sharded over the mesh so that
-    nothing communicates)."""
-    # eager: a toy block, module calls and views included, per op it dispatches
+def measure_overhead(timer: Timer, device: torch.device) -> dict:
+    """Host seconds per dispatched op, eager: a toy transformer block's forward
+    with autograd recording, its backward, and its forward with autograd off."""
     blocks = torch.nn.Sequential(*[_TinyBlock() for _ in range(4)]).to(device)
     xb = torch.randn(2, 4, 8, device=device, requires_grad=True)
     n_fwd, n_bwd = _count_ops(lambda: blocks(xb))
@@ -202,23 +227,81 @@ def measure_overhead(timer: Timer, device: torch.device, mesh=None) -> dict:
     with torch.no_grad():
         plain = timer(lambda: blocks(xb))
     # (the sum and its backward are two of the ops timed but not counted: negligible)
-    out = {"fwd": fwd / n_fwd, "bwd": max(fwd_bwd - fwd, 0.0) / n_bwd, "no_grad": plain / n_fwd}
-    # DTensor: the chain below, column-sharded so that no op communicates
-    side, n = 8, 8
-    x = torch.randn(side, side, device=device, requires_grad=True)
-    ws = [torch.randn(side, side * 2, device=device, requires_grad=True) for _ in range(n)]
-    n_fwd, n_bwd = _count_ops(lambda: _block_chain(x, ws))
-    grad = torch.ones(side, side * 2, device=device)
-    if mesh is not None:
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    return {"fwd": fwd / n_fwd, "bwd": max(fwd_bwd - fwd, 0.0) / n_bwd, "no_grad": plain / n_fwd}
 
-        dx = distribute_tensor(x.detach(), mesh, [Replicate()]).requires_grad_()
-        dws = [distribute_tensor(w.detach(), mesh, [Shard(1)]).requires_grad_() for w in ws]
-        dgrad = distribute_tensor(grad, mesh, [Shard(1)])
-        d_fwd = timer(lambda: _block_chain(dx, dws))
-        d_both = timer(lambda: torch.autograd.grad(_block_chain(dx, dws), [dx, *dws], dgrad))
-        out.update(dtensor_fwd=d_fwd / n_fwd, dtensor_bwd=max(d_both - d_fwd, 0.0) / n_bwd)
-    return out
+
+_TP_BLOCKS = 4
+
+
+def _tp_blocks(device: torch.device, mesh):
+    """Toy Llama blocks lowered by autopar's tensor parallelism over `mesh`, and
+    the (forward, forward + backward) calls to time, run as a training step runs
+    them (`tp_region`)."""
+    from autopar.lower.tensor_parallel import parallelize_block, probe_blocks, register_cpu_attention_sharding, \
+        tp_region
+
+    if device.type == "cpu":
+        register_cpu_attention_sharding()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_TinyTPBlock() for _ in range(_TP_BLOCKS)]).to(device)
+    x = torch.randn(2, 4, 8, device=device)
+    plain = (model, x.clone().requires_grad_())
+    plans = probe_blocks(model, dict(enumerate(model)), (x,))
+    import copy
+    sharded = copy.deepcopy(model)
+    for i, block in enumerate(sharded):
+        parallelize_block(block, plans[i], mesh, sequence_parallel=False, first=i == 0, last=i == _TP_BLOCKS - 1)
+    xs = x.clone().requires_grad_()
+
+    def fwd():
+        with tp_region():
+            return sharded(xs)
+
+    def both():
+        with tp_region():
+            sharded(xs).sum().backward()
+    return plain, fwd, both
+
+
+def measure_dtensor_overhead(timer: Timer, device: torch.device, one_rank_mesh) -> dict:
+    """Host seconds DTensor takes per op a layer dispatches under tensor
+    parallelism: toy Llama blocks lowered by autopar's own TP lowering, on a
+    one-rank mesh (DTensor then issues no collective, and all that is left is
+    the host work: sharding propagation, redistribution planning, the styles'
+    hooks, the wrapped autograd), divided by the ops the same blocks dispatch
+    as plain modules, counted as capture counts them. The time per op of a
+    lone DTensor op chain (what was timed before) is half of this: it has no
+    module hooks, views with shapes, or redistributions."""
+    (model, x), fwd, both = _tp_blocks(device, one_rank_mesh)
+    n_fwd, n_bwd = _count_ops(lambda: model(x))
+    t_fwd, t_both = timer(fwd), timer(both)
+    return {"dtensor_fwd": t_fwd / n_fwd, "dtensor_bwd": max(t_both - t_fwd, 0.0) / n_bwd,
+            "one_rank_step_s": t_both}
+
+
+def measure_tp_collective_overhead(timer: Timer, device: torch.device, mesh, one_rank_step_s: float) -> float:
+    """Seconds each collective of a tensor-parallel block costs beyond a plain
+    c10d all-reduce of the same tiny size timed back to back: the same toy
+    blocks over every rank, less their one-rank time (`one_rank_step_s`),
+    per collective they issue (counted with CommDebugMode). What is left is
+    DTensor's functional-collective path and the ranks meeting at each
+    collective after host work of their own (measured: 2-3x the back-to-back
+    latency on CPU ranks sharing cores)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    _, fwd, both = _tp_blocks(device, mesh)
+    counter = CommDebugMode()
+    with counter:
+        both()
+    n = counter.get_total_counts()
+    if n == 0:
+        return 0.0
+    inner = 10  # every rank the same: the blocks communicate
+    t_both = timer(both, inner=inner)
+    t = torch.ones(2 * 4 * 8, device=device)  # the blocks' activation
+    plain = timer(lambda: dist.all_reduce(t, group=mesh.get_group()), inner=8 * inner)
+    return max(0.0, (t_both - one_rank_step_s) / n - plain)
 
 
 def _rotating(make, nbytes_each: int, device: torch.device) -> list:
@@ -341,18 +424,6 @@ def measure_optimizer(timer: Timer, device: torch.device, progress, mesh=None) -
                                                              "per_param_s": per_param}
     progress("optimizer steps (AdamW, SGD; plain and DTensor parameters) done")
     return fits
-
-
-def measure_funcol_overhead(timer: Timer, device: torch.device, group) -> float:
-    """Seconds a DTensor redistribution's collective costs beyond the plain c10d call
-    (functional collective, its async wrapper and wait), on a tiny tensor."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    t = torch.ones(256, device=device)
-    plain = timer(lambda: dist.all_reduce(t, group=group), inner=8)
-    functional = timer(lambda: funcol.wait_tensor(funcol.all_reduce(t, "sum", group)), inner=8)
-    return max(0.0, functional - plain)
 
 
 def measure_attention(timer: Timer, device: torch.device, dtypes, g: dict, over: dict, progress) -> list:
@@ -558,10 +629,13 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
         g = grids(settings)
         say = (lambda text: queue.put(("progress", text))) if rank == 0 else (lambda text: None)
         result: dict = {}
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         mesh = init_device_mesh(device.type, (world,))
-        over = measure_overhead(timer, device, mesh)  # every rank: the DTensor chain is collective
+        over = measure_overhead(timer, device)
+        # DTensor's host time, on a one-rank mesh of each rank's own (every rank makes every group)
+        one_rank = mesh if world == 1 else DeviceMesh.from_group(dist.new_subgroups(1)[0], device.type)
+        over.update(measure_dtensor_overhead(timer, device, one_rank))
         if settings.device == "cpu" or rank == 0:  # CPU ranks contend for the machine: all time together
             say(f"host time per op: {over['fwd'] * 1e6:.1f} us forward, {over['bwd'] * 1e6:.1f} us backward")
             result["overhead"] = over
@@ -604,7 +678,8 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
                 coll.setdefault(kind, {})[str(n)] = {"bytes": sizes, "seconds": secs}
             say(f"collectives over {n} ranks done")
         result["collectives"] = coll
-        result["funcol"] = measure_funcol_overhead(ctimer, device, dist.group.WORLD)
+        result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, over["one_rank_step_s"])
+        say(f"a tensor-parallel block's collective costs {result['funcol'] * 1e6:.0f} us beyond a plain one")
         result["fsdp"] = measure_fsdp(ctimer, device, mesh)
         say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
             f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter, collectives included")

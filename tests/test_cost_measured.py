@@ -276,6 +276,9 @@ def test_calibrate_then_plan_with_the_profile(tmp_path):
     profile = Profile.load(str(out))
     assert 1e8 < profile.device["peak_tflops"]["fp32"] * 1e12 < 1e13  # 0.1 GFLOP/s .. 10 TFLOP/s on one core
     assert 1e-7 < profile.compute.op_overhead_fwd_s < 1e-3
+    # DTensor's sharding propagation and the TP styles' hooks are host work on top of each eager op
+    assert profile.compute.dtensor_overhead_fwd_s > profile.compute.op_overhead_fwd_s
+    assert profile.compute.dtensor_collective_overhead_s >= 0
     coll = profile.collectives["intra_node"]
     t_small, t_big = coll.time("all_reduce", 2, 1024), coll.time("all_reduce", 2, 2**22)
     assert 0 < t_small < t_big  # a bigger message takes longer
