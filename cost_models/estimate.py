@@ -45,6 +45,7 @@ class LayerCost:
     dp_comm_exposed_s: float  # per step, what compute does not hide
     # -- finer parts estimate() composes (same units as above) -------------
     tp_comm_fwd_s: float = 0.0
+    tp_comm_bytes: float = 0.0  # per micro-batch, what this GPU sends in TP collectives (fwd + bwd)
     dp_fwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by forward
     dp_bwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by backward
     dp_step_exposed_s: float = 0.0  # per step, gradient reduction etc. at the end of the step
@@ -302,6 +303,26 @@ def _tp_overlapped(comm_s: float, gemm_s: float, tp: int, phase: str) -> float:
     return first + (rest - hidden) + hidden * TP_OVERLAP_SM_SHARE[phase]
 
 
+def _tp_collectives(layer: LayerSpec, tp: int, b: int, s1: int, byte_scale: float, sp: bool) -> list:
+    """[(kind, bytes, 'fwd' | 'bwd'), ...] that one micro-batch of `layer`, split
+    over tp ranks, issues. As the lowering check counted them on a fake process
+    group (`LayerSpec.tp_collectives`), else inferred from capture's dataflow:
+    `tp_allreduces` all-reduces of the output forward and as many backward
+    (with sequence parallelism all-gather + reduce-scatter pairs, which a ring
+    prices the same), and where the model cuts a sharded dim (GPT's fused qkv
+    split) an all-gather forward and a reduce-scatter of its gradient backward."""
+    out_bytes = fast(layer.output_bytes)(b, s1) * byte_scale
+    counted = (layer.tp_collectives or {}).get(str(tp), {}).get("sp" if sp else "plain")
+    if counted is not None:
+        return [(kind, ratio * out_bytes, phase) for kind, ratio, phase in counted]
+    gather = fast(layer.tp_gather_bytes)(b, s1) * byte_scale
+    issued = []
+    for phase, gather_kind in (("fwd", "all_gather"), ("bwd", "reduce_scatter")):
+        issued += [("all_reduce", out_bytes, phase)] * layer.tp_allreduces
+        issued += [(gather_kind, gather, phase)] if gather else []
+    return issued
+
+
 def _copy_s(nbytes: float, device) -> float:
     """A memory-bound copy of nbytes (read + write): measured copy rate, or HBM physics."""
     if device.measured is not None:
@@ -374,28 +395,18 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     core_fwd_s, core_flops = parts["core_fwd"], parts["core_flops"]
     cheap_fwd_s, gemm_fwd_s, gemm_fwd_flops = parts["cheap_fwd"], parts["gemm_fwd"], parts["gemm_flops"]
 
-    # Tensor parallel: tp_allreduces all-reduces of the layer output forward and
-    # as many backward (with sequence parallelism: all-gather + reduce-scatter
-    # pairs, which a ring prices the same).
+    # Tensor parallel: the collectives one micro-batch issues (`_tp_collectives`),
+    # each priced on the tp group's link, plus DTensor's measured cost per collective.
     tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
-    tp_fwd = 0.0
-    if tp > 1 and layer.tp_allreduces:
-        out_bytes = fast(layer.output_bytes)(b, s1) * byte_scale
-        tp_fwd = layer.tp_allreduces * C.collective_time("all_reduce", out_bytes, tp_place, cluster)
-    if tp > 1 and layer.tp_gather_bytes:
-        # The model cuts a sharded dim (GPT's fused qkv split): all-gather it forward,
-        # reduce-scatter its gradient backward (a ring prices both the same).
-        tp_fwd += C.collective_time("all_gather", fast(layer.tp_gather_bytes)(b, s1) * byte_scale, tp_place, cluster)
-    if tp > 1 and device.measured is not None:
-        # each redistribution's collective also pays DTensor's functional-collective path (measured)
-        tp_fwd += (layer.tp_allreduces + (1 if layer.tp_gather_bytes else 0)) * \
-            device.measured.dtensor_collective_overhead_s
-    if layout.tp_comm_overlap and tp > 1 and tp_fwd > 0:
+    issued = _tp_collectives(layer, tp, b, s1, byte_scale, sp) if tp > 1 else []
+    per_call = device.measured.dtensor_collective_overhead_s if device.measured is not None else 0.0
+    tp_fwd, tp_bwd = (sum(C.collective_time(kind, nbytes, tp_place, cluster) + per_call
+                          for kind, nbytes, when in issued if when == phase) for phase in ("fwd", "bwd"))
+    tp_bytes = sum(nbytes * (2 if kind == "all_reduce" else 1) for kind, nbytes, _ in issued) * (tp - 1) / tp
+    if layout.tp_comm_overlap and tp > 1 and tp_fwd + tp_bwd > 0:
         # the backward's GEMMs (input and weight gradients) are twice the forward's
         tp_fwd, tp_bwd = (_tp_overlapped(tp_fwd, gemm_fwd_s, tp, "fwd"),
-                          _tp_overlapped(tp_fwd, 2 * gemm_fwd_s, tp, "bwd"))
-    else:
-        tp_bwd = tp_fwd
+                          _tp_overlapped(tp_bwd, 2 * gemm_fwd_s, tp, "bwd"))
     tp_comm = tp_fwd + tp_bwd
 
     # Recomputation in backward.
@@ -550,7 +561,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tp_comm,
         param_bytes=states.params, grad_bytes=states.grads, optimizer_bytes=states.optimizer,
         activation_bytes=act, dp_comm_s=dp_total, dp_comm_exposed_s=m * (fwd_exp + bwd_exp) + step_exp,
-        tp_comm_fwd_s=tp_fwd, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
+        tp_comm_fwd_s=tp_fwd, tp_comm_bytes=tp_bytes, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
         nccl_contention_s=contention,
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
         bucket_bytes=states.grads if zero == 0 and layout.dp > 1 else 0.0,
@@ -915,9 +926,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     comm = []
     if layout.tp > 1:
         t = m * sum(costs[j].tp_comm_s for j in idx)
-        nbytes = m * sum((2 * layers[j].tp_allreduces * fast(layers[j].output_bytes)(b, s1) * 2
-                          + 2 * fast(layers[j].tp_gather_bytes)(b, s1)) * byte_scale * (layout.tp - 1) / layout.tp
-                         for j in idx if _tp_for(layers[j], layout.tp) > 1)
+        nbytes = m * sum(costs[j].tp_comm_bytes for j in idx)
         comm.append({"axis": "tp", "collective": "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce",
                      "bytes": nbytes, "time_s": t, "exposed_s": t, "tier": tp_place.tier})
     if layout.dp > 1:

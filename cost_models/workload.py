@@ -118,6 +118,17 @@ class LayerSpec:
           whole attention core). Backward pays a matching reduce-scatter.
           0 for head-parallel layouts (Llama's separate wq/wk/wv, Megatron's
           view-then-split), which stay sharded.
+    tp_collectives: the collectives the lowering issues for one micro-batch
+          of this layer split over tp ranks, counted on a fake process group
+          (autopar.lower.what_runs) rather than inferred:
+          {"2": {"plain": ((kind, bytes, "fwd" | "bwd"), ...), "sp": ...}}
+          (keys: tp degrees as strings, "sp" under sequence parallelism),
+          kind as in cost_models.comm.collective_time, bytes per byte of the
+          layer's output (`output_bytes`, so any micro-batch and sequence).
+          Where it holds the layout's tp degree (and sequence parallelism),
+          the cost model prices these instead of `tp_allreduces` and
+          `tp_gather_bytes`. Empty: not checked (a ModelSpec built by hand,
+          or planned inside a process group).
     tp_degrees: tensor-parallel sizes this layer can be split into
           (heads, kv heads, ffn and vocab divisible), 1 always included.
     signature: equal for layers that are identical up to their name (the
@@ -156,6 +167,7 @@ class LayerSpec:
     activation_bytes_selective_tp_gathered: Expr = 0
     tp_allreduces: int = 0
     tp_gather_bytes: Expr = 0  # see the class docstring
+    tp_collectives: dict = field(default_factory=dict)  # see the class docstring
     tp_degrees: tuple = (1,)
     ops: list = field(default_factory=list)  # list[OpSpec]
     attrs: dict = field(default_factory=dict)

@@ -592,3 +592,21 @@ def meta_init_world(rank, world, layouts):
                      "differ": sorted(k for k in full if not torch.equal(full[k], expected[k]))[:6],
                      "tied": [s.model.lm_head.weight is s.model.wte.weight for s in pm.stages]}
     return out
+
+
+def issued_collectives_world(rank, world, model_name):
+    """The collectives one training step of a tp=`world` plan issues on real gloo
+    ranks, by c10d op (torch's profiler: independent of autopar's own counter)."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model, example, loss_fn = build(model_name)
+    plan = plan_for_model(model, example_inputs=example, tp=world, micro_batch_size=GLOBAL_BATCH)
+    pm = compile(model, example_inputs=example, loss_fn=loss_fn, plan=plan)
+    x, y = next(iter(batches()))
+    pm.train_step((x,), y)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pm.train_step((x,), y)
+    counts = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+    return dict(counts)

@@ -59,8 +59,12 @@ def test_encoder_decoder_limits_name_the_pipeline_and_sequence_parallel_reasons(
 def test_a_model_that_runs_every_layout_is_not_limited():
     model, inputs = _llama()
     got = limits(model, autopar.capture(model, inputs), inputs)
+    counted = got.pop("tp_collectives")
     assert got == {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": [],
                    "tp_checked": [2]}
+    # and what its blocks issue split (Hugging Face's Llama: Megatron's two all-reduces each way)
+    assert counted["2"]["plain"] == [{"block": "model.layers.0", "fwd": "all_reduce 1, all_reduce 1",
+                                      "bwd": "all_reduce 1, all_reduce 1"}]
 
 
 def test_planner_offers_no_layout_the_lowering_refuses_and_says_why():

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError, PlanMismatchError
 
@@ -113,8 +115,10 @@ def _index_math_on_real_tensors():
         _StridedShard.local_shard_size_and_offset = original
 
 
-def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, ends: bool = True) -> bool:
-    """parallelize_block on an empty copy, then forward + backward on fake tensors.
+def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, ends: bool = True,
+                     collectives: list | None = None) -> bool:
+    """parallelize_block on an empty copy, then forward + backward on fake tensors;
+    the collectives it issued are appended to `collectives` (see `_Collectives`).
 
     In the block's own dtypes and without capture's bf16 stand-in for
     meta kernels that refuse fp32: DTensor's sharding propagation runs those
@@ -137,12 +141,52 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, e
         # entry and gathers it on exit (the first and last block of a stack).
         tensor_parallel.parallelize_block(blk, block_plan, mesh, sequence_parallel=sequence_parallel,
                                           first=ends, last=ends)
-        with tensor_parallel.tp_region():
+        seen = _Collectives()
+        with tensor_parallel.tp_region(), seen:
             out = blk(*args, **kwargs)
             out = out[0] if isinstance(out, (tuple, list)) else out
             out.float().sum().backward()
+        if collectives is not None:
+            collectives += seen.seen
     from torch.distributed.tensor import DTensor
     return any(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) for p in blk.parameters())
+
+
+# torch's functional collectives (what DTensor issues) -> nccl-tests' names
+_COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+                     "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+                     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+                     "all_to_all_single": "all_to_all"}
+
+
+class _Collectives(TorchDispatchMode):
+    """The collectives a split block issues, as (kind, bytes, 'fwd' | 'bwd'),
+    bytes in nccl-tests' convention (an all-gather's gathered output, a
+    reduce-scatter's input). A DTensor op is handed back unhandled, as
+    torch's CommDebugMode does, so that DTensor desugars it and this mode
+    sees the local collectives it becomes, redistributions included."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        packet = getattr(func, "_overloadpacket", None)
+        kind = _COLLECTIVE_KINDS.get(getattr(packet, "__name__", "")) if func.namespace == "_c10d_functional" \
+            else None
+        if kind is not None:
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if kind == "all_gather":
+                nbytes *= int(args[1])  # (inputs, group_size, group_name): the gathered size
+            phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+            self.seen.append((kind, nbytes, phase))
+        return out
 
 
 def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwargs, outputs_of=None):
@@ -206,7 +250,8 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
 
 def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple, model_kwargs: dict,
                    tp: int, sequence_parallel: bool, *, recorded=None, mesh=None,
-                   allow_replicated: bool = False) -> tuple[dict[int, str], list[str]]:
+                   allow_replicated: bool = False, collectives: dict | None = None
+                   ) -> tuple[dict[int, str], list[str]]:
     """Blocks (index -> reason) that cannot run split over `tp` ranks, and
     what could not be decided. One block per distinct signature is run; the
     others share its answer. A block that runs but splits nothing counts as
@@ -215,7 +260,9 @@ def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args:
     `mesh` a fake process group of tp ranks
     is made (planning); lowering passes its real tp mesh: under
     FakeTensorMode DTensor's collectives move no data, and every rank runs
-    every signature, so all ranks reach the same answer."""
+    every signature, so all ranks reach the same answer. `collectives`, when
+    given, receives {index: [(kind, bytes, phase), ...]} for the blocks that run
+    split: what DTensor issued for one micro-batch of the example's size."""
     from autopar.lower import tensor_parallel
 
     if recorded is None:
@@ -227,8 +274,11 @@ def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args:
         for i, block in sorted(blocks.items()):
             sig = _signature(block)
             if sig not in by_sig:
-                by_sig[sig] = _try(block, plans[i], inputs.get(i), mesh, sequence_parallel)
-            status, why = by_sig[sig]
+                issued: list = []
+                by_sig[sig] = (*_try(block, plans[i], inputs.get(i), mesh, sequence_parallel, issued), issued)
+            status, why, issued = by_sig[sig]
+            if status == "runs" and collectives is not None:
+                collectives[i] = issued
             if status == "fails" or status == "replicated" and not allow_replicated:
                 failures[i] = why
             elif status == "undecided" and why not in undecided:
@@ -245,13 +295,15 @@ def _local_sequence_shard(args, kwargs, where, mesh):
     return args, kwargs
 
 
-def _try(block, block_plan, inputs, mesh, sequence_parallel):
+def _try(block, block_plan, inputs, mesh, sequence_parallel, collectives: list | None = None):
     if inputs is None:
         return "fails", "the block is not called by the model's forward"
     try:
         # Under sequence parallelism the first/last blocks of a stack and the
-        # ones inside it take different paths (scatter/gather vs shards in and out).
-        split = [_run_split_block(block, block_plan, inputs, mesh, sequence_parallel, ends)
+        # ones inside it take different paths (scatter/gather vs shards in and out);
+        # the collectives kept are those of a block inside the stack (most blocks).
+        split = [_run_split_block(block, block_plan, inputs, mesh, sequence_parallel, ends,
+                                  collectives if ends == (not sequence_parallel) else None)
                  for ends in ((True, False) if sequence_parallel else (True,))]
         if not any(split):
             # It runs, but every tp rank computes the whole block: not what a
@@ -327,8 +379,10 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
         for sp, key in ((False, "tp"), (True, "sequence_parallel")):
             if sp and out["tp"].get(str(tp)):
                 continue  # not offered at all
+            issued: dict = {}
             failures, undecided = block_failures(model, blocks, args, forward_kwargs(model), tp, sp,
-                                                 recorded=(plans, inputs))
+                                                 recorded=(plans, inputs), collectives=issued)
+            _keep_collectives(out, str(tp), "sp" if sp else "plain", issued, plans, inputs, layout)
             what = f"tp={tp}{' with sequence parallelism' if sp else ''}"
             if failures:
                 i, why = next(iter(sorted(failures.items())))
@@ -339,3 +393,29 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                 out["unverified"] += [f"{what}: {u}" for u in undecided]
                 out[key][str(tp)] = f"cannot be shown to run split over {what} on fake tensors: {undecided[0]}"
     return out
+
+
+def _keep_collectives(out: dict, tp: str, variant: str, issued: dict, plans, inputs, layout) -> None:
+    """out["tp_collectives"][tp][variant]: per distinct kind of block, the first
+    such block's path and what one of its micro-batches issues, forward and
+    backward, as "kind ratio" items: bytes (nccl-tests' convention) per byte
+    of the block's activation (batch x sequence x hidden), so the cost model
+    scales each to any micro-batch, sequence and precision
+    (autopar/solve/lowering_costs.py, LayerSpec.tp_collectives). E.g. GPT's
+    fused-qkv block: {"block": "blocks.0", "fwd": "all_gather 3, all_reduce 1,
+    all_reduce 1", "bwd": ...}."""
+    path_of = {l.block_index: l.paths[0] for l in layout.layers if l.position == "block"}
+    groups: dict = {}
+    for i, seen in sorted(issued.items()):
+        shape = plans[i].activation_shape
+        args, kwargs = inputs[i]
+        where = plans[i].main_argument
+        main = args[where] if isinstance(where, int) else kwargs.get(where)
+        if not shape or not isinstance(main, torch.Tensor):
+            continue
+        act = math.prod(shape) * main.element_size()
+        key = tuple(", ".join(f"{kind} {nbytes / act:.6g}" for kind, nbytes, when in seen if when == phase)
+                    for phase in ("fwd", "bwd"))
+        groups.setdefault(key, path_of.get(i, str(i)))
+    out.setdefault("tp_collectives", {}).setdefault(tp, {})[variant] = [
+        {"block": path, "fwd": fwd, "bwd": bwd} for (fwd, bwd), path in groups.items()]

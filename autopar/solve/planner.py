@@ -26,6 +26,7 @@ from autopar.solve.constraints import ConstraintError, Constraints, check_agains
 from autopar.solve.layout import assignment_layout, root_held_layers
 from autopar.solve.cpsat import solve_cpsat
 from autopar.solve.fusion_costs import charge_fusions, plan_fusions
+from autopar.solve.lowering_costs import charge_tp_collectives
 from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
 from autopar.solve.refine import assignment_of, fits, polish, tidy, uniform_layouts
 from autopar.solve.search import CandidateResult, SearchResult, search
@@ -289,6 +290,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
                     and (pins.tp is None or t == pins.tp)]
         lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
+    spec = charge_tp_collectives(spec, lowering_limits)  # tp priced as the lowering issues it
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
         fusions, no_fusion_why = plan_fusions(torch_module, spec)
