@@ -275,33 +275,38 @@ def measure_dtensor_overhead(timer: Timer, device: torch.device, one_rank_mesh) 
     (model, x), fwd, both = _tp_blocks(device, one_rank_mesh)
     n_fwd, n_bwd = _count_ops(lambda: model(x))
     t_fwd, t_both = timer(fwd), timer(both)
-    return {"dtensor_fwd": t_fwd / n_fwd, "dtensor_bwd": max(t_both - t_fwd, 0.0) / n_bwd,
-            "one_rank_step_s": t_both}
+    return {"dtensor_fwd": t_fwd / n_fwd, "dtensor_bwd": max(t_both - t_fwd, 0.0) / n_bwd}
 
 
-def measure_tp_collective_overhead(timer: Timer, device: torch.device, mesh, one_rank_step_s: float) -> float:
+def measure_tp_collective_overhead(timer: Timer, device: torch.device, mesh, one_rank_mesh) -> float:
     """Seconds each collective of a tensor-parallel block costs beyond a plain
-    c10d all-reduce of the same tiny size timed back to back: the same toy
-    blocks over every rank, less their one-rank time (`one_rank_step_s`),
-    per collective they issue (counted with CommDebugMode). What is left is
-    DTensor's functional-collective path and the ranks meeting at each
-    collective after host work of their own (measured: 2-3x the back-to-back
-    latency on CPU ranks sharing cores)."""
+    c10d all-reduce of the same tiny size: the same toy blocks over every rank
+    less over a one-rank mesh, per collective they issue (counted with
+    CommDebugMode), less as many plain all-reduces, the three sampled in turn
+    (a difference of timings). What is left is DTensor's functional-collective
+    path and the ranks meeting at each collective after host work of their own
+    (on CPU ranks sharing cores: 1-3x the plain all-reduce)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    _, fwd, both = _tp_blocks(device, mesh)
+    _, _, one = _tp_blocks(device, one_rank_mesh)
+    _, _, world = _tp_blocks(device, mesh)
     counter = CommDebugMode()
     with counter:
-        both()
+        world()
     n = counter.get_total_counts()
     if n == 0:
         return 0.0
-    inner = 10  # every rank the same: the blocks communicate
-    t_both = timer(both, inner=inner)
     t = torch.ones(2 * 4 * 8, device=device)  # the blocks' activation
-    plain = timer(lambda: dist.all_reduce(t, group=mesh.get_group()), inner=8 * inner)
-    return max(0.0, (t_both - one_rank_step_s) / n - plain)
+    group = mesh.get_group()
+
+    def plain():
+        for _ in range(n):
+            dist.all_reduce(t, group=group)
+    # every rank the same number of calls: the blocks communicate
+    got = interleaved(timer, {"world": world, "one": one, "plain": plain}, inner=4,
+                      repeats=max(9, timer.settings.repeats))
+    return max(0.0, (got["world"] - got["one"] - got["plain"]) / n)
 
 
 def _rotating(make, nbytes_each: int, device: torch.device) -> list:
@@ -537,9 +542,13 @@ def measure_overlap(timer: Timer, device: torch.device, settings: Settings) -> f
         gemms()
         work.wait()
 
-    t_c = timer(gemms, inner=1)
-    t_a = timer(lambda: dist.all_reduce(buf), inner=1)
-    t_both = timer(both, inner=1)
+    # A difference of three timings, so sampled in turn (A B C A B C ...) and each the
+    # median of 15: timed one after another the share read 10% to 99% on one VM from
+    # one calibration to the next (moving DDP's predicted step by 15%); in turn, 0-13%.
+    # (A share per round, then its median, is noisier still: the division amplifies.)
+    t = interleaved(timer, {"gemms": gemms, "all_reduce": lambda: dist.all_reduce(buf), "both": both},
+                    inner=1, repeats=max(15, timer.settings.repeats))
+    t_c, t_a, t_both = t["gemms"], t["all_reduce"], t["both"]
     hidden = (t_c + t_a - t_both) / max(min(t_c, t_a), 1e-9)
     return float(min(1.0, max(0.0, hidden)))
 
@@ -678,7 +687,7 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
                 coll.setdefault(kind, {})[str(n)] = {"bytes": sizes, "seconds": secs}
             say(f"collectives over {n} ranks done")
         result["collectives"] = coll
-        result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, over["one_rank_step_s"])
+        result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, one_rank)
         say(f"a tensor-parallel block's collective costs {result['funcol'] * 1e6:.0f} us beyond a plain one")
         result["fsdp"] = measure_fsdp(ctimer, device, mesh)
         say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
