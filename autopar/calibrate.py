@@ -14,7 +14,8 @@ What is timed, each on the device and backend training will use:
   a plain one);
 - scaled_dot_product_attention forward and backward, causal and full;
 - collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all,
-  point-to-point) by size over every power-of-two group up to `ranks`.
+  point-to-point) by size over every power-of-two group up to `ranks`;
+- the host time torch.distributed.pipelining adds per schedule action.
 
 Each table holds the rate of the work alone: the dispatch time of a call
 (timed first, with autograd off) is taken out, and the cost model charges
@@ -307,6 +308,62 @@ def measure_tp_collective_overhead(timer: Timer, device: torch.device, mesh, one
     got = interleaved(timer, {"world": world, "one": one, "plain": plain}, inner=4,
                       repeats=max(9, timer.settings.repeats))
     return max(0.0, (got["world"] - got["one"] - got["plain"]) / n)
+
+
+def measure_pipeline_action(timer: Timer, device: torch.device, world: int) -> float:
+    """Host seconds torch.distributed.pipelining adds per schedule action: a
+    2-stage Schedule1F1B of tiny stages on ranks 0 and 1 (the others keep the
+    barriers company), timed at 4 and 16 micro-batches. The cost model's own
+    schedule simulation (cost_models.pipeline), given the stages' measured
+    forward and backward and one transfer's measured time, says what the extra
+    12 micro-batches should cost; the action time is what, added to every
+    forward and backward, makes it say what was measured (bisection)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    from cost_models.pipeline import simulate
+
+    group = dist.new_group([0, 1])
+    rank = dist.get_rank()
+    inside = rank < 2
+    torch.manual_seed(0)
+    stage_mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(device)
+    counts, steps = (4, 16), {}
+    for m in counts:
+        if inside:
+            stage = PipelineStage(stage_mod, rank, 2, device, group=group)
+            schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
+            x, y = torch.randn(2 * m, 4, 8, device=device), torch.zeros(2 * m, device=device)
+            step = (lambda s=schedule, x=x: s.step(x)) if rank == 0 else (lambda s=schedule, y=y: s.step(target=y))
+        else:
+            step = lambda: None  # noqa: E731
+        steps[m] = timer(step, inner=4)
+    one = torch.randn(2, 4, 8, device=device)
+
+    def transfer():
+        if rank == 0:
+            dist.send(one, 1, group=group)
+            dist.recv(one, 1, group=group)
+        elif rank == 1:
+            dist.recv(one, 0, group=group)
+            dist.send(one, 0, group=group)
+    p2p = timer(transfer, inner=20) / 2
+    x1 = torch.randn(2, 4, 8, device=device, requires_grad=True)
+    fwd = timer(lambda: stage_mod(x1))
+    bwd = max(timer(lambda: stage_mod(x1).sum().backward()) - fwd, 0.0)
+    measured = (steps[counts[1]] - steps[counts[0]]) / (counts[1] - counts[0])
+
+    def simulated(h: float) -> float:
+        t = [simulate("1f1b", 2, m, [fwd + h] * 2, [bwd + h] * 2, [p2p, 0.0]).step_time_s for m in counts]
+        return (t[1] - t[0]) / (counts[1] - counts[0])
+    if simulated(0.0) >= measured:
+        return 0.0
+    lo, hi = 0.0, measured
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < measured else (lo, mid)
+    return lo
 
 
 def _rotating(make, nbytes_each: int, device: torch.device) -> list:
@@ -688,6 +745,8 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
             say(f"collectives over {n} ranks done")
         result["collectives"] = coll
         result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, one_rank)
+        result["pipeline_action"] = measure_pipeline_action(ctimer, device, world)
+        say(f"pipeline schedule host time per action: {result['pipeline_action'] * 1e6:.0f} us")
         say(f"a tensor-parallel block's collective costs {result['funcol'] * 1e6:.0f} us beyond a plain one")
         result["fsdp"] = measure_fsdp(ctimer, device, mesh)
         say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
@@ -806,7 +865,8 @@ def build_profile(result: dict, settings: Settings) -> Profile:
                "dtensor_overhead_fwd_s": result["overhead"]["dtensor_fwd"],
                "dtensor_overhead_bwd_s": result["overhead"]["dtensor_bwd"],
                **({"fsdp": result["fsdp"]} if result["fsdp"] else {}),
-               "dtensor_collective_overhead_s": result["funcol"]}
+               "dtensor_collective_overhead_s": result["funcol"],
+               "pipeline_action_s": result.get("pipeline_action", 0.0)}
     machine = {"host": socket.gethostname(), "processor": name, "torch": torch.__version__,
                "python": sys.version.split()[0], "backend": settings.backend, "ranks": settings.ranks,
                "threads_per_rank": settings.threads() if settings.device == "cpu" else None,

@@ -689,10 +689,18 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
             p2p.append(C.p2p_time(out, same_node or pp == 1, cluster))
         else:
             p2p.append(0.0)
+    # torch.distributed.pipelining's host time per schedule action (measured by calibrate):
+    # on a CPU it adds to the stage's work; a GPU runs the stage while the host issues it
+    action_s = device.measured.pipeline_action_s if pp > 1 and device.measured is not None else 0.0
     for i in range(n_stages):
         cs = costs[bounds[i]:bounds[i + 1]]
-        fwd.append(sum(c.fwd_s + c.tp_comm_fwd_s + c.dp_fwd_exposed_s for c in cs))
-        bwd.append(sum(c.bwd_s + c.recompute_s + (c.tp_comm_s - c.tp_comm_fwd_s) + c.dp_bwd_exposed_s for c in cs))
+        f_s = sum(c.fwd_s + c.tp_comm_fwd_s + c.dp_fwd_exposed_s for c in cs)
+        b_s = sum(c.bwd_s + c.recompute_s + (c.tp_comm_s - c.tp_comm_fwd_s) + c.dp_bwd_exposed_s for c in cs)
+        if action_s:
+            f_s, b_s = ((f_s + action_s, b_s + action_s) if device.vendor == "cpu"
+                        else (max(f_s, action_s), max(b_s, action_s)))
+        fwd.append(f_s)
+        bwd.append(b_s)
         act.append(sum(c.activation_bytes for c in cs))
 
     sim = simulate_cached(layout.schedule if pp > 1 else "1f1b", pp, m, fwd, bwd, p2p, virtual_stages=v,

@@ -22,6 +22,9 @@ A profile is a versioned JSON file (never pickled) with three parts:
                torch's default AdamW / SGD, plain and on DTensor shards
     fsdp       FSDP2's seconds per all-gather and per reduce-scatter of a
                unit, collectives included, by unit bytes
+    pipeline_action_s  host seconds torch.distributed.pipelining adds to
+               each schedule action (a stage's forward or backward of one
+               micro-batch), beyond the stage's work and its transfers
 - `collectives`: seconds by (collective, group size, bytes), measured over
   torch.distributed on the backend the machine trains with.
 
@@ -134,6 +137,9 @@ class MeasuredCompute:
     dtensor_overhead_fwd_s: float = 0.0  # host time of one DTensor op forward (tensor parallelism)
     dtensor_overhead_bwd_s: float = 0.0
     dtensor_collective_overhead_s: float = 0.0  # a DTensor redistribution's collective beyond plain c10d
+    # torch.distributed.pipelining's host time per schedule action (one stage's forward or
+    # backward of one micro-batch: its send/recv bookkeeping, the stage call, autograd.grad)
+    pipeline_action_s: float = 0.0
     optimizer: tuple = ()  # ((name, per_step_s, per_tensor_s, per_param_s), ...): adam, sgd
     # FSDP2's whole cost per unit, its collectives included, by the unit's unsharded
     # parameter bytes: (ranks, unit bytes, seconds per all-gather, per reduce-scatter,
@@ -239,6 +245,7 @@ class MeasuredCompute:
             "dtensor_overhead_fwd_s": self.dtensor_overhead_fwd_s,
             "dtensor_overhead_bwd_s": self.dtensor_overhead_bwd_s,
             "dtensor_collective_overhead_s": self.dtensor_collective_overhead_s,
+            "pipeline_action_s": self.pipeline_action_s,
             "optimizer": {n: {"per_step_s": a, "per_tensor_s": b, "per_param_s": c} for n, a, b, c in self.optimizer},
             **({"fsdp": {"ranks": self.fsdp[0], "unit_bytes": list(self.fsdp[1]), "gather_s": list(self.fsdp[2]),
                          "reduce_s": list(self.fsdp[3]), "tensor_gather_s": self.fsdp[4],
@@ -303,7 +310,7 @@ class MeasuredCompute:
             over["fsdp"] = (ranks, sizes, gather, reduce,
                             *(_nonnegative(f, key, w, file, 0.0) for key in ("tensor_gather_s", "tensor_reduce_s")))
         for key in ("op_overhead_fwd_s", "op_overhead_bwd_s", "op_overhead_no_grad_s", "dtensor_overhead_fwd_s",
-                    "dtensor_overhead_bwd_s", "dtensor_collective_overhead_s"):
+                    "dtensor_overhead_bwd_s", "dtensor_collective_overhead_s", "pipeline_action_s"):
             over[key] = _nonnegative(d, key, where, file, 0.0)
         body = cls(tuple(gemm), tuple(bandwidth), tuple(attention), **over).to_dict()
         return cls(tuple(gemm), tuple(bandwidth), tuple(attention), **over, digest=_digest(body))

@@ -144,6 +144,27 @@ def test_collective_overlap_zero_exposes_all_dp_traffic():
     assert hidden_est.time_breakdown["dp_comm_exposed_s"] < tb["dp_comm_exposed_s"]
 
 
+def test_pipeline_action_time_adds_to_every_forward_and_backward_on_a_cpu():
+    """A measured per-action host time of the pipeline runtime: on a CPU every
+    stage's forward and backward of every micro-batch pays it, so a 1F1B step over
+    2 ranks and m micro-batches grows by at least 2 m actions (the last rank's);
+    pp = 1 does not run the schedule and pays nothing."""
+    from cost_models.analytic import gpt
+    from cost_models.estimate import estimate
+    from cost_models.layout import Layout
+
+    model = gpt("g", hidden=256, heads=4, layers=4, seq_len=128, vocab_size=1024)
+    with_action = _profile_dict()
+    with_action["compute"]["pipeline_action_s"] = 1e-3
+    m = 4
+    pp2 = Layout(pp=2, micro_batch_size=1, num_micro_batches=m, schedule="1f1b", precision="fp32")
+    base, paid = (estimate(model, pp2, _cluster(d, gpus=2)).step_time_s for d in (_profile_dict(), with_action))
+    assert 2 * m * 1e-3 <= paid - base <= (2 * m + 2) * 1e-3 + 1e-9  # each rank's 2m actions, plus the fill and drain
+    one = Layout(pp=1, dp=2, micro_batch_size=1, num_micro_batches=m, precision="fp32")
+    assert estimate(model, one, _cluster(with_action, gpus=2)).step_time_s == \
+        pytest.approx(estimate(model, one, _cluster(gpus=2)).step_time_s)
+
+
 def test_measured_fsdp_units_and_dtensor_optimizer_price_zero3():
     """ZeRO-3 on a calibrated machine: each unit costs what FSDP2 was timed to cost per
     all-gather and reduce-scatter (collectives included at the group size timed), and
@@ -279,6 +300,7 @@ def test_calibrate_then_plan_with_the_profile(tmp_path):
     # DTensor's sharding propagation and the TP styles' hooks are host work on top of each eager op
     assert profile.compute.dtensor_overhead_fwd_s > profile.compute.op_overhead_fwd_s
     assert profile.compute.dtensor_collective_overhead_s >= 0
+    assert 0 < profile.compute.pipeline_action_s < 0.1  # the pipeline runtime's host time per action
     coll = profile.collectives["intra_node"]
     t_small, t_big = coll.time("all_reduce", 2, 1024), coll.time("all_reduce", 2, 2**22)
     assert 0 < t_small < t_big  # a bigger message takes longer
