@@ -9,6 +9,7 @@ construction.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -46,6 +47,7 @@ class LayerCost:
     # -- finer parts estimate() composes (same units as above) -------------
     tp_comm_fwd_s: float = 0.0
     tp_comm_bytes: float = 0.0  # per micro-batch, what this GPU sends in TP collectives (fwd + bwd)
+    tp_calls: tuple = ()  # ((collective, calls per micro-batch), ...): what `tp_comm_s` prices
     dp_fwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by forward
     dp_bwd_exposed_s: float = 0.0  # per micro-batch, FSDP all-gather not hidden by backward
     dp_step_exposed_s: float = 0.0  # per step, gradient reduction etc. at the end of the step
@@ -403,6 +405,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     tp_fwd, tp_bwd = (sum(C.collective_time(kind, nbytes, tp_place, cluster) + per_call
                           for kind, nbytes, when in issued if when == phase) for phase in ("fwd", "bwd"))
     tp_bytes = sum(nbytes * (2 if kind == "all_reduce" else 1) for kind, nbytes, _ in issued) * (tp - 1) / tp
+    tp_calls = tuple(sorted(collections.Counter(kind for kind, _, _ in issued).items()))
     if layout.tp_comm_overlap and tp > 1 and tp_fwd + tp_bwd > 0:
         # the backward's GEMMs (input and weight gradients) are twice the forward's
         tp_fwd, tp_bwd = (_tp_overlapped(tp_fwd, gemm_fwd_s, tp, "fwd"),
@@ -561,7 +564,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tp_comm,
         param_bytes=states.params, grad_bytes=states.grads, optimizer_bytes=states.optimizer,
         activation_bytes=act, dp_comm_s=dp_total, dp_comm_exposed_s=m * (fwd_exp + bwd_exp) + step_exp,
-        tp_comm_fwd_s=tp_fwd, tp_comm_bytes=tp_bytes, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
+        tp_comm_fwd_s=tp_fwd, tp_comm_bytes=tp_bytes, tp_calls=tp_calls, dp_fwd_exposed_s=fwd_exp, dp_bwd_exposed_s=bwd_exp, dp_step_exposed_s=step_exp,
         nccl_contention_s=contention,
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
         bucket_bytes=states.grads if zero == 0 and layout.dp > 1 else 0.0,
@@ -935,8 +938,13 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     if layout.tp > 1:
         t = m * sum(costs[j].tp_comm_s for j in idx)
         nbytes = m * sum(costs[j].tp_comm_bytes for j in idx)
-        comm.append({"axis": "tp", "collective": "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce",
-                     "bytes": nbytes, "time_s": t, "exposed_s": t, "tier": tp_place.tier})
+        calls: collections.Counter = collections.Counter()
+        for j in idx:
+            for kind, n in costs[j].tp_calls:
+                calls[kind] += m * n
+        label = ", ".join(f"{kind} x{n:,}" for kind, n in sorted(calls.items())) or "none"
+        comm.append({"axis": "tp", "collective": label, "bytes": nbytes, "time_s": t, "exposed_s": t,
+                     "tier": tp_place.tier})
     if layout.dp > 1:
         by_kind: dict = {}
         for j in idx:

@@ -96,6 +96,10 @@ def test_the_cost_model_prices_the_counted_collectives():
     # in two collectives more: more latency
     rows = [next(c for c in estimate(g, layout, cluster).comm if c["axis"] == "tp") for g in (charged, graph)]
     assert rows[0]["bytes"] == pytest.approx(rows[1]["bytes"]) and rows[0]["time_s"] > rows[1]["time_s"]
+    # the report names the calls it priced, per step: four all-gathers a block (one micro-batch)
+    blocks = sum(1 for l in charged.layers if l.tp_collectives)
+    assert f"all_gather x{4 * blocks}" in rows[0]["collective"]
+    assert f"all_gather x{blocks}," in rows[1]["collective"]  # the inference: one a block forward
 
 
 def test_plans_carry_the_counted_collectives():
