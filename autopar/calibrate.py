@@ -310,7 +310,7 @@ def measure_tp_collective_overhead(timer: Timer, device: torch.device, mesh, one
     return max(0.0, (got["world"] - got["one"] - got["plain"]) / n)
 
 
-def measure_pipeline_action(timer: Timer, device: torch.device, world: int) -> float:
+def measure_pipeline_action(timer: Timer, device: torch.device) -> float:
     """Host seconds torch.distributed.pipelining adds per schedule action: a
     2-stage Schedule1F1B of tiny stages on ranks 0 and 1 (the others keep the
     barriers company), timed at 4 and 16 micro-batches. The cost model's own
@@ -745,9 +745,9 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
             say(f"collectives over {n} ranks done")
         result["collectives"] = coll
         result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, one_rank)
-        result["pipeline_action"] = measure_pipeline_action(ctimer, device, world)
-        say(f"pipeline schedule host time per action: {result['pipeline_action'] * 1e6:.0f} us")
         say(f"a tensor-parallel block's collective costs {result['funcol'] * 1e6:.0f} us beyond a plain one")
+        result["pipeline_action"] = measure_pipeline_action(ctimer, device)
+        say(f"pipeline schedule host time per action: {result['pipeline_action'] * 1e6:.0f} us")
         result["fsdp"] = measure_fsdp(ctimer, device, mesh)
         say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
             f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter, collectives included")

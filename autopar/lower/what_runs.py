@@ -141,12 +141,12 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, e
         # entry and gathers it on exit (the first and last block of a stack).
         tensor_parallel.parallelize_block(blk, block_plan, mesh, sequence_parallel=sequence_parallel,
                                           first=ends, last=ends)
-        seen = _Collectives()
-        with tensor_parallel.tp_region(), seen:
+        seen = _Collectives() if collectives is not None else None  # the lowering's own check counts nothing
+        with tensor_parallel.tp_region(), seen if seen is not None else contextlib.nullcontext():
             out = blk(*args, **kwargs)
             out = out[0] if isinstance(out, (tuple, list)) else out
             out.float().sum().backward()
-        if collectives is not None:
+        if seen is not None:
             collectives += seen.seen
     from torch.distributed.tensor import DTensor
     return any(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) for p in blk.parameters())

@@ -41,7 +41,7 @@ def charge_tp_collectives(spec, lowering_limits: dict | None):
     layers = []
     for layer in spec.layers:
         issued = by_key.get(layer.signature or layer.name)
-        if issued is None or layer.kind in ("embedding", "head"):
+        if issued is None:
             layers.append(layer)
             continue
         charged = copy.copy(layer)
