@@ -402,8 +402,8 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
     issued = _tp_collectives(layer, tp, b, s1, byte_scale, sp) if tp > 1 else []
     per_call = device.measured.dtensor_collective_overhead_s if device.measured is not None else 0.0
-    tp_fwd, tp_bwd = (sum(C.collective_time(kind, nbytes, tp_place, cluster) + per_call
-                          for kind, nbytes, when in issued if when == phase) for phase in ("fwd", "bwd"))
+    tp_fwd, tp_bwd = (sum((C.collective_time(kind, nbytes, tp_place, cluster) + per_call
+                           for kind, nbytes, when in issued if when == phase), 0.0) for phase in ("fwd", "bwd"))
     tp_bytes = sum(nbytes * (2 if kind == "all_reduce" else 1) for kind, nbytes, _ in issued) * (tp - 1) / tp
     tp_calls = tuple(sorted(collections.Counter(kind for kind, _, _ in issued).items()))
     if layout.tp_comm_overlap and tp > 1 and tp_fwd + tp_bwd > 0:
