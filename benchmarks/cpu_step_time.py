@@ -122,19 +122,18 @@ def _rank(rank: int, world: int, port: int, model_name: str, plan: dict, steps: 
             times.append(time.perf_counter() - t0)
         t = torch.tensor(times[warmup:], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-        # Peak memory of one more step, by torch's own tracker (every live tensor, by kind)
+        # Peak memory by torch's own tracker (every live tensor, by kind), over two more
+        # steps: a tensor made before the tracker started (DDP's gradient buckets, allocated
+        # when it wraps the model) is counted from the moment an op touches it, so the first
+        # tracked step sees the buckets only from its backward on; the second sees them
+        # throughout, as the device holds them.
         tracker = _step_tracker()
         tracker.track_external(pm.module, pm.optimizer)
         with tracker:
             pm.train_step((x,), y)
+            pm.train_step((x,), y)
         tracked = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-        # DDP allocates its buckets (a copy of every gradient) when it wraps the model, before
-        # the tracker starts: added here, as DDP sizes them
-        from autopar.lower.data_parallel import uses_replicate
-
-        buckets = sum(p.numel() * p.element_size() for p in pm.module.parameters()
-                      if p.requires_grad) if uses_replicate(pm.plan) else 0
-        peak = torch.tensor([float(tracked + buckets)], dtype=torch.float64)
+        peak = torch.tensor([float(tracked)], dtype=torch.float64)
         peaks = [torch.zeros_like(peak) for _ in range(world)]
         dist.all_gather(peaks, peak)
         if rank == 0:
@@ -298,8 +297,8 @@ def write(rows: list, profile, args) -> None:
         summary["memory_median_abs_error"] = statistics.median(mem)
         summary["memory_signed_median_error"] = statistics.median(r["memory_error"] for r in ok)
     if errs:
-        lines += ["", f"Peak memory (the fullest rank; measured by torch's MemTracker over one step, plus DDP's "
-                      f"buckets, which it allocates before any step): median "
+        lines += ["", f"Peak memory (the fullest rank; measured by torch's MemTracker over two steps, DDP's "
+                      f"buckets included once): median "
                       f"|error| {statistics.median(mem):.1%}, signed median "
                       f"{summary['memory_signed_median_error']:+.1%}, worst {max(mem):.1%}."]
         lines += ["", f"{len(ok)} cases: median |error| {summary['median_abs_error']:.1%}, signed median "
