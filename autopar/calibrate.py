@@ -335,7 +335,9 @@ def measure_pipeline_action(timer: Timer, device: torch.device) -> float:
             stage = PipelineStage(stage_mod, rank, 2, device, group=group)
             schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
             x, y = torch.randn(2 * m, 4, 8, device=device), torch.zeros(2 * m, device=device)
-            step = (lambda s=schedule, x=x: s.step(x)) if rank == 0 else (lambda s=schedule, y=y: s.step(target=y))
+            # as the lowering's train_step calls it (no outputs kept for merging)
+            step = ((lambda s=schedule, x=x: s.step(x, return_outputs=False)) if rank == 0
+                    else (lambda s=schedule, y=y: s.step(target=y, return_outputs=False)))
         else:
             step = lambda: None  # noqa: E731
         steps[m] = timer(step, inner=4)

@@ -77,8 +77,9 @@ def predict(model_name: str, layout: str, cluster) -> dict:
 
     model, inputs, loss_fn, _ = build(model_name)
     constraints = {**LAYOUTS[layout], "checkpoint": "none"}
-    plan = autopar.plan(captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=GLOBAL_BATCH,
-                        constraints=constraints, precision="fp32", fusion=False, module=model)
+    plan = autopar.plan(captured_with_loss(model, inputs, loss_fn, precision="fp32"), cluster,
+                        global_batch_size=GLOBAL_BATCH, constraints=constraints, precision="fp32", fusion=False,
+                        module=model)
     return plan.to_dict()
 
 

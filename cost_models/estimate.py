@@ -254,16 +254,18 @@ FOREACH_STEP_BYTES = {"adam": 80.0, "sgd": 32.0}
 FOREACH_TEMP_BYTES = {"adam": 4.0, "sgd": 0.0}
 
 
-def _loss_grad_bytes(layer, b: int, s1: int, byte_scale: float) -> float:
+def _loss_grad_bytes(layer, b: int, s1: int, byte_scale: float, tp: int) -> float:
     """Two logits-sized gradients at the loss's first backward op, in the dtype the loss
     computes its log-softmax in (fp32 where it upcasts the logits, as Hugging Face's
     causal-LM loss does): the log-softmax op reads and writes the logits once each, so
     one logits tensor is half its bytes. Measured with FSDPMemTracker on Qwen2 0.5B:
-    18.55 GiB of temporaries at the peak, 2 x its 9.28 GiB fp32 logits."""
+    18.55 GiB of temporaries at the peak, 2 x its 9.28 GiB fp32 logits. A vocab-split
+    head computes the loss on its shard (loss_parallel): each rank holds 1/tp of them."""
     if not layer.attrs.get("loss"):
         return 0.0
     sm = [op for op in layer.ops if op.kind == "softmax" and op.name.startswith("loss:")]
-    return sum(fast(op.fwd_bytes)(b, s1) for op in sm) * byte_scale  # 2 x (bytes / 2)
+    return sum(fast(op.fwd_bytes)(b, s1) / (tp if op.tp_sharded else 1)
+               for op in sm) * byte_scale  # 2 x (bytes / 2)
 
 
 def _optimizer_temp_bytes(layout, device, opt_params: float, offload: str) -> float:
@@ -570,7 +572,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         optimizer_s=optimizer_s, working_bytes=working, host_bytes=states.host, params_local=params_local,
         bucket_bytes=states.grads if zero == 0 and layout.dp > 1 else 0.0,
         optimizer_temp_bytes=_optimizer_temp_bytes(layout, device, opt_params, offload),
-        loss_grad_bytes=_loss_grad_bytes(layer, b, s1, byte_scale),
+        loss_grad_bytes=_loss_grad_bytes(layer, b, s1, byte_scale, tp),
         model_flops=model_flops, recompute_flops=recompute_flops, dp_collectives=tuple(colls),
         tier={"tp": tp_place.tier, "dp": dp_place.tier},
     )

@@ -159,8 +159,19 @@ def equivalence_world(rank, world, model_name, layouts, optim):
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                      "param_rel": compare(state, ref_params), "loss_parallel": pm.loss_parallel,
                      "tp_sharded": tp_sharded(pm), "notes": pm.notes,
-                     "seq_between_blocks": between.get("seq"), "optimizer_state_share": optimizer_state_share(pm)}
+                     "seq_between_blocks": between.get("seq"), "optimizer_state_share": optimizer_state_share(pm),
+                     "outputs_kept": outputs_kept(pm)}
     return out
+
+
+def outputs_kept(pm) -> int:
+    """Micro-batch outputs the pipeline stages still hold after a step (the schedule
+    keeps each for merging unless told not to: the logits of every micro-batch)."""
+    sched = pm.schedule
+    if sched is None:
+        return 0
+    stages = getattr(sched, "_stages", None) or [sched._stage]
+    return sum(len(s.output_chunks) for s in stages)
 
 
 def _watch_second_block(model, plan) -> dict:

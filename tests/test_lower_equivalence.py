@@ -81,6 +81,9 @@ def test_two_rank_layouts_match_single_process(model):
         assert r["dp_zero0"]["optimizer_state_share"] == 1.0
         for zero in ("dp_zero1", "dp_zero2", "dp_zero3"):
             assert 0.35 < r[zero]["optimizer_state_share"] < 0.65, (zero, r[zero]["optimizer_state_share"])
+    # The last pipeline stage keeps no micro-batch's logits once its backward ran (torch's
+    # schedule would, to merge them for the caller, unless train_step says return_outputs=False)
+    assert all(r[name]["outputs_kept"] == 0 for r in results for name in r if name.startswith("pp"))
     # Recomputation changes no number: checkpointed == the same layout without it.
     r = results[0]
     for ckpt, plain in (("tp_sp_full_ckpt", "tp_sp"), ("pp_1f1b_selective_ckpt", "pp_1f1b")):

@@ -26,16 +26,24 @@ from autopar.errors import CaptureError
 from cost_models.workload import LayerSpec, OpSpec
 
 
-def capture(model: nn.Module, example_inputs=None, *, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
-            seq_dim="auto", loss_fn=None) -> ModelGraph:
+# The dtype each training precision computes in (what plans and the CLI call precision)
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def capture(model: nn.Module, example_inputs=None, *, dtype: torch.dtype | str = torch.bfloat16,
+            name: str | None = None, seq_dim="auto", loss_fn=None) -> ModelGraph:
     """Capture `model` into a ModelGraph.
 
     example_inputs: a tuple of tensors (any device; only shapes and dtypes are
         used; a trailing dict is passed as keyword arguments) or a callable
         `batch_size -> tuple`; None infers them for Hugging Face models and
         token/image models (auto_inputs.py; said in graph.notes).
-    dtype: the training compute dtype; floating parameters and activations are
-        measured in it.
+    dtype: the training compute dtype, or its precision name ("bf16", "fp16",
+        "fp32"); floating parameters and activations are measured in it. The
+        planner scales bytes to another precision, which is exact only for the
+        tensors kept in the compute dtype (an fp32 upcast in a bf16 capture, e.g.
+        an RMSNorm's, would be priced at 8 bytes): capture at the precision the
+        model trains in.
     seq_dim: "auto" (dim 1 of 2-D integer / 3-D float inputs), an int, or None
         (costs are fitted in batch only, at the given sequence length).
     loss_fn: optional `loss_fn(output, targets)` (the model file's); its cost
@@ -44,6 +52,10 @@ def capture(model: nn.Module, example_inputs=None, *, dtype: torch.dtype = torch
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture expects an nn.Module, got {type(model).__name__}")
+    if isinstance(dtype, str):
+        if dtype not in PRECISION_DTYPES:
+            raise CaptureError(f"unknown precision {dtype!r}", hint=f"one of {', '.join(PRECISION_DTYPES)}")
+        dtype = PRECISION_DTYPES[dtype]
     start = time.perf_counter()
     notes = []
     if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):

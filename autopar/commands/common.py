@@ -194,18 +194,20 @@ def load_graph(args):
     if seq_len is not None and seq_len < 1:  # before the model is built and traced
         raise AutoparError(f"--seq-len must be a positive integer, got {seq_len}")
     loaded = load_model(args.model, seq_len=seq_len)
-    # Captured at bf16 whatever --precision says: the planner scales bytes by precision itself.
-    # The model file's loss_fn runs in training, so its cost (the saved log-softmax of the
-    # logits, its bytes and FLOPs) is part of the head layer (inspect does this on --loss).
+    # Captured at the --precision it trains in: scaling a bf16 capture's bytes by 2 would
+    # price its fp32 upcasts (norms, softmax statistics) at 8 bytes an element. The model
+    # file's loss_fn runs in training, so its cost (the saved log-softmax of the logits,
+    # its bytes and FLOPs) is part of the head layer (inspect does this on --loss).
     loss_fn = loss_fn_to_capture(loaded)
+    precision = getattr(args, "precision", None) or "bf16"
     try:
-        graph = capture_loaded(loaded, loss_fn=loss_fn)
+        graph = capture_loaded(loaded, loss_fn=loss_fn, dtype=precision)
     except AutoparError as exc:
         if loss_fn is None:
             raise
         # A loss the meta-device trace cannot run (.item(), data-dependent code): plan the
         # model without it, and say so rather than fail a plan that worked before.
-        graph = capture_loaded(loaded)
+        graph = capture_loaded(loaded, dtype=precision)
         note = (f"loss_fn left out of the head layer: tracing it failed ({exc.message}); its cost is not "
                 "in this plan")
         graph.notes.append(note)

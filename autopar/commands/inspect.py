@@ -13,7 +13,6 @@ import sys
 
 from autopar.errors import AutoparError
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, metavar="S",
                         help="sequence length the numbers are for (default: the example inputs'; inferred "
                              "inputs use min(max positions, 2048))")
-    parser.add_argument("--precision", default="bf16", choices=tuple(_DTYPES), help="training compute dtype")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="training compute dtype")
     parser.add_argument("--json", action="store_true", help="print the layer table as JSON")
     parser.add_argument("--loss", action="store_true",
                         help="include the model file's loss_fn(output, targets) in the head layer")
@@ -32,8 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     import copy
-
-    import torch
 
     from autopar.commands.common import capture_loaded, check_seq_len
     from autopar.model_file import load_model
@@ -47,7 +44,7 @@ def run(args) -> int:
     if args.loss and loaded.loss_fn is None and not own_loss:
         raise AutoparError(f"{args.model} defines no loss_fn(output, targets)",
                            hint="add one to the model file or drop --loss")
-    graph = capture_loaded(loaded, dtype=getattr(torch, _DTYPES[args.precision]),
+    graph = capture_loaded(loaded, dtype=args.precision,
                            loss_fn=loaded.loss_fn if args.loss and not own_loss else None)
     check_seq_len(graph, loaded.model, args.seq_len)
     if loaded.inputs_note:

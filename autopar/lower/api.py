@@ -93,8 +93,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             kwargs["memory_headroom"] = memory_headroom
         def make():
             from autopar.lower.model_layers import model_signature
-            made = make_plan(captured_with_loss(model, example_inputs, loss_fn), cluster_spec, module=model,
-                             **kwargs)
+            made = make_plan(captured_with_loss(model, example_inputs, loss_fn, precision=precision or "bf16"),
+                             cluster_spec, module=model, **kwargs)
             made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
             return made
         plan = _plan_on_rank0(make)
@@ -120,10 +120,11 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
                  no_weight_decay_1d=no_weight_decay_1d)
 
 
-def captured_with_loss(model, example_inputs, loss_fn):
+def captured_with_loss(model, example_inputs, loss_fn, precision: str = "bf16"):
     """What the planner prices: the model with the loss it trains with (the
     user's loss_fn adds its saved log-softmax and FLOPs to the head layer, as
-    `autopar plan` does for a model file's loss_fn). A loss the meta-device
+    `autopar plan` does for a model file's loss_fn), captured in `precision`'s
+    dtype (the planner captures a module it is handed the same way). A loss the meta-device
     trace cannot run is left out, as the CLI does; without loss_fn, a Hugging
     Face model is priced with the own loss the lowering trains it with."""
     if example_inputs is None:  # inferred inputs may carry labels: the model's own loss
@@ -144,6 +145,6 @@ def captured_with_loss(model, example_inputs, loss_fn):
 
     try:
         # The lowering hands loss_fn the logits (`.logits` of a Hugging Face output)
-        return capture(model, example_inputs, loss_fn=lambda out, y: loss_fn(logits_of(out), y))
+        return capture(model, example_inputs, dtype=precision, loss_fn=lambda out, y: loss_fn(logits_of(out), y))
     except AutoparError:
         return model

@@ -129,7 +129,10 @@ class ParallelModel:
             else:
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-                self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
+                # return_outputs=False: otherwise the last stage keeps every micro-batch's
+                # output (the logits, vocabulary-wide) until the step ends, to merge them
+                # for a caller who only needs the losses
+                self.schedule.step(*(inputs if self.has_first else ()), return_outputs=False, **kwargs)
                 local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
                               if self.has_last else None)
                 if local_loss is not None and self.grad_scaler is not None:

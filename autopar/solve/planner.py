@@ -69,15 +69,16 @@ def scaled_cluster(cluster: ClusterSpec, nodes: int, gpus_per_node: int | None =
         raise ClusterSpecError(str(exc)) from exc
 
 
-def model_spec(model, example_inputs=None, *, seq_len=None, name=None):
-    """A ModelSpec/ModelGraph as is, or the capture of an nn.Module; seq_len overrides the traced one."""
+def model_spec(model, example_inputs=None, *, seq_len=None, name=None, precision: str = "bf16"):
+    """A ModelSpec/ModelGraph as is, or the capture of an nn.Module at the training
+    precision (its activations in that dtype); seq_len overrides the traced one."""
     if hasattr(model, "layers") and not callable(getattr(model, "forward", None)):
         spec = model
     else:
         from autopar.capture import capture  # the solver needs capture only for nn.Modules
         # Without example_inputs capture infers them for the common model families (HF, token,
         # image models) and raises CaptureError saying what to pass when it cannot.
-        spec = capture(model, example_inputs, **({"name": name} if name else {}))
+        spec = capture(model, example_inputs, dtype=precision, **({"name": name} if name else {}))
     if seq_len is not None and seq_len != spec.seq_len:
         spec = copy.copy(spec)  # expressions are symbolic in S: a new length is a new value, not a re-trace
         spec.seq_len = int(seq_len)
@@ -281,7 +282,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     cluster = resolve_cluster(cluster_spec)
     pins = parse_constraints(constraints)
     headroom = resolve_headroom(memory_headroom, pins)
-    spec = model_spec(model, example_inputs, seq_len=seq_len, name=name)
+    spec = model_spec(model, example_inputs, seq_len=seq_len, name=name, precision=precision)
     is_module = callable(getattr(model, "forward", None))  # as model_spec decides
     torch_module = module if module is not None else (model if is_module else None)
     lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
