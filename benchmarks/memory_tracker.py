@@ -135,13 +135,16 @@ def track(name: str, plan: dict) -> dict:
         for path in c["module_paths"]:
             for p in model.get_submodule(path).parameters():
                 owners.setdefault(id(p), set()).add(path)
+    # One unit per layer, also when the layer is several modules (the head's final norm and
+    # output Linear: one all-gather and one reduce-scatter, as the lowering groups them)
     for c in choices:
-        for path in c["module_paths"]:
-            module = model.get_submodule(path)
-            if any(len(owners[id(p)]) > 1 for p in module.parameters()):
-                continue
-            if any(True for _ in module.parameters()):
-                fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=c["zero"] >= 3)
+        modules = [model.get_submodule(path) for path in c["module_paths"]]
+        if any(len(owners[id(p)]) > 1 for m in modules for p in m.parameters()):
+            continue
+        modules = [m for m in modules if any(True for _ in m.parameters())]
+        if modules:
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=mp,
+                        reshard_after_forward=c["zero"] >= 3)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=any(c["zero"] >= 3 for c in choices))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")

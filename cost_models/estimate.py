@@ -268,6 +268,15 @@ def _loss_grad_bytes(layer, b: int, s1: int, byte_scale: float, tp: int) -> floa
                for op in sm) * byte_scale  # 2 x (bytes / 2)
 
 
+def _backward_peak(layer: LayerSpec, activations: float, grads: float) -> float:
+    """The most a layer's own backward holds at once of its saved activations (all of
+    them, recomputed ones included, when it starts) and its weight gradients (all of
+    them when it ends): capture's walk through its autograd nodes (LayerSpec.attrs
+    "bwd_walk", [[alive share, gradient share], ...]); without one, the larger end."""
+    walk = layer.attrs.get("bwd_walk") or ((1.0, 0.0), (0.0, 1.0))
+    return max(max(a * activations + g * grads for a, g in walk), activations, grads)
+
+
 def _optimizer_temp_bytes(layout, device, opt_params: float, offload: str) -> float:
     """Bytes foreach Adam allocates at once during the step for this layer's state
     elements. torch runs foreach by default only on GPUs; a CPU's default loops over
@@ -837,9 +846,14 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
                 # its weight gradient is made while that is alive)
                 out_grad = costs[u].loss_grad_bytes / 2 if costs[u].loss_grad_bytes \
                     else fast(layers[u].output_bytes)(b, s1) * byte_scale
-                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + in_flight + out_grad \
-                    + max(pu * lp, costs[u].activation_bytes + costs[u].working_bytes)
-                reducing = 0.0 if u in root else pu * lp + rs_buffers(pu)
+                # A unit grouping several modules (a head's norm and output Linear, as the
+                # lowering shards them) keeps its all-gather buffer through its backward
+                # beside the unsharded parameters: FSDPMemTracker, torch 2.13 (a one-module
+                # unit frees it once the parameters are copied out)
+                grouped = pu * p_b if layers[u].attrs.get("param_modules", 1) > 1 else 0.0
+                computing = (pu * p_b if zeros[u] >= 3 else 0.0) + grouped + in_flight + out_grad \
+                    + _backward_peak(layers[u], costs[u].activation_bytes + costs[u].working_bytes, pu * lp)
+                reducing = 0.0 if u in root else pu * lp + rs_buffers(pu) + grouped
                 unit_bufs = prefetch + max(computing, reducing) + held_u
                 frag_u = FRAGMENTATION * (act_u + grads_u)
                 moment(params_u + optim + grads_u + act_u + unit_bufs + tp_buf + ddp_buf + frag_u,

@@ -67,3 +67,22 @@ def test_capture_is_deterministic():
     model, inputs = gpt.gpt_tiny()
     a, b = autopar.capture(model, inputs), autopar.capture(model, inputs)
     assert a.to_json() == b.to_json()
+
+
+def test_backward_walk_trades_activations_for_gradients_in_autograd_order():
+    """Each layer's walk through its backward ([alive activation share, gradient share]
+    at its autograd nodes, the undominated ones). A Llama block runs its MLP's backward
+    first: at w2's node every activation is still saved and w2's gradient (2048 of the
+    block's 9280 parameters) is made; the MLP's gradients then coexist with the
+    attention's activations (a + g > 1, the moment the FSDP peak of Llama 3 70B with full
+    checkpointing sits in); at the end only the first norm's inputs remain."""
+    import llama
+    model, inputs = llama.llama_tiny()
+    g = autopar.capture(model, inputs)
+    walk = g.layers[1].attrs["bwd_walk"]
+    assert g.layers[1].params == 9280
+    assert walk[-1] == [1.0, round(2048 / 9280, 3)]
+    assert walk[0][1] == 1.0 and 0.0 < walk[0][0] < 0.3
+    # a frontier: more activations alive means fewer gradients made
+    assert all(a1 < a2 and g1 > g2 for (a1, g1), (a2, g2) in zip(walk, walk[1:]))
+    assert max(a + gr for a, gr in walk) > 1.1

@@ -162,6 +162,8 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
         fields = dict(fields)
         attrs = dict(m0.attrs)
         attrs["param_tensors"] = len(owned)  # the optimizer's per-tensor work (for-loop / foreach)
+        # modules holding its parameters (the lowering shards a layer of several as one FSDP unit)
+        attrs["param_modules"] = sum(1 for p in paths if any(k == p or k.startswith(p + ".") for k in owned))
         if shared.get(layer):
             # the tied weights it uses but another layer owns: their gradient is made here
             # first, and a pipeline rank without the owner keeps a copy (the memory model)

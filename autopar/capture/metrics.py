@@ -6,6 +6,8 @@ dataflow: see tp_dataflow.py.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -161,6 +163,9 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     # Every op the layer dispatches, views included: each costs host time (the
     # framework's dispatch, DTensor's sharding propagation under tp) whatever its size.
     m.attrs["host_ops_fwd"], m.attrs["host_ops_bwd"] = len(fwd), len(bwd)
+    walk = backward_walk(trace, layer, fwd, bwd)
+    if walk:
+        m.attrs["bwd_walk"] = walk
     if is_head and cols:  # the head's column GEMM is the vocabulary projection
         widest = max((c for c in cols.values() if c.gemm), key=lambda c: c.gemm[1], default=None)
         m.attrs.pop("ffn_hidden", None)
@@ -168,6 +173,48 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
             m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
     return m
+
+
+def backward_walk(trace: PointTrace, layer: int, fwd: list, bwd: list) -> list:
+    """How the layer's backward trades saved activations for weight gradients, as
+    [[alive, grads], ...]: at each of its autograd nodes, the share of the layer's
+    saved bytes still alive and the share of its parameters' gradients already made,
+    the moments no other one dominates. The ends are [1, 0] and [0, 1]; a layer whose
+    last ops hold most of its parameters (an MLP after the attention) makes their
+    gradients while the attention's activations still wait: FSDPMemTracker puts
+    Llama 3 70B's full-checkpoint peak there, above both the layer's activations and
+    its gradients. Autograd frees a saved tensor once the last node that saved it
+    has run, and runs a layer's nodes from the highest sequence number down."""
+    last_saver = {}  # storage -> (bytes, sequence number of its last saver to run)
+    for s in trace.saved:
+        if s.layer == layer:
+            nbytes, seq = last_saver.get(s.storage, (s.nbytes, s.saver_seq))
+            last_saver[s.storage] = (nbytes, min(seq, s.saver_seq))
+    first_user = {}  # parameter -> sequence number of its first user to run in backward
+    for r in fwd:
+        for name in r.param_names:
+            first_user[name] = max(first_user.get(name, -1), r.seq_nr)
+    total_act = sum(n for n, _ in last_saver.values())
+    total_grad = sum(trace.param_bytes.get(name, 0) for name in first_user)
+    if not total_act or not total_grad:
+        return []
+    # running sums over sequence numbers (a layer without blocks may have thousands of ops)
+    saved_seqs = sorted((seq, n) for n, seq in last_saver.values())
+    saved_cum = list(itertools.accumulate(n for _, n in saved_seqs))
+    user_seqs = sorted((seq, trace.param_bytes.get(name, 0)) for name, seq in first_user.items())
+    user_cum = list(itertools.accumulate(n for _, n in user_seqs))
+    points = []
+    for node in sorted({r.seq_nr for r in bwd if r.seq_nr >= 0}, reverse=True):
+        i = bisect.bisect_right(saved_seqs, (node, math.inf))  # saved by nodes <= node: not yet freed
+        alive = saved_cum[i - 1] if i else 0
+        j = bisect.bisect_left(user_seqs, (node, -math.inf))  # used by nodes >= node: gradient made
+        made = total_grad - (user_cum[j - 1] if j else 0)
+        points.append((round(alive / total_act, 3), round(made / total_grad, 3)))
+    frontier = []
+    for a, g in sorted(set(points), reverse=True):
+        if not any(a2 >= a and g2 >= g for a2, g2 in frontier):
+            frontier.append((a, g))
+    return [list(p) for p in sorted(frontier)]
 
 
 def _attrs(trace: PointTrace, layer: int, fwd: list, cols: dict, valid: set, regions: dict) -> dict:

@@ -88,6 +88,9 @@ class SavedRecord:
     producer: int | None
     shape: tuple
     origin: int | None = None  # forward op that first wrote this storage (views see through)
+    # sequence number of the autograd node that saved it: autograd frees it once that
+    # node's backward has run (the last of its savers', when several save one storage)
+    saver_seq: int = -1
 
 
 @dataclass
@@ -104,6 +107,7 @@ class PointTrace:
     params_used: dict = field(default_factory=dict)  # layer -> set of parameter names
     topk: dict = field(default_factory=dict)  # layer -> (experts, k)
     own_checkpointing: bool = False  # the model called torch.utils.checkpoint (run plainly)
+    param_bytes: dict = field(default_factory=dict)  # parameter name -> bytes
 
 
 _DIM_NAMES = ("dim", "dim0", "dim1", "dims", "source", "destination")
@@ -212,8 +216,10 @@ class Tracer:
             contains = any(b.startswith(path + ".") or path == "" for b in block_paths)
             self.grouping[id(module)] = not (inside or contains)
         self.param_storage = {}
+        self.param_bytes = {}  # name -> bytes (the size of its gradient)
         for name, p in model.named_parameters():
             self.param_storage.setdefault(p.untyped_storage()._cdata, name)
+            self.param_bytes[name] = p.numel() * p.element_size()
         self.state_storage = set(self.param_storage) | {b.untyped_storage()._cdata for b in model.buffers()}
         self._install()
 
@@ -320,9 +326,11 @@ class Tracer:
         if self.phase == "fwd":
             key = t.untyped_storage()._cdata
             if key not in self.state_storage:
+                # packed while the saving op's node is the newest one made
                 self.trace.saved.append(SavedRecord(self.pointer, key, t.untyped_storage().nbytes(),
                                                     self.producer.get(id(t)), tuple(t.shape),
-                                                    self.storage_origin.get(key)))
+                                                    self.storage_origin.get(key),
+                                                    torch.autograd._get_sequence_nr() - 1))
         return t
 
     # -- op recording ----------------------------------------------------------
@@ -457,7 +465,7 @@ class Tracer:
 
     # -- one run -------------------------------------------------------------
     def run(self, batch: int, seq: int | None, args: tuple, kwargs: dict) -> PointTrace:
-        self.trace = PointTrace(batch, seq)
+        self.trace = PointTrace(batch, seq, param_bytes=self.param_bytes)
         self.module_stack, self.pointer, self.phase, self.fabricating = [], 0, "fwd", False
         self.reps, self.shortcut, self.out_specs = {}, {}, {}
         self.cuts, self.producer, self.keep, self.seg_outputs, self.seq_to_fwd = {}, {}, [], {}, {}
