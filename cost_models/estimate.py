@@ -849,8 +849,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
                 # A unit grouping several modules (a head's norm and output Linear, as the
                 # lowering shards them) keeps its all-gather buffer through its backward
                 # beside the unsharded parameters: FSDPMemTracker, torch 2.13 (a one-module
-                # unit frees it once the parameters are copied out)
-                grouped = pu * p_b if layers[u].attrs.get("param_modules", 1) > 1 else 0.0
+                # unit frees it once the parameters are copied out). A layer left to the root
+                # unit (tied weights) is not sharded as a group of its own.
+                grouped = pu * p_b if u not in root and layers[u].attrs.get("param_modules", 1) > 1 else 0.0
                 computing = (pu * p_b if zeros[u] >= 3 else 0.0) + grouped + in_flight + out_grad \
                     + _backward_peak(layers[u], costs[u].activation_bytes + costs[u].working_bytes, pu * lp)
                 reducing = 0.0 if u in root else pu * lp + rs_buffers(pu) + grouped
