@@ -133,6 +133,47 @@ def interleaved(timer: Timer, fns: dict, inner: int, repeats: int = 9) -> dict:
     return timer.samples(fns, inner, repeats)
 
 
+# One fixed piece of work in a transformer step's proportions: a feed-forward pair of
+# GEMMs with gelu between, and a vocabulary-wide log_softmax. (tokens, hidden, ffn, vocab)
+_PROBE_SHAPES = {"cpu": (512, 256, 1024, 2048), "cuda": (8192, 4096, 16384, 32768)}
+
+
+def speed_probe(device: torch.device | str = "cpu", samples: int = 9, barrier=None) -> float:
+    """Median seconds of the probe's work (no autograd), timed now.
+
+    A shared machine (a VM, a node with neighbours) runs faster or slower from one
+    minute to the next: on this project's 2-core VM the same training step took
+    108 ms and 132 ms twenty minutes apart, and micro-benchmarks drift with it.
+    A profile records the probe's time while it was measured
+    (`machine["speed_probe_s"]`); a benchmark that times the probe beside its steps
+    knows how fast the machine ran then, relative to the profile, and can compare
+    a prediction with a step at the same speed. The probe is the same work on
+    every call: it says nothing about any model, only about the machine's pace."""
+    device = torch.device(device)
+    tokens, hidden, ffn, vocab = _PROBE_SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2, z = (torch.randn(*shape, generator=gen).to(device)
+                    for shape in ((tokens, hidden), (hidden, ffn), (ffn, hidden), (tokens, vocab)))
+
+    def work():
+        torch.mm(torch.nn.functional.gelu(torch.mm(x, w1)), w2)
+        torch.log_softmax(z, -1)
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times = []
+    with torch.no_grad():
+        for i in range(samples + 1):
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            for _ in range(4):
+                work()
+            sync()
+            if i:  # the first warms up
+                times.append((time.perf_counter() - t0) / 4)
+    return statistics.median(times)
+
+
 def _rate(work: float, seconds: float, overhead: float) -> float:
     # The work's own rate: the dispatch time of the call (timed with autograd off) is
     # taken out, because the cost model charges host time per dispatched op of a layer
@@ -368,21 +409,45 @@ def measure_pipeline_action(timer: Timer, device: torch.device) -> float:
     return lo
 
 
+def _copies(nbytes_each: int, device: torch.device) -> int:
+    """How many buffers of nbytes_each, used in turn, keep each out of the caches a
+    training step's working set overflows: 128 MiB in all on a CPU, 256 MiB on a GPU
+    (beyond its L2). On this project's VM (2 MiB of L2 a core, a shared L3 it reports
+    as 480 MiB) memory-bound ops slow down until the pool passes 64 MiB and no further
+    (an add of 2 MiB: 0.20 ms cycling 16 MiB, 0.36 ms at 64 MiB, 0.34 ms at 1 GiB), and
+    ran in a step at the 64 MiB+ speed; a 16 MiB pool priced them up to 40% fast."""
+    pool = (256 if device.type == "cuda" else 128) * 2**20
+    return max(2, min(64, -(-pool // max(1, nbytes_each))))
+
+
 def _rotating(make, nbytes_each: int, device: torch.device) -> list:
     """Enough distinct copies of a call's operands that cycling through them keeps
-    them out of the core's private caches (a training step's operands were written
-    by another op or read a step ago, never the same buffer just read again):
-    16 MiB in all on a CPU (beyond a core's L2), 256 MiB on a GPU (beyond its L2)."""
-    pool = (256 if device.type == "cuda" else 16) * 2**20
-    return [make() for _ in range(max(1, min(64, -(-pool // max(1, nbytes_each)))))]
+    them out of the caches (a training step's operands were written by another op or
+    read a step ago, never the buffer just read). Copies of one random draw: drawing
+    each afresh costs seconds per point at these pool sizes."""
+    first = make()
+    return [first] + [tuple(t.clone() for t in first) for _ in range(_copies(nbytes_each, device) - 1)]
 
 
-def _cycling(fn, operands: list):
-    state = [0]
+def _cycling(fn, operands: list, keep: int = 0):
+    """A call of fn on the next operands in turn. With `keep`, the last `keep` results
+    stay alive, so each result is written to memory last touched `keep` calls ago, as
+    a training step writes an op's output to a buffer freed long before (the caching
+    allocator's or malloc's, cold in the core's caches). A result freed and written
+    again at once stays in cache: on one CPU core a 512 x 2048 log_softmax then ran in
+    0.73 ms where it takes 1.1-1.3 ms in a step."""
+    state, results = [0, 0], [None] * keep
 
     def call():
         state[0] = (state[0] + 1) % len(operands)
-        return fn(*operands[state[0]])
+        out = fn(*operands[state[0]])
+        if keep:
+            state[1] = (state[1] + 1) % keep
+            results[state[1]] = out
+        return out
+    if keep:
+        for _ in range(keep):  # the pool of kept results allocated before timing
+            call()
     return call
 
 
@@ -439,12 +504,85 @@ def measure_ops(timer: Timer, device: torch.device, g: dict, overhead: float, pr
                 ops = _rotating(make, 3 * rows * width * 4, device)
                 nbytes = factor * rows * width * 4
                 sizes.append(float(nbytes))
-                rates.append(_rate(nbytes, timer(_cycling(fn, ops)), overhead))
+                keep = _copies(rows * width * 4, device)  # the results: one row block each
+                rates.append(_rate(nbytes, timer(_cycling(fn, ops, keep=keep)), overhead))
             out[name] = {"bytes": sizes, "bytes_per_s": rates}
             if OP_TABLES[name]:
                 out[OP_TABLES[name]] = out[name]
-        progress(f"memory-bound ops: {', '.join(calls)} done")
+    for name, (fn, _, width) in calls.items():
+        if name in BACKWARD_TABLES:
+            out[name + ".bwd"] = _measure_op_backward(timer, device, fn, width, g["elements"])
+            if OP_TABLES[name]:
+                out[OP_TABLES[name] + ".bwd"] = out[name + ".bwd"]
+    progress(f"memory-bound ops: {', '.join(calls)} done (forward; backward of {', '.join(BACKWARD_TABLES)})")
     return out
+
+
+# Ops whose backward is a kernel of its own with another speed per byte than the forward
+# (gelu's backward evaluates the derivative, not the function: on one CPU core tanh-GELU's
+# backward moved 3 tensors in the time its forward moved 2). add and copy pass the gradient on.
+BACKWARD_TABLES = ("mul", "gelu", "gelu_tanh", "silu", "exp", "native_layer_norm", "_softmax", "_log_softmax",
+                   "embedding")
+
+
+def _bytes_moved(fn) -> int:
+    """Bytes fn's aten ops read and write, counted as capture counts an op's bytes
+    (every tensor argument and output of an op that moves data; views move none), so
+    a table's bytes per call and a captured op's bytes mean the same thing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from autopar.capture import ops as opinfo
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not opinfo.moves_no_data(func):
+                flat = tree_flatten((args, kwargs, out))[0]
+                Count.total += sum(opinfo.tensor_bytes(t) for t in flat if isinstance(t, torch.Tensor))
+            return out
+    with Count():
+        fn()
+    return Count.total
+
+
+def _measure_op_backward(timer: Timer, device: torch.device, fn, width: int, elements: list) -> dict:
+    """bytes/s of an op's backward, by the bytes its backward kernels move per call. As in
+    a step: the saved tensors were written a whole forward ago (rotating, cold), the
+    incoming gradient was just written by the op after it in backward (one buffer,
+    reused: as warm as the caches keep it), the gradient it makes lands in a buffer
+    freed long before (kept results)."""
+    sizes, rates = [], []
+    # autograd.grad's own fixed cost (the engine starting, once per call: a step pays it
+    # once, not per op) is taken out with the one-row call's time; the host time of each
+    # backward op is charged per op by the cost model, as for forward ops
+    one = torch.randn(1, width, device=device, requires_grad=True)
+    one_out = fn(one, torch.randn(1, width, device=device), torch.zeros(1, dtype=torch.long, device=device))
+    one_grad = torch.randn_like(one_out)
+    fixed = timer(lambda: torch.autograd.grad(one_out, one, one_grad, retain_graph=True))
+    for numel in elements:
+        rows = max(1, numel // width)
+
+        def make():
+            x = torch.randn(rows, width, device=device, requires_grad=True)
+            return x, torch.randn(rows, width, device=device), torch.randint(0, rows, (rows,), device=device)
+        sets = _rotating(make, 3 * rows * width * 4, device)
+        graphs = []
+        for x, y, i in sets:
+            x = x.detach().requires_grad_(True)
+            graphs.append((fn(x, y, i), x))
+        grad = torch.randn_like(graphs[0][0])
+
+        def backward(out, x):
+            return torch.autograd.grad(out, x, grad, retain_graph=True)
+        nbytes = _bytes_moved(lambda: backward(*graphs[0]))
+        keep = _copies(rows * width * 4, device)
+        sizes.append(float(nbytes))
+        rates.append(_rate(nbytes, timer(_cycling(backward, graphs, keep=keep)), fixed))
+        del graphs, sets
+    return {"bytes": sizes, "bytes_per_s": rates}
 
 
 def measure_optimizer(timer: Timer, device: torch.device, progress, mesh=None) -> dict:
@@ -511,10 +649,13 @@ def measure_attention(timer: Timer, device: torch.device, dtypes, g: dict, over:
                 flops.append(work)
                 fwd_rates.append(_rate(work, t_fwd, over["no_grad"]))
                 bwd_rates.append(_rate(work, t_bwd, over["bwd"]))
+            # the sequence length of each point: the cost model prices a call of b x h
+            # sequences at the rate measured at its length (measured.attention_time)
+            seqs = [float(s) for s in g["attn_seq"]]
             rows += [{"dtype": dtype, "causal": causal, "direction": "fwd", "flops": flops,
-                      "flops_per_s": fwd_rates},
+                      "flops_per_s": fwd_rates, "seq": seqs},
                      {"dtype": dtype, "causal": causal, "direction": "bwd", "flops": flops,
-                      "flops_per_s": bwd_rates}]
+                      "flops_per_s": bwd_rates, "seq": seqs}]
             progress(f"attention {dtype} ({'causal' if causal else 'full'}) done")
     return rows
 
@@ -707,12 +848,15 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
         if settings.device == "cpu" or rank == 0:  # CPU ranks contend for the machine: all time together
             say(f"host time per op: {over['fwd'] * 1e6:.1f} us forward, {over['bwd'] * 1e6:.1f} us backward")
             result["overhead"] = over
+            probe_before = speed_probe(device, barrier=barrier)
             result["gemm"] = {dt: measure_gemm(timer, device, dt, g, over["no_grad"], say) for dt in settings.dtypes}
             result["bandwidth"] = measure_ops(timer, device, g, over["no_grad"], say)
             result["attention"] = measure_attention(timer, device, settings.dtypes, g, over, say)
             result["gemm_unaligned"] = {dt: measure_gemm_unaligned(timer, device, dt, over["no_grad"])
                                         for dt in settings.dtypes}
             result["optimizer"] = measure_optimizer(timer, device, say, mesh)
+            # the machine's pace while the compute tables were measured (see speed_probe)
+            result["speed_probe_s"] = (probe_before + speed_probe(device, barrier=barrier)) / 2
         say(f"DTensor host time per op: {over['dtensor_fwd'] * 1e6:.1f} us forward, "
             f"{over['dtensor_bwd'] * 1e6:.1f} us backward")
         dist.barrier()
@@ -872,7 +1016,8 @@ def build_profile(result: dict, settings: Settings) -> Profile:
     machine = {"host": socket.gethostname(), "processor": name, "torch": torch.__version__,
                "python": sys.version.split()[0], "backend": settings.backend, "ranks": settings.ranks,
                "threads_per_rank": settings.threads() if settings.device == "cpu" else None,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": asdict(settings)}
+               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": asdict(settings),
+               **({"speed_probe_s": result["speed_probe_s"]} if result.get("speed_probe_s") else {})}
     data = {"schema": SCHEMA, "machine": machine, "device_name": device_name, "device": device,
             "compute": compute, "collectives": {"intra_node": result["collectives"]} if result["collectives"] else {}}
     profile = Profile.from_dict(data, "<autopar calibrate>")

@@ -214,13 +214,14 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
                 bwd += meas.bytes_time("elementwise", out_bytes, "add") or 0.0
     elif op.kind == "attention":
         causal = getattr(op, "causal", None) in (None, True)
-        f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d, dtype) for d in ("fwd", "bwd"))
+        f1, b1 = (meas.attention_time(fwd_flops / calls, causal, d, dtype, seq=s) for d in ("fwd", "bwd"))
         if f1 is not None and b1 is not None:
             speed_f, speed_b = attention_speed(op)  # the profile timed today's SDPA kernel
             fwd, bwd = calls * f1 / speed_f, calls * b1 / speed_b
     if fwd is None or bwd is None:  # memory-bound ops, or work the profile did not time
         cls, name = _BYTES_CLASS.get(op.kind, "elementwise"), op.name.rpartition(":")[2]
-        f1, b1 = meas.bytes_time(cls, fwd_bytes / calls, name), meas.bytes_time(cls, bwd_bytes / calls, name)
+        f1 = meas.bytes_time(cls, fwd_bytes / calls, name)
+        b1 = meas.bytes_time(cls, bwd_bytes / calls, name, direction="bwd")
         if f1 is None or b1 is None:
             raise CostModelError(f"measured profile of '{device.name}' has no bandwidth table for {cls} ops")
         fwd, bwd = calls * f1, calls * b1

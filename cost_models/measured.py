@@ -11,10 +11,12 @@ A profile is a versioned JSON file (never pickled) with three parts:
   taken out (the cost model charges host time per op a layer dispatches):
     gemm       FLOP/s on a grid of (m, n, k) per dtype (trilinear in log2)
     bandwidth  bytes/s of memory-bound ops by name and by class, by bytes
-               per call (log-log)
+               per call (log-log); `NAME.bwd`: the op's backward kernels
     attention  FLOP/s of scaled_dot_product_attention, forward and backward,
                causal and full, by FLOPs per call (counted unmasked, as the
-               workload counts them)
+               workload counts them); with `seq` (the sequence length of
+               each point), by sequence length: the rate of a kernel's tiles
+               along the sequence, whatever the batch x heads it runs over
     op_overhead_*, dtensor_overhead_*  host time per dispatched op: eager
                forward with autograd, backward, forward without autograd;
                DTensor forward and backward
@@ -130,7 +132,8 @@ _DTYPE_STAND_IN = {"fp16": "bf16", "bf16": "fp16"}
 class MeasuredCompute:
     gemm: tuple = ()  # ((dtype, GemmGrid), ...)
     bandwidth: tuple = ()  # ((op class, sizes in bytes, bytes/s), ...)
-    attention: tuple = ()  # ((causal, 'fwd' | 'bwd', FLOPs per call, FLOP/s, dtype or None), ...)
+    # ((causal, 'fwd' | 'bwd', FLOPs per call, FLOP/s, dtype or None, seq per point or None), ...)
+    attention: tuple = ()
     op_overhead_fwd_s: float = 0.0  # host time of one op forward, autograd recording
     op_overhead_bwd_s: float = 0.0  # host time of one autograd node backward
     op_overhead_no_grad_s: float = 0.0  # the same op with autograd off (taken out of the tables)
@@ -170,11 +173,16 @@ class MeasuredCompute:
         grid = grids.get(dtype) or grids.get(_DTYPE_STAND_IN.get(dtype, ""))
         return None if grid is None else grid.time(m, n, k)
 
-    def bytes_time(self, op_class: str, nbytes: float, op_name: str | None = None) -> float | None:
+    def bytes_time(self, op_class: str, nbytes: float, op_name: str | None = None,
+                   direction: str = "fwd") -> float | None:
         """Seconds of a memory-bound op moving `nbytes`: its own table when the profile
-        timed it by name (`gelu`), else its class's (`norm`), else `elementwise`."""
+        timed it by name (`gelu`), else its class's (`norm`), else `elementwise`. For
+        the backward (`direction="bwd"`), the op's or its class's backward table
+        (`gelu.bwd`: its backward kernels, by the bytes they move) comes first."""
         tables = self._bandwidth_by_name
-        table = tables.get(op_name or "") or tables.get(op_class) or tables.get("elementwise")
+        names = ([f"{op_name}.bwd", f"{op_class}.bwd"] if direction == "bwd" else []) + \
+            [op_name or "", op_class, "elementwise"]
+        table = next((tables[n] for n in names if n in tables), None)
         return None if table is None else time_for_size(table[0], table[1], nbytes)
 
     def optimizer_time(self, name: str, params: float, tensors: float, *, dtensor: bool = False) -> float | None:
@@ -214,14 +222,31 @@ class MeasuredCompute:
     def optimizer_step_constant(self, name: str) -> float:
         return self._optimizer_by_name.get(name, (0.0,))[0]
 
-    def attention_time(self, flops: float, causal: bool, direction: str, dtype: str | None = None) -> float | None:
+    def attention_time(self, flops: float, causal: bool, direction: str, dtype: str | None = None,
+                       seq: float | None = None) -> float | None:
         """Seconds of SDPA doing `flops`, from the table of this dtype (then its stand-in,
-        then a table of no stated dtype, as profiles before per-dtype tables had)."""
-        rows = {dt: (sizes, rates) for c, d, sizes, rates, dt in self.attention if c == causal and d == direction}
+        then a table of no stated dtype, as profiles before per-dtype tables had).
+
+        With `seq` and a table that records its points' sequence lengths, the rate is
+        the one measured at that sequence length: a calibration call is one sequence of
+        a few heads, a training call is micro-batch x heads of them, and a kernel's
+        speed follows the length of the rows and columns it tiles, not the total work
+        (on one CPU core, 16 sequences of 64 run at the 64-long rate, 1.6x slower than
+        the one sequence of 256 with the same FLOPs). More sequences could fill more of
+        a GPU at short lengths; that is not credited. Without them, by FLOPs per call."""
+        rows = {dt: (sizes, rates, seqs) for c, d, sizes, rates, dt, seqs in self.attention
+                if c == causal and d == direction}
         for key in (dtype, _DTYPE_STAND_IN.get(dtype or "", ""), None):
             if key in rows:
-                return time_for_size(*rows[key], flops)
-        return time_for_size(*next(iter(rows.values())), flops) if rows else None
+                break
+        else:
+            if not rows:
+                return None
+            key = next(iter(rows))
+        sizes, rates, seqs = rows[key]
+        if seq is not None and seqs:
+            return flops / _interp_log(seqs, rates, seq)
+        return time_for_size(sizes, rates, flops)
 
     def unaligned_gemm_slowdown(self, flops: float, dtype: str) -> float:
         """How many times longer a GEMM of `flops` takes when a row is not 16-byte aligned."""
@@ -236,7 +261,8 @@ class MeasuredCompute:
                      for dt, g in self.gemm},
             "bandwidth": {c: {"bytes": list(s), "bytes_per_s": list(r)} for c, s, r in self.bandwidth},
             "attention": [{**({"dtype": dt} if dt else {}), "causal": c, "direction": d, "flops": list(s),
-                           "flops_per_s": list(r)} for c, d, s, r, dt in self.attention],
+                           "flops_per_s": list(r), **({"seq": list(q)} if q else {})}
+                          for c, d, s, r, dt, q in self.attention],
             **({"gemm_unaligned": {dt: {"flops": list(f), "slowdown": list(x)} for dt, f, x in self.gemm_unaligned}}
                if self.gemm_unaligned else {}),
             "op_overhead_fwd_s": self.op_overhead_fwd_s,
@@ -283,7 +309,11 @@ class MeasuredCompute:
             dt = a.get("dtype")
             if dt is not None and not isinstance(dt, str):
                 raise ProfileError(f"must be a dtype name ('bf16'), got {dt!r}", field=f"{w}.dtype", file=file)
-            attention.append((a["causal"], a["direction"], sizes, rates, dt))
+            seqs = None
+            if a.get("seq") is not None:
+                seqs = _sizes(a, "seq", w, file)
+                _same_length(sizes, seqs, f"{w}.seq", file)
+            attention.append((a["causal"], a["direction"], sizes, rates, dt, seqs))
         optimizer = []
         for n, o in sorted(_mapping(d.get("optimizer", {}), f"{where}.optimizer", file).items()):
             o = _mapping(o, f"{where}.optimizer.{n}", file)
@@ -527,7 +557,9 @@ def median_profile(profiles: list) -> Profile:
 
     dicts = [p.to_dict() for p in profiles]
     merged = med(dicts)
+    probes = [d["machine"]["speed_probe_s"] for d in dicts if d.get("machine", {}).get("speed_probe_s")]
     merged["machine"] = {**dicts[0].get("machine", {}), "calibrations": len(profiles),
+                         **({"speed_probe_s": statistics.median(probes)} if probes else {}),
                          "created": [d.get("machine", {}).get("created") for d in dicts]}
     return Profile.from_dict(merged, profiles[0].source)
 

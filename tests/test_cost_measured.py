@@ -235,6 +235,66 @@ def test_median_profile_takes_every_measurement_s_median():
     assert median_profile(runs[:1]).to_dict()["compute"] == runs[0].to_dict()["compute"]
 
 
+def test_attention_is_priced_at_its_sequence_length_when_the_table_records_it():
+    """A calibration times SDPA on one sequence of a few heads; a training call runs
+    micro-batch x heads of them. With `seq` recorded, a call is priced at the rate
+    measured at its own sequence length, whatever its total FLOPs: 16 sequences of
+    64 are not priced at the rate of one sequence of 256 with the same FLOPs. A table
+    without `seq` (older profiles, the committed H100 one) keeps the FLOPs lookup."""
+    d = _profile_dict()
+    for a in d["compute"]["attention"]:
+        a.update(flops=[1e6, 1e9], flops_per_s=[1e9, 4e9], seq=[64.0, 256.0])
+    meas = Profile.from_dict(d).compute
+    flops = 1e9  # the 256-long point's FLOPs, run as many 64-long sequences
+    assert meas.attention_time(flops, True, "fwd", "fp32", seq=64) == pytest.approx(flops / 1e9)
+    assert meas.attention_time(flops, True, "fwd", "fp32", seq=256) == pytest.approx(flops / 4e9)
+    assert meas.attention_time(flops, True, "fwd", "fp32", seq=128) == pytest.approx(flops / 2e9)  # log-log
+    assert meas.attention_time(flops, True, "fwd", "fp32") == pytest.approx(flops / 4e9)  # no seq: by FLOPs
+    assert Profile.from_dict(d).to_dict()["compute"]["attention"][0]["seq"] == [64.0, 256.0]  # round trip
+    old = Profile.from_dict(_profile_dict()).compute
+    assert old.attention_time(flops, True, "fwd", "fp32", seq=64) == old.attention_time(flops, True, "fwd", "fp32")
+    bad = copy.deepcopy(d)
+    bad["compute"]["attention"][0]["seq"] = [64.0]
+    with pytest.raises(ProfileError) as err:
+        Profile.from_dict(bad)
+    assert "compute.attention[0].seq" in str(err.value)
+
+
+def test_memory_bound_calibration_writes_results_to_cold_buffers():
+    """calibrate's memory-bound ops keep their last results alive, so every call writes
+    a buffer last touched many calls ago (as a step's outputs land in memory freed long
+    before), never the buffer it just freed, which is still in the core's cache."""
+    import torch
+
+    from autopar.calibrate import _copies, _cycling
+
+    keep = _copies(4 * 2**20, torch.device("cpu"))
+    assert keep == 32  # 128 MiB of 4 MiB results: beyond the caches a step overflows
+    operands = [(torch.ones(8),), (torch.ones(8) * 2,)]
+    call = _cycling(lambda x: x * 3, operands, keep=keep)
+    outs = [call() for _ in range(keep)]
+    # every result of the last `keep` calls is alive at once: distinct buffers
+    assert len({o.data_ptr() for o in outs}) == keep
+    assert sorted({float(o[0]) for o in outs}) == [3.0, 6.0]  # the operands in turn
+
+
+def test_speed_probe_times_fixed_work_and_the_median_profile_keeps_its_median():
+    """The probe is the same work on every call (it reads the machine's pace, not a
+    model's); a profile keeps the pace it was measured at, and the median of several
+    calibrations keeps the median pace."""
+    from autopar.calibrate import speed_probe
+    from cost_models.measured import median_profile
+
+    t = speed_probe(samples=3)
+    assert 1e-5 < t < 1.0
+    runs = []
+    for probe in (0.004, 0.006, 0.005):
+        d = _profile_dict()
+        d["machine"]["speed_probe_s"] = probe
+        runs.append(Profile.from_dict(d))
+    assert median_profile(runs).machine["speed_probe_s"] == 0.005
+
+
 # -- malformed files ----------------------------------------------------------------------------
 @pytest.mark.parametrize("edit, field", [
     (lambda d: d.update(schema="autopar-profile/0"), "schema"),
@@ -327,8 +387,11 @@ def test_cpu_step_time_benchmark_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "cst.json").read_text())
     assert data["summary"]["priced_and_run"] == data["summary"]["cases"] == 2
+    assert data["machine"]["speed_probe_s"] > 0  # the calibrations' pace, which the rows are scaled to
     for row in data["rows"]:
         assert 0.5 < row["predicted_s"] / row["measured_s"] < 2.0, row
+        assert len(row["speed_probe_rounds_s"]) == 2 and 0.5 < row["pace"] < 2.0, row
+        assert row["measured_s"] == pytest.approx(row["measured_raw_s"] * 1 / row["pace"], rel=0.3)
         assert abs(row["memory_error"]) < 0.5, row
     assert (tmp_path / "cst.md").read_text().count("| gpt_") == 2
     assert data["machine"]["calibrations"] == 2 and all(len(r["measured_rounds_s"]) == 2 for r in data["rows"])
