@@ -23,11 +23,8 @@ from autopar.capture.module_tree import find_blocks, meta_copy, static_signature
 from autopar.capture.opgraph import build_op_graph
 from autopar.capture.tracer import Tracer
 from autopar.errors import CaptureError
+from autopar.precision import DTYPES as PRECISION_DTYPES
 from cost_models.workload import LayerSpec, OpSpec
-
-
-# The dtype each training precision computes in (what plans and the CLI call precision)
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def capture(model: nn.Module, example_inputs=None, *, dtype: torch.dtype | str = torch.bfloat16,

@@ -47,8 +47,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from autopar.lower.model_layers import ModelLayout
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from autopar.precision import DTYPES as _DTYPES
 
 
 def main_grads(plan) -> str:

@@ -35,8 +35,7 @@ from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kw
 from autopar.lower.model_layers import ModelLayout, resolve
 from autopar.lower.tp_styles import is_linear
 from autopar.plan import Plan
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from autopar.precision import DTYPES, LOW_PRECISION
 
 
 class LoweringWarning(UserWarning):
@@ -473,9 +472,9 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                 data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local,
                                          data_parallel.main_grads(plan))
             fsdp = True
-    if not fsdp and plan.precision in _DTYPES:
+    if not fsdp and plan.precision in LOW_PRECISION:
         for s in stages:
-            s.autocast_dtype = _DTYPES[plan.precision]
+            s.autocast_dtype = DTYPES[plan.precision]
 
     # 5. weights
     was_meta = materialize(stages, device, init_fn, model=model)
