@@ -260,6 +260,27 @@ def test_attention_is_priced_at_its_sequence_length_when_the_table_records_it():
     assert "compute.attention[0].seq" in str(err.value)
 
 
+def test_backward_bytes_read_the_backward_table_first():
+    """A memory-bound op's backward is its own kernel (gelu's evaluates the derivative):
+    a profile's `NAME.bwd` table prices it, else the class's `.bwd`, else the forward
+    tables as before; the forward never reads a backward table."""
+    d = _profile_dict()
+    bw = d["compute"]["bandwidth"]
+    bw["gelu"] = {"bytes": [1e3, 1e7], "bytes_per_s": [1e9, 1e9]}
+    bw["gelu.bwd"] = {"bytes": [1e3, 1e7], "bytes_per_s": [4e9, 4e9]}
+    bw["norm.bwd"] = {"bytes": [1e3, 1e7], "bytes_per_s": [2e9, 2e9]}
+    meas = Profile.from_dict(d).compute
+    assert meas.bytes_time("elementwise", 1e6, "gelu") == pytest.approx(1e6 / 1e9)
+    assert meas.bytes_time("elementwise", 1e6, "gelu", direction="bwd") == pytest.approx(1e6 / 4e9)
+    assert meas.bytes_time("norm", 1e6, "rms_norm", direction="bwd") == pytest.approx(1e6 / 2e9)  # its class's
+    assert meas.bytes_time("elementwise", 1e6, "silu", direction="bwd") == pytest.approx(1e6 / 1e10)  # forward's
+    assert Profile.from_dict(d).to_dict()["compute"]["bandwidth"]["gelu.bwd"]["bytes_per_s"] == [4e9, 4e9]
+    op = OpSpec(name="mlp:gelu", kind="elementwise", fwd_bytes=1e6, bwd_bytes=1.5e6)
+    cluster = ClusterSpec(gpus=4, device="cpu", gpus_per_node=4).with_profile(Profile.from_dict(d))
+    f, b = op_times(op, 1, 1, cluster.device_profile, dtype="fp32")
+    assert f == pytest.approx(1e6 / 1e9) and b == pytest.approx(1.5e6 / 4e9)
+
+
 def test_memory_bound_calibration_writes_results_to_cold_buffers():
     """calibrate's memory-bound ops keep their last results alive, so every call writes
     a buffer last touched many calls ago (as a step's outputs land in memory freed long
