@@ -162,19 +162,9 @@ def speed_probe(device: torch.device | str = "cpu", samples: int = 9, barrier=No
         torch.mm(torch.nn.functional.gelu(torch.mm(x, w1)), w2)
         torch.log_softmax(z, -1)
 
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times = []
     with torch.no_grad():
-        for i in range(samples + 1):
-            if barrier is not None:
-                barrier()
-            t0 = time.perf_counter()
-            for _ in range(4):
-                work()
-            sync()
-            if i:  # the first warms up
-                times.append((time.perf_counter() - t0) / 4)
-    return statistics.median(times)
+        return interleaved(Timer(Settings(device=device.type), device, barrier), {"probe": work},
+                           inner=4, repeats=samples)["probe"]
 
 
 def _rate(work: float, seconds: float, overhead: float) -> float:
@@ -242,23 +232,28 @@ class _TinyTPBlock(torch.nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def _count_ops(fn) -> tuple[int, int]:
-    """(forward, backward) aten ops fn dispatches, counted as capture counts them."""
+def _dispatched(fn, weigh=lambda func, args, kwargs, out: 1) -> int:
+    """The sum of weigh(op) over the aten ops fn dispatches (1 each: how many)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        n = 0
+    class Tally(TorchDispatchMode):
+        total = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            Tally.total += weigh(func, args, kwargs, out)
+            return out
+    with Tally():
+        fn()
+    return Tally.total
 
-    with Count():
-        out = fn()
-    fwd, Count.n = Count.n, 0
-    with Count():
-        out.sum().backward()
-    return fwd, Count.n - 1  # less the backward of sum, which the chain itself does not have
+
+def _count_ops(fn) -> tuple[int, int]:
+    """(forward, backward) aten ops fn dispatches, counted as capture counts them."""
+    box = []
+    fwd = _dispatched(lambda: box.append(fn()))
+    # less the backward of sum, which the chain itself does not have
+    return fwd, _dispatched(lambda: box[0].sum().backward()) - 1
 
 
 def measure_overhead(timer: Timer, device: torch.device) -> dict:
@@ -532,23 +527,16 @@ def _bytes_moved(fn) -> int:
     """Bytes fn's aten ops read and write, counted as capture counts an op's bytes
     (every tensor argument and output of an op that moves data; views move none), so
     a table's bytes per call and a captured op's bytes mean the same thing."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     from autopar.capture import ops as opinfo
 
-    class Count(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not opinfo.moves_no_data(func):
-                flat = tree_flatten((args, kwargs, out))[0]
-                Count.total += sum(opinfo.tensor_bytes(t) for t in flat if isinstance(t, torch.Tensor))
-            return out
-    with Count():
-        fn()
-    return Count.total
+    def weigh(func, args, kwargs, out):
+        if opinfo.moves_no_data(func):
+            return 0
+        return sum(opinfo.tensor_bytes(t) for t in tree_flatten((args, kwargs, out))[0]
+                   if isinstance(t, torch.Tensor))
+    return _dispatched(fn, weigh)
 
 
 def _measure_op_backward(timer: Timer, device: torch.device, fn, width: int, elements: list) -> dict:
@@ -569,13 +557,10 @@ def _measure_op_backward(timer: Timer, device: torch.device, fn, width: int, ele
         rows = max(1, numel // width)
 
         def make():
-            x = torch.randn(rows, width, device=device, requires_grad=True)
-            return x, torch.randn(rows, width, device=device), torch.randint(0, rows, (rows,), device=device)
+            x = torch.randn(rows, width, device=device)
+            return x, torch.randn_like(x), torch.randint(0, rows, (rows,), device=device)
         sets = _rotating(make, 3 * rows * width * 4, device)
-        graphs = []
-        for x, y, i in sets:
-            x = x.detach().requires_grad_(True)
-            graphs.append((fn(x, y, i), x))
+        graphs = [(fn(x.requires_grad_(), y, i), x) for x, y, i in sets]
         grad = torch.randn_like(graphs[0][0])
 
         def backward(out, x):

@@ -170,7 +170,7 @@ def _number(value) -> bool:
 
 def plan_problem(plan) -> str | None:
     """The first inconsistency in `plan` as 'field: what is wrong', or None."""
-    from autopar.plan import CHECKPOINTS, OFFLOADS, SCHEDULES, TP_STYLES
+    from autopar.plan import CHECKPOINTS, OFFLOADS, PRECISIONS, SCHEDULES, TP_STYLES
 
     try:  # a Plan built in Python (not from JSON) can hold anything: check it as its JSON
         problem = type_problem(plan.to_dict())
@@ -189,7 +189,7 @@ def plan_problem(plan) -> str | None:
         return f"schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}"
     if plan.schedule == "accumulate" and m.pp != 1:
         return f"schedule 'accumulate' is the schedule without a pipeline; mesh.pp {m.pp} needs gpipe, 1f1b or interleaved"
-    if plan.precision not in ("bf16", "fp16", "fp32"):
+    if plan.precision not in PRECISIONS:
         return f"precision must be bf16, fp16 or fp32, got {plan.precision!r}"
     if not isinstance(plan.sequence_parallel, bool):
         return f"sequence_parallel must be true or false, got {plan.sequence_parallel!r}"

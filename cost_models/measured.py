@@ -236,13 +236,9 @@ class MeasuredCompute:
         a GPU at short lengths; that is not credited. Without them, by FLOPs per call."""
         rows = {dt: (sizes, rates, seqs) for c, d, sizes, rates, dt, seqs in self.attention
                 if c == causal and d == direction}
-        for key in (dtype, _DTYPE_STAND_IN.get(dtype or "", ""), None):
-            if key in rows:
-                break
-        else:
-            if not rows:
-                return None
-            key = next(iter(rows))
+        if not rows:
+            return None
+        key = next((k for k in (dtype, _DTYPE_STAND_IN.get(dtype or "", ""), None) if k in rows), next(iter(rows)))
         sizes, rates, seqs = rows[key]
         if seq is not None and seqs:
             return flops / _interp_log(seqs, rates, seq)

@@ -9,6 +9,7 @@ import os
 import sys
 
 from autopar.errors import AutoparError, ClusterSpecError
+from autopar.plan import PRECISIONS
 
 DEFAULT_DEVICE = "h100-sxm"
 
@@ -39,7 +40,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     wl.add_argument("--seq-len", type=int, default=None, metavar="S",
                     help="sequence length (default: the model file's example inputs; inferred inputs use "
                          "min(max positions, 2048))")
-    wl.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="training compute dtype")
+    wl.add_argument("--precision", default="bf16", choices=PRECISIONS, help="training compute dtype")
     pin = parser.add_argument_group("pin part of the layout (everything pinned = estimate a hand layout)")
     pin.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     pin.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")

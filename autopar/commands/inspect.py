@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from autopar.errors import AutoparError
-
+from autopar.plan import PRECISIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, metavar="S",
                         help="sequence length the numbers are for (default: the example inputs'; inferred "
                              "inputs use min(max positions, 2048))")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="training compute dtype")
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="training compute dtype")
     parser.add_argument("--json", action="store_true", help="print the layer table as JSON")
     parser.add_argument("--loss", action="store_true",
                         help="include the model file's loss_fn(output, targets) in the head layer")
