@@ -273,18 +273,19 @@ def measure_overhead(timer: Timer, device: torch.device) -> dict:
 _TP_BLOCKS = 4
 
 
-def _tp_blocks(device: torch.device, mesh):
-    """Toy Llama blocks lowered by autopar's tensor parallelism over `mesh`, and
-    the (forward, forward + backward) calls to time, run as a training step runs
-    them (`tp_region`)."""
+def _tp_blocks(device: torch.device, mesh, width: int = 8, heads: int = 2, tokens: tuple = (2, 4)):
+    """Toy Llama blocks (`width`, `heads`, activations of `tokens` = (batch, seq))
+    lowered by autopar's tensor parallelism over `mesh`, and the (forward,
+    forward + backward) calls to time, run as a training step runs them
+    (`tp_region`)."""
     from autopar.lower.tensor_parallel import parallelize_block, probe_blocks, register_cpu_attention_sharding, \
         tp_region
 
     if device.type == "cpu":
         register_cpu_attention_sharding()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[_TinyTPBlock() for _ in range(_TP_BLOCKS)]).to(device)
-    x = torch.randn(2, 4, 8, device=device)
+    model = torch.nn.Sequential(*[_TinyTPBlock(width, heads) for _ in range(_TP_BLOCKS)]).to(device)
+    x = torch.randn(*tokens, width, device=device)
     plain = (model, x.clone().requires_grad_())
     plans = probe_blocks(model, dict(enumerate(model)), (x,))
     import copy
@@ -303,7 +304,16 @@ def _tp_blocks(device: torch.device, mesh):
     return plain, fwd, both
 
 
-def measure_dtensor_overhead(timer: Timer, device: torch.device, one_rank_mesh) -> dict:
+# Where DTensor's cost per op is also timed with real data: the blocks at width 256 carrying
+# 1, 4 and 8 sequences of 128 tokens (CPU). On this VM the cost beyond eager per op grew from
+# 25/18 us (toy width, host only) to 37/29 at one sequence and 48/38 at eight; autopar's
+# examples/llama.py blocks on a one-rank mesh the same (31/22 -> 52/47). The growth is not
+# any op's data moved (the copies DTensor adds are a few MB a step): it is charged as
+# measured, per op, by the activation the block carries.
+_DTENSOR_SIZES = {"cpu": (256, 4, [(1, 128), (4, 128), (8, 128)]), "cuda": (1024, 8, [(1, 512), (4, 512)])}
+
+
+def measure_dtensor_overhead(timer: Timer, device: torch.device, one_rank_mesh, eager: dict | None = None) -> dict:
     """Host seconds DTensor takes per op a layer dispatches under tensor
     parallelism: toy Llama blocks lowered by autopar's own TP lowering, on a
     one-rank mesh (DTensor then issues no collective, and all that is left is
@@ -311,11 +321,34 @@ def measure_dtensor_overhead(timer: Timer, device: torch.device, one_rank_mesh) 
     hooks, the wrapped autograd), divided by the ops the same blocks dispatch
     as plain modules, counted as capture counts them. The time per op of a
     lone DTensor op chain (what was timed before) is half of this: it has no
-    module hooks, views with shapes, or redistributions."""
+    module hooks, views with shapes, or redistributions.
+
+    With `eager` (measure_overhead's per-op times), also at the sizes of
+    `_DTENSOR_SIZES` (the smallest alone when quick): the DTensor blocks less the same plain blocks
+    (sampled in turn), per op, plus eager's own time per op, by the bytes of
+    the activation the blocks carry (`by_activation`; the toy-width point
+    first)."""
     (model, x), fwd, both = _tp_blocks(device, one_rank_mesh)
     n_fwd, n_bwd = _count_ops(lambda: model(x))
     t_fwd, t_both = timer(fwd), timer(both)
-    return {"dtensor_fwd": t_fwd / n_fwd, "dtensor_bwd": max(t_both - t_fwd, 0.0) / n_bwd}
+    out = {"dtensor_fwd": t_fwd / n_fwd, "dtensor_bwd": max(t_both - t_fwd, 0.0) / n_bwd}
+    if eager is None:
+        return out
+    width, heads, sizes = _DTENSOR_SIZES["cuda" if device.type == "cuda" else "cpu"]
+    sizes = sizes[:1] if timer.settings.quick else sizes
+    table = {"bytes": [float(x.numel() * x.element_size())], "fwd_s": [out["dtensor_fwd"]],
+             "bwd_s": [out["dtensor_bwd"]]}
+    for tokens in sizes:
+        (model, x), fwd, both = _tp_blocks(device, one_rank_mesh, width, heads, tokens)
+        t = interleaved(timer, {"dt_fwd": fwd, "dt_both": both, "fwd": lambda: model(x),
+                                "both": lambda: model(x).sum().backward()}, inner=1)
+        beyond_fwd = max(0.0, t["dt_fwd"] - t["fwd"]) / n_fwd
+        beyond_bwd = max(0.0, (t["dt_both"] - t["dt_fwd"]) - (t["both"] - t["fwd"])) / n_bwd
+        table["bytes"].append(float(x.numel() * x.element_size()))
+        table["fwd_s"].append(eager["fwd"] + beyond_fwd)
+        table["bwd_s"].append(eager["bwd"] + beyond_bwd)
+    out["by_activation"] = table
+    return out
 
 
 def measure_tp_collective_overhead(timer: Timer, device: torch.device, mesh, one_rank_mesh) -> float:
@@ -832,7 +865,7 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
         over = measure_overhead(timer, device)
         # DTensor's host time, on a one-rank mesh of each rank's own (every rank makes every group)
         one_rank = mesh if world == 1 else DeviceMesh.from_group(dist.new_subgroups(1)[0], device.type)
-        over.update(measure_dtensor_overhead(timer, device, one_rank))
+        over.update(measure_dtensor_overhead(timer, device, one_rank, eager=over))
         if settings.device == "cpu" or rank == 0:  # CPU ranks contend for the machine: all time together
             say(f"host time per op: {over['fwd'] * 1e6:.1f} us forward, {over['bwd'] * 1e6:.1f} us backward")
             result["overhead"] = over
@@ -847,6 +880,11 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
             result["speed_probe_s"] = (probe_before + speed_probe(device, barrier=barrier)) / 2
         say(f"DTensor host time per op: {over['dtensor_fwd'] * 1e6:.1f} us forward, "
             f"{over['dtensor_bwd'] * 1e6:.1f} us backward")
+        if over.get("by_activation"):
+            table = over["by_activation"]
+            say("DTensor time per op by activation: " + ", ".join(
+                f"{b / 2**10:.0f} KiB {f * 1e6:.0f}/{w * 1e6:.0f} us"
+                for b, f, w in zip(table["bytes"], table["fwd_s"], table["bwd_s"])))
         dist.barrier()
         coll: dict = {}
         ctimer = Timer(settings, device, dist.barrier)
@@ -998,6 +1036,8 @@ def build_profile(result: dict, settings: Settings) -> Profile:
                "op_overhead_no_grad_s": result["overhead"]["no_grad"], "optimizer": result["optimizer"],
                "dtensor_overhead_fwd_s": result["overhead"]["dtensor_fwd"],
                "dtensor_overhead_bwd_s": result["overhead"]["dtensor_bwd"],
+               **({"dtensor_by_activation": result["overhead"]["by_activation"]}
+                  if result["overhead"].get("by_activation") else {}),
                **({"fsdp": result["fsdp"]} if result["fsdp"] else {}),
                "dtensor_collective_overhead_s": result["funcol"],
                "pipeline_action_s": result.get("pipeline_action", 0.0)}

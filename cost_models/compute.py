@@ -228,13 +228,16 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
     return fwd, bwd
 
 
-def host_times(layer, device: DeviceProfile, *, dtensor: bool) -> tuple[float, float]:
+def host_times(layer, device: DeviceProfile, *, dtensor: bool, activation_bytes: float = 0.0) -> tuple[float, float]:
     """(forward, backward) host seconds of one micro-batch of `layer`: every op it
     dispatches (capture counts them, views included; for a layer without that
     count, its ops and twice as many backward) at the time per eager op with
     autograd, or per DTensor op when tensor parallelism runs the layer as DTensors.
     Those times come from the calibrated profile, else from the device's physics
-    defaults (devices.yaml: measured on an H100 host; none for a CPU preset)."""
+    defaults (devices.yaml: measured on an H100 host; none for a CPU preset).
+    DTensor's time per op is read at `activation_bytes` (what the layer's blocks
+    carry per micro-batch) where the profile timed it by size: on a CPU it grows
+    with the data (measured; see autopar.calibrate.measure_dtensor_overhead)."""
     meas = device.measured
     if meas is None and device.host_op_fwd_s <= 0:
         return 0.0, 0.0
@@ -244,7 +247,8 @@ def host_times(layer, device: DeviceProfile, *, dtensor: bool) -> tuple[float, f
     if meas is None:  # uncalibrated: eager dispatch (DTensor's extra is not in the physics defaults)
         return n_fwd * device.host_op_fwd_s, n_bwd * device.host_op_bwd_s
     if dtensor:
-        return n_fwd * meas.dtensor_overhead_fwd_s, n_bwd * meas.dtensor_overhead_bwd_s
+        per_fwd, per_bwd = meas.dtensor_op_s(activation_bytes)
+        return n_fwd * per_fwd, n_bwd * per_bwd
     return n_fwd * meas.op_overhead_fwd_s, n_bwd * meas.op_overhead_bwd_s
 
 

@@ -149,7 +149,8 @@ def _layer_compute(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: in
         # when tp runs the layer as DTensors).
         # On a CPU the host is the device, so it adds; a GPU runs kernels while the host
         # issues the next ones, so the slower of the two paces the layer.
-        host_f, host_b = host_times(layer, device, dtensor=tp > 1)
+        host_f, host_b = host_times(layer, device, dtensor=tp > 1,
+                                    activation_bytes=fast(layer.output_bytes)(batch, seq or 1) * byte_scale)
         if device.vendor == "cpu":
             parts["fwd"] += host_f
             parts["bwd"] += host_b

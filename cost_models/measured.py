@@ -20,6 +20,9 @@ A profile is a versioned JSON file (never pickled) with three parts:
     op_overhead_*, dtensor_overhead_*  host time per dispatched op: eager
                forward with autograd, backward, forward without autograd;
                DTensor forward and backward
+    dtensor_by_activation  DTensor's time per op (eager's own included) by the
+               bytes of the activation the blocks carried: toy blocks on a
+               one-rank mesh less the same plain blocks, per op
     optimizer  seconds per step, per parameter tensor and per element of
                torch's default AdamW / SGD, plain and on DTensor shards
     fsdp       FSDP2's seconds per all-gather and per reduce-scatter of a
@@ -140,6 +143,9 @@ class MeasuredCompute:
     dtensor_overhead_fwd_s: float = 0.0  # host time of one DTensor op forward (tensor parallelism)
     dtensor_overhead_bwd_s: float = 0.0
     dtensor_collective_overhead_s: float = 0.0  # a DTensor redistribution's collective beyond plain c10d
+    # DTensor's time per op by the bytes of the activation a block carries: ((bytes, ...),
+    # (forward s, ...), (backward s, ...)); empty: the two scalars above at every size
+    dtensor_by_activation: tuple = ()
     # torch.distributed.pipelining's host time per schedule action (one stage's forward or
     # backward of one micro-batch: its send/recv bookkeeping, the stage call, autograd.grad)
     pipeline_action_s: float = 0.0
@@ -184,6 +190,21 @@ class MeasuredCompute:
             [op_name or "", op_class, "elementwise"]
         table = next((tables[n] for n in names if n in tables), None)
         return None if table is None else time_for_size(table[0], table[1], nbytes)
+
+    def dtensor_op_s(self, activation_bytes: float = 0.0) -> tuple[float, float]:
+        """(forward, backward) seconds DTensor takes per op of a tensor-parallel layer
+        whose blocks carry `activation_bytes` per micro-batch: linear between the sizes
+        calibrate timed, the nearest end outside them (a time per op measured on one
+        machine's blocks, not a law to extrapolate); the host-only scalars without a table."""
+        if not self.dtensor_by_activation:
+            return self.dtensor_overhead_fwd_s, self.dtensor_overhead_bwd_s
+        sizes, fwd, bwd = self.dtensor_by_activation
+        x = min(max(activation_bytes, sizes[0]), sizes[-1])
+        i = min(max(bisect.bisect_right(sizes, x) - 1, 0), len(sizes) - 2) if len(sizes) > 1 else 0
+        if len(sizes) == 1:
+            return fwd[0], bwd[0]
+        w = (x - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return fwd[i] + w * (fwd[i + 1] - fwd[i]), bwd[i] + w * (bwd[i + 1] - bwd[i])
 
     def optimizer_time(self, name: str, params: float, tensors: float, *, dtensor: bool = False) -> float | None:
         """One optimizer step over `params` elements in `tensors` tensors (the per-step
@@ -267,6 +288,10 @@ class MeasuredCompute:
             "dtensor_overhead_fwd_s": self.dtensor_overhead_fwd_s,
             "dtensor_overhead_bwd_s": self.dtensor_overhead_bwd_s,
             "dtensor_collective_overhead_s": self.dtensor_collective_overhead_s,
+            **({"dtensor_by_activation": {"bytes": list(self.dtensor_by_activation[0]),
+                                          "fwd_s": list(self.dtensor_by_activation[1]),
+                                          "bwd_s": list(self.dtensor_by_activation[2])}}
+               if self.dtensor_by_activation else {}),
             "pipeline_action_s": self.pipeline_action_s,
             "optimizer": {n: {"per_step_s": a, "per_tensor_s": b, "per_param_s": c} for n, a, b, c in self.optimizer},
             **({"fsdp": {"ranks": self.fsdp[0], "unit_bytes": list(self.fsdp[1]), "gather_s": list(self.fsdp[2]),
@@ -322,7 +347,16 @@ class MeasuredCompute:
             sizes, slow = _sizes(t, "flops", w, file), _positives(t, "slowdown", w, file)
             _same_length(sizes, slow, f"{w}.slowdown", file)
             unaligned.append((dt, sizes, slow))
-        over = {"optimizer": tuple(optimizer), "fsdp": (), "gemm_unaligned": tuple(unaligned)}
+        over = {"optimizer": tuple(optimizer), "fsdp": (), "gemm_unaligned": tuple(unaligned),
+                "dtensor_by_activation": ()}
+        if d.get("dtensor_by_activation") is not None:
+            w = f"{where}.dtensor_by_activation"
+            t = _mapping(d["dtensor_by_activation"], w, file)
+            sizes, fwd, bwd = _sizes(t, "bytes", w, file), _positives(t, "fwd_s", w, file), \
+                _positives(t, "bwd_s", w, file)
+            _same_length(sizes, fwd, f"{w}.fwd_s", file)
+            _same_length(sizes, bwd, f"{w}.bwd_s", file)
+            over["dtensor_by_activation"] = (sizes, fwd, bwd)
         if d.get("fsdp") is not None:
             w = f"{where}.fsdp"
             f = _mapping(d["fsdp"], w, file)

@@ -281,6 +281,37 @@ def test_backward_bytes_read_the_backward_table_first():
     assert f == pytest.approx(1e6 / 1e9) and b == pytest.approx(1.5e6 / 4e9)
 
 
+def test_dtensor_time_per_op_is_read_at_the_layer_s_activation_size():
+    """A profile that timed DTensor's cost per op by activation size prices a
+    tensor-parallel layer at the bytes its blocks carry: the measured points exactly,
+    linear between them, the nearest end outside (never extrapolated); without the
+    table, the host-only scalars at every size. Eager layers never read it."""
+    from cost_models.compute import host_times
+    from cost_models.workload import LayerSpec
+
+    d = _profile_dict()
+    d["compute"].update(dtensor_overhead_fwd_s=20e-6, dtensor_overhead_bwd_s=15e-6)
+    plain = Profile.from_dict(d).compute
+    assert plain.dtensor_op_s(1e9) == (20e-6, 15e-6)
+    d["compute"]["dtensor_by_activation"] = {"bytes": [256, 1e5, 1e6], "fwd_s": [20e-6, 30e-6, 50e-6],
+                                             "bwd_s": [15e-6, 25e-6, 45e-6]}
+    meas = Profile.from_dict(d).compute
+    assert meas.dtensor_op_s(1e5) == pytest.approx((30e-6, 25e-6))
+    assert meas.dtensor_op_s(5.5e5) == pytest.approx((40e-6, 35e-6))  # halfway
+    assert meas.dtensor_op_s(1e9) == pytest.approx((50e-6, 45e-6))  # clamped at the largest size timed
+    assert meas.dtensor_op_s(0) == pytest.approx((20e-6, 15e-6))
+    assert Profile.from_dict(Profile.from_dict(d).to_dict()).compute.dtensor_by_activation == \
+        meas.dtensor_by_activation  # survives the file
+    layer = LayerSpec(name="b", kind="transformer_block", params=10, param_bytes=40, fwd_flops=0, bwd_flops=0,
+                      activation_bytes=0, output_bytes=0, ops=[], attrs={"host_ops_fwd": 30, "host_ops_bwd": 80})
+    device = _cluster(d).device_profile
+    assert host_times(layer, device, dtensor=True, activation_bytes=1e6) == pytest.approx((30 * 50e-6, 80 * 45e-6))
+    assert host_times(layer, device, dtensor=False, activation_bytes=1e6) == pytest.approx((30 * 8e-6, 80 * 6e-6))
+    d["compute"]["dtensor_by_activation"]["bytes"] = [256, 1e6, 1e5]
+    with pytest.raises(ProfileError, match="dtensor_by_activation.bytes"):
+        Profile.from_dict(d)
+
+
 def test_memory_bound_calibration_writes_results_to_cold_buffers():
     """calibrate's memory-bound ops keep their last results alive, so every call writes
     a buffer last touched many calls ago (as a step's outputs land in memory freed long
@@ -380,6 +411,9 @@ def test_calibrate_then_plan_with_the_profile(tmp_path):
     assert 1e-7 < profile.compute.op_overhead_fwd_s < 1e-3
     # DTensor's sharding propagation and the TP styles' hooks are host work on top of each eager op
     assert profile.compute.dtensor_overhead_fwd_s > profile.compute.op_overhead_fwd_s
+    # ... and timed again on blocks carrying real data (one size when quick), per op
+    sizes, fwd, bwd = profile.compute.dtensor_by_activation
+    assert sizes[0] < sizes[-1] and all(t > profile.compute.op_overhead_fwd_s for t in fwd)
     assert profile.compute.dtensor_collective_overhead_s >= 0
     assert 0 < profile.compute.pipeline_action_s < 0.1  # the pipeline runtime's host time per action
     coll = profile.collectives["intra_node"]
