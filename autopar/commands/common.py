@@ -14,10 +14,11 @@ from autopar.plan import PRECISIONS
 DEFAULT_DEVICE = "h100-sxm"
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True, engine: bool = True) -> None:
     """The shared plan options. model_required=False (report/compile with
     --plan) makes the model positional optional; the command then checks
-    that it has either a model or a saved plan."""
+    that it has either a model or a saved plan. engine=False (compile) leaves
+    out the flags that price another training engine: autopar lowers only its own."""
     if model_required:
         parser.add_argument("model", help="model file following the model-file convention, as path.py[:factory]")
     else:
@@ -53,6 +54,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     pin.add_argument("--schedule", default=None, metavar="NAME", help="gpipe, 1f1b, interleaved or interleaved:V")
     pin.add_argument("--sequence-parallel", dest="sequence_parallel", action=argparse.BooleanOptionalAction,
                      default=None, help="pin sequence parallelism on or off")
+    if engine:
+        add_engine_arguments(parser)
     parser.add_argument("--fusion", dest="fusion", action=argparse.BooleanOptionalAction, default=True,
                         help="record the fusable op chains (bias+GELU, add+norm, ...) in the plan and charge "
                              "their saved HBM traffic on GPU devices (default: on)")
@@ -65,10 +68,42 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
                              "temporaries, NCCL buffers, allocator fragmentation)")
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    from autopar.engine import ATTENTION_KERNELS, ENGINES, MAIN_GRADS, OPTIMIZER_IMPLS
+
+    eng = parser.add_argument_group(
+        "engine (price a run another training engine makes; default: autopar's own program, which "
+        "`autopar compile` emits and which is the only one it lowers)")
+    eng.add_argument("--engine", default=None, choices=tuple(ENGINES),
+                     help="megatron: Megatron-LM / Megatron-core / NeMo (fused Adam, fp32 main gradients, "
+                          "distributed optimizer as ZeRO 1, Megatron's TP collectives); pytorch: hand-written "
+                          "FSDP / DDP / torchtitan (foreach AdamW, ZeRO levels as pinned)")
+    eng.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_const", const=True, default=None,
+                     help="TP collectives overlapped with the GEMMs (Megatron-core --tp-comm-overlap, "
+                          "Transformer Engine userbuffers)")
+    eng.add_argument("--main-grads", default=None, choices=MAIN_GRADS,
+                     help="gradients reduced and accumulated in fp32 or in the training dtype")
+    eng.add_argument("--optimizer-impl", default=None, choices=OPTIMIZER_IMPLS,
+                     help="fused (apex / Megatron / torch fused=True) or foreach (torch's default) Adam")
+    eng.add_argument("--attention-kernel", default=None, choices=ATTENTION_KERNELS,
+                     help="the fused attention kernel the run used: flash2 (SDPA's, the default), flash1, "
+                          "flash-triton (the 2022 Triton kernel, e.g. MPT's attn_impl: triton)")
+
+
+ENGINE_OPTIONS = ("engine", "tp_comm_overlap", "main_grads", "optimizer_impl", "attention_kernel")
+
+
+def engine_from_args(args):
+    from autopar.engine import engine_from_options
+
+    return engine_from_options(getattr(args, "engine", None),
+                               **{k: getattr(args, k, None) for k in ENGINE_OPTIONS[1:]})
+
+
 # Options that only matter when planning (None = not given): meaningless next to a saved --plan.
 PLANNING_OPTIONS = ("gpus", "gpus_per_node", "device", "cluster", "batch_size", "seq_len", "tp", "pp", "dp",
                     "micro_batch", "zero", "checkpoint", "offload", "schedule", "sequence_parallel",
-                    "memory_headroom")
+                    "memory_headroom", *ENGINE_OPTIONS)
 
 
 def planning_options_given(args, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -291,6 +326,7 @@ def plan_from_args(args, progress=None):
     if headroom is not None and not 0 <= headroom < 1:  # also refuses nan
         raise AutoparError(f"--memory-headroom must be a fraction of usable memory in [0, 1), got {headroom}",
                            hint="e.g. --memory-headroom 0.1 leaves 10% free; 0 plans up to the usable memory")
+    engine = engine_from_args(args)  # a bad combination fails here, before the capture
     pins = parse_constraints(constraints_from_args(args))
     check_against_cluster(pins, cluster.world_size, args.batch_size or cluster.world_size)
     graph, loaded = load_graph(args)
@@ -300,7 +336,8 @@ def plan_from_args(args, progress=None):
                       constraints=constraints_from_args(args), check_lowering=limits,
                       seq_len=args.seq_len, precision=args.precision, top_k=getattr(args, "top", 5),
                       time_limit_s=args.time_limit, progress=progress, source=args.model,
-                      fusion=getattr(args, "fusion", True), module=loaded.model, memory_headroom=headroom)
+                      fusion=getattr(args, "fusion", True), module=loaded.model, memory_headroom=headroom,
+                      engine=engine)
     except InfeasibleError as exc:
         # The advice under an out-of-memory error compares devices with this one.
         if exc.capacity_bytes is None:

@@ -18,7 +18,7 @@ from autopar.errors import AutoparError, PlanMismatchError
 
 def add_arguments(parser) -> None:
     from autopar.commands.common import add_plan_arguments
-    add_plan_arguments(parser, model_required=False)
+    add_plan_arguments(parser, model_required=False, engine=False)
     parser.add_argument("-o", "--output", default="build", metavar="DIR", help="output directory (default build/)")
     parser.add_argument("--plan", default=None, metavar="FILE",
                         help="lower this plan JSON instead of planning (checked against the model and --gpus)")
@@ -58,6 +58,7 @@ def _plan_from_file(args):
 
 def run(args) -> int:
     from autopar.lower.emit import write_build
+    from autopar.engine import check_runs_on_autopar
 
     if args.plan:
         plan = _plan_from_file(args)
@@ -71,6 +72,7 @@ def run(args) -> int:
         plan, _graph = plan_from_args(args)
         # Record parameter names and shapes so train.py refuses a different model.
         plan.model.setdefault("param_shapes", model_signature(load_model(args.model).model)["param_shapes"])
+    check_runs_on_autopar(plan)  # a plan priced for another engine (autopar plan --engine) is not lowered
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise AutoparError(f"-o {args.output} is a file; compile writes a folder (train.py, plan.json, ...)",
                            hint="pass a folder name, e.g. -o build/")

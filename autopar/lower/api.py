@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from autopar.engine import check_runs_on_autopar
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower.parallel_model import ParallelModel, lower
 from autopar.plan import Plan, check_precision
@@ -99,6 +100,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             return made
         plan = _plan_on_rank0(make)
     plan = load_plan(plan)
+    check_runs_on_autopar(plan)  # priced for another engine (autopar plan --engine): not what runs here
     if precision is not None and precision != plan.precision:
         raise PlanMismatchError(f"precision {precision} was asked for, but the plan's is {plan.precision}",
                                 hint=f"drop precision= to train in the plan's {plan.precision}, or re-plan with "

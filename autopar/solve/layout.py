@@ -10,12 +10,13 @@ from collections import Counter
 
 from cost_models.layout import Layout
 
+from autopar.engine import AUTOPAR, Engine, plan_engine
 from autopar.plan import ACCUMULATE
 from autopar.solve.search_space import Candidate
 
 
 def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str],
-                        root_held: list[bool] | None = None) -> list[int]:
+                        root_held: list[bool] | None = None, engine: Engine = AUTOPAR) -> list[int]:
     """The ZeRO level each layer runs at once lowered, which the plan states
     and the cost model prices (issue 12: every plan field runs as priced).
 
@@ -28,8 +29,9 @@ def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str],
     wire and less memory. The rule mirrors
     `autopar.lower.data_parallel.uses_replicate` (tests check they agree).
     `root_held` (per layer, `root_held_layers`): layers FSDP2 runs in its root
-    unit, where ZeRO 3 runs as ZeRO 2 (pp = 1: both tied ends in the one stage)."""
-    if c.dp == 1:
+    unit, where ZeRO 3 runs as ZeRO 2 (pp = 1: both tied ends in the one stage).
+    Another engine being priced (`engine.zero_as_pinned`) runs the levels as given."""
+    if c.dp == 1 or engine.zero_as_pinned:
         return list(zeros)
     replicate = c.tp == 1 and c.pp == 1 and all(z <= 1 and o == "none" for z, o in zip(zeros, offloads))
     levels = list(zeros) if replicate else [2 if z <= 1 and o == "none" else z for z, o in zip(zeros, offloads)]
@@ -61,13 +63,15 @@ def checkpoints_that_run(model, checkpoint: str) -> list[str]:
 
 
 def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = "adam", zero: int = 0,
-                     checkpoint: str = "none", offload: str = "none", root_held: list[bool] | None = None) -> Layout:
+                     checkpoint: str = "none", offload: str = "none", root_held: list[bool] | None = None,
+                     engine: Engine = AUTOPAR) -> Layout:
     """The Layout of a candidate with uniform per-layer choices (stages balanced by the cost model);
-    with `root_held`, the per-layer levels the lowering runs (`lowered_zero_levels`)."""
+    with `root_held`, the per-layer levels the lowering runs (`lowered_zero_levels`); `engine`:
+    who runs it (autopar's own program unless another engine is being priced)."""
     planned = zero
-    zero = lowered_zero_levels(c, [zero], [offload])[0]
+    zero = lowered_zero_levels(c, [zero], [offload], engine=engine)[0]
     layer_zero = None
-    if root_held and any(root_held):
+    if root_held and any(root_held) and not engine.zero_as_pinned:
         layer_zero = lowered_zero_levels(c, [planned] * len(root_held), [offload] * len(root_held), root_held)
         if len(set(layer_zero)) == 1:
             layer_zero = None
@@ -76,9 +80,10 @@ def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = 
                   num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
                   virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
                   checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer,
-                  # as autopar lowers: torch's default (foreach) optimizer; FSDP2 mixed
-                  # precision even on one rank for 16-bit training
-                  fsdp_one_rank=c.dp == 1 and precision != "fp32", optimizer_impl="foreach")
+                  # as autopar lowers: FSDP2 mixed precision even on one rank for 16-bit
+                  # training; the engine's optimizer, gradient dtype and TP overlap
+                  fsdp_one_rank=c.dp == 1 and precision != "fp32" and engine.is_autopar,
+                  **engine.layout_fields())
 
 
 def _mode(values):
@@ -89,13 +94,14 @@ def _mode(values):
 
 
 def assignment_layout(c: Candidate, stage_layers: list[int], choices: list[tuple], *, precision: str,
-                      optimizer: str = "adam", root_held: list[bool] | None = None) -> Layout:
+                      optimizer: str = "adam", root_held: list[bool] | None = None,
+                      engine: Engine = AUTOPAR) -> Layout:
     """Layout for a candidate with explicit stages and per-layer (zero, checkpoint, offload)."""
     offs = [o for _, _, o in choices]
-    zeros = lowered_zero_levels(c, [z for z, _, _ in choices], offs, root_held)
+    zeros = lowered_zero_levels(c, [z for z, _, _ in choices], offs, root_held, engine=engine)
     ckpts = [k for _, k, _ in choices]
     layout = candidate_layout(c, precision=precision, optimizer=optimizer, zero=_mode(zeros),
-                              checkpoint=_mode(ckpts), offload=_mode(offs))
+                              checkpoint=_mode(ckpts), offload=_mode(offs), engine=engine)
     layout.stage_layers = list(stage_layers)
     layout.layer_zero = zeros
     layout.layer_checkpoint = ckpts
@@ -110,7 +116,8 @@ def layout_of(plan) -> Layout:
                      num_micro_batches=plan.num_micro_batches, schedule=plan.schedule,
                      virtual_stages=plan.virtual_stages, sequence_parallel=plan.sequence_parallel)
     optimizer = plan.assumptions.get("optimizer", "adam") if isinstance(plan.assumptions, dict) else "adam"
+    engine = plan_engine(plan)
     if not choices:
-        return candidate_layout(cand, precision=plan.precision, optimizer=optimizer)
+        return candidate_layout(cand, precision=plan.precision, optimizer=optimizer, engine=engine)
     return assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
-                             optimizer=optimizer)
+                             optimizer=optimizer, engine=engine)

@@ -20,6 +20,7 @@ from cost_models.errors import CostModelError
 from cost_models.estimate import estimate
 from cost_models.hardware import ClusterSpec
 
+from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import LayerChoice, Mesh, Plan, Predicted, Stage
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
@@ -126,7 +127,7 @@ def _choices(problem, solution) -> list[tuple]:
 def _price(model, cluster, result, precision, optimizer):
     layout = assignment_layout(result.candidate, _stage_layers(result.problem, result.solution),
                                _choices(result.problem, result.solution), precision=precision, optimizer=optimizer,
-                               root_held=root_held_layers(model))
+                               root_held=root_held_layers(model), engine=engine_of(model))
     return layout, estimate(model, layout, cluster)
 
 
@@ -258,7 +259,8 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
 def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None = None, constraints=None,
          seq_len: int | None = None, precision: str = "bf16", top_k: int = 5, *, optimizer: str = "adam",
          time_limit_s: float = 1.0, progress=None, name: str | None = None, source: str | None = None,
-         fusion: bool = True, module=None, memory_headroom: float | None = None, check_lowering=None) -> Plan:
+         fusion: bool = True, module=None, memory_headroom: float | None = None, check_lowering=None,
+         engine: Engine = AUTOPAR) -> Plan:
     """Search the best parallel layout of `model` on `cluster_spec` and return it as a Plan.
 
     model: an nn.Module (captured with example_inputs) or a ModelSpec/ModelGraph.
@@ -278,6 +280,9 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     layouts the lowering can run (autopar.lower.what_runs.limits; the
     orchestrators pass it, the solver never imports the lowering). Layouts it
     rules out are not searched; the dict is kept in `Plan.solver["lowering_limits"]`.
+    engine: who runs the plan (autopar.engine.Engine). autopar's own program by default;
+    another engine (`ENGINES["megatron"]`, ...) prices a run made there, kept in
+    `Plan.assumptions["engine"]`, and such a plan is refused by the lowering.
     """
     cluster = resolve_cluster(cluster_spec)
     pins = parse_constraints(constraints)
@@ -291,13 +296,16 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
         world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
                     and (pins.tp is None or t == pins.tp)]
         lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
-    spec = charge_tp_collectives(spec, lowering_limits)  # tp priced as the lowering issues it
+    if engine.counted_tp_collectives:
+        spec = charge_tp_collectives(spec, lowering_limits)  # tp priced as the lowering issues it
+    spec = with_engine(spec, engine)  # another engine's attention kernel; every layout built from it
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
         fusions, no_fusion_why = plan_fusions(torch_module, spec)
     unfused_spec, spec = spec, charge_fusions(spec, fusions, cluster.device_profile)
     for s in (unfused_spec, spec):
         s.lowering_limits = lowering_limits
+        s.engine = engine
     world = cluster.world_size
     batch_assumed = global_batch_size is None
     if batch_assumed:
@@ -378,6 +386,8 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                                           top_k, limit)
     plan_obj.set_throughput()  # samples/s everywhere, tokens/s only for a token model (seq_len set)
     plan_obj.fusions = fusions
+    if not engine.is_autopar:
+        plan_obj.assumptions["engine"] = engine.to_dict()
     if pins.zero in (0, 1) and any(c.zero != pins.zero for c in plan_obj.layer_choices):
         plan_obj.assumptions["zero"] = (
             f"ZeRO {pins.zero} was pinned; on this mesh the lowering runs it as ZeRO 2 (FSDP2, the only data "

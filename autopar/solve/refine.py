@@ -35,6 +35,7 @@ import dataclasses
 from cost_models.errors import CostModelError
 from cost_models.estimate import estimate
 
+from autopar.engine import engine_of
 from autopar.solve.layout import candidate_layout, checkpoints_that_run, root_held_layers
 from autopar.solve.problem import NS, StageProblem, StageSolution, evaluate, layer_classes
 
@@ -142,7 +143,7 @@ def uniform_layouts(model, cluster, candidates, options, *, bound_problem, preci
         if bound >= best:
             continue
         layout = candidate_layout(cand, precision=precision, optimizer=optimizer, zero=zero, checkpoint=ckpt,
-                                  offload=off, root_held=root_held_layers(model))
+                                  offload=off, root_held=root_held_layers(model), engine=engine_of(model))
         layout.layer_checkpoint = checkpoints_that_run(model, ckpt)
         try:
             est = estimate(model, layout, cluster)

@@ -21,6 +21,7 @@ from cost_models.estimate import DTYPE_BYTES, layer_cost
 from cost_models.memory import FRAGMENTATION, model_state_bytes, state_bytes_per_param
 from cost_models.workload import fast
 
+from autopar.engine import engine_of
 from autopar.solve.constraints import CHECKPOINTS, OFFLOADS, Constraints
 from autopar.solve.layout import candidate_layout, checkpoint_that_runs, lowered_zero_levels, root_held_layers
 from autopar.solve.problem import (KIB, NS, OptionCost, lower_bound, StageProblem, in_flight_numerators, to_mem_units,
@@ -94,6 +95,7 @@ class TableBuilder:
         self.cluster = cluster
         self.precision = precision
         self.optimizer = optimizer
+        self.engine = engine_of(model)  # autopar's own program, or another engine being priced
         self.options = option_space(constraints, offload=offload)
         # Group layers by signature, numbered in order of first appearance.
         self.group_of: list[int] = []
@@ -125,7 +127,7 @@ class TableBuilder:
         layout = candidate_layout(cand if cand.schedule != "interleaved" else
                                   Candidate(cand.pp, cand.dp, cand.tp, cand.micro_batch_size,
                                             cand.num_micro_batches, "1f1b", 1, cand.sequence_parallel),
-                                  precision=self.precision, optimizer=self.optimizer)
+                                  precision=self.precision, optimizer=self.optimizer, engine=self.engine)
         rows = []
         held = root_held_layers(self.model)
         held_group = {g: held[i] for i, g in enumerate(self.group_of)}
@@ -137,7 +139,7 @@ class TableBuilder:
                 # (ZeRO 2 under tp/pp); a mix of whole-gradient and FSDP2
                 # layers on a pure dp mesh is relabelled when the whole
                 # assignment is priced (assignment_layout).
-                zero = lowered_zero_levels(cand, [zero], [off], [held_group[g]])[0]
+                zero = lowered_zero_levels(cand, [zero], [off], [held_group[g]], engine=self.engine)[0]
                 lc = layer_cost(layer, self.model, layout, self.cluster, zero=zero, checkpoint=ckpt, offload=off)
                 self.layer_cost_calls += 1
                 row.append((self._option_cost(layer, lc, cand, zero), (zero, ckpt, off)))
@@ -209,7 +211,7 @@ class TableBuilder:
         if hit is not None:
             return hit
         layout = candidate_layout(Candidate(1, 1, cand.tp, cand.micro_batch_size, 1, "1f1b", 1, cand.sequence_parallel),
-                                  precision=self.precision, optimizer=self.optimizer)
+                                  precision=self.precision, optimizer=self.optimizer, engine=self.engine)
         ckpts = sorted({c for _, c, _ in self.options}, key=("none", "selective", "full").index)
         out = []
         for layer in self.representative:

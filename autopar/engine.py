@@ -1,0 +1,154 @@
+"""Which training engine runs the plan: autopar's own, or another one being priced.
+
+By default every number autopar prints is for the program `autopar compile`
+emits: DTensor tensor parallelism whose collectives are counted on the
+lowering itself, FSDP2 for any data parallelism beside tp / pp (so ZeRO 0/1
+run as ZeRO 2 there), torch's foreach AdamW, gradients in the training dtype.
+
+A user who wants to compare a hand layout with a run they made on another
+engine (Megatron-LM / Megatron-core / NeMo, plain PyTorch FSDP or DDP) needs
+that engine's behaviour priced instead; otherwise the comparison measures the
+engines, not the layouts. `Engine` names those differences. Each field maps to
+a `cost_models.layout.Layout` field that states a documented behaviour of the
+engine (docs/cost_model.md says where each comes from); none is a fitted
+constant. A plan priced for another engine is an estimate only: the lowering
+refuses it (`check_runs_on_autopar`).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, fields, replace
+
+from autopar.errors import AutoparError, PlanMismatchError
+from cost_models.compute import ATTENTION_IMPL_SPEED
+
+ATTENTION_KERNELS = tuple(sorted(k for k in ATTENTION_IMPL_SPEED if k))  # flash1, flash2, flash-triton
+MAIN_GRADS = ("same", "fp32")
+OPTIMIZER_IMPLS = ("foreach", "fused")
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str = "autopar"
+    # TP collectives chunked under the neighbouring GEMMs (Megatron-core --tp-comm-overlap,
+    # Transformer Engine userbuffers): Layout.tp_comm_overlap
+    tp_comm_overlap: bool = False
+    # "fp32": gradients reduced and accumulated in fp32 (Megatron's gradient-accumulation
+    # fusion, FSDP reduce_dtype=float32): Layout.main_grads
+    main_grads: str = "same"
+    # "fused": one pass over the optimizer state (apex / Megatron FusedAdam, torch fused=True);
+    # "foreach": torch's default multi-tensor AdamW (what autopar's program runs)
+    optimizer_impl: str = "foreach"
+    # the fused attention kernel the engine runs (None: FlashAttention-2, SDPA's kernel)
+    attention_kernel: str | None = None
+    # ZeRO levels priced as pinned (Megatron's distributed optimizer is a true ZeRO 1); False:
+    # as autopar's lowering runs them (FSDP2 has no whole-gradient mode beside tp / pp)
+    zero_as_pinned: bool = False
+    # TP collectives: counted on autopar's DTensor lowering (True), or the dataflow's
+    # Megatron pattern (two all-reduces per block each way, or AG + RS with SP)
+    counted_tp_collectives: bool = True
+
+    @property
+    def is_autopar(self) -> bool:
+        return self == AUTOPAR
+
+    def layout_fields(self) -> dict:
+        """The Layout fields this engine sets (the rest of a Layout is the plan's)."""
+        return {"tp_comm_overlap": self.tp_comm_overlap, "main_grads": self.main_grads,
+                "optimizer_impl": self.optimizer_impl}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Engine":
+        if not d:
+            return AUTOPAR
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+AUTOPAR = Engine()
+# Presets a user names with --engine; the flags below it override single fields.
+ENGINES = {
+    "autopar": AUTOPAR,
+    # Megatron-LM / Megatron-core / NeMo: fused Adam, fp32 main gradients accumulated in the
+    # weight-gradient GEMM (--accumulate-allreduce-grads-in-fp32, gradient-accumulation
+    # fusion), the distributed optimizer as ZeRO 1, Megatron's TP collective pattern.
+    # TP overlap is a separate switch (--tp-comm-overlap), off by default as in Megatron.
+    "megatron": Engine(name="megatron", main_grads="fp32", optimizer_impl="fused", zero_as_pinned=True,
+                       counted_tp_collectives=False),
+    # Plain PyTorch outside autopar (FSDP1/FSDP2 or DDP as written by hand, torchtitan,
+    # Composer): torch's foreach AdamW, ZeRO levels as pinned.
+    "pytorch": Engine(name="pytorch", zero_as_pinned=True, counted_tp_collectives=False),
+}
+
+
+def engine_from_options(name: str | None = None, *, tp_comm_overlap: bool | None = None,
+                        main_grads: str | None = None, optimizer_impl: str | None = None,
+                        attention_kernel: str | None = None) -> Engine:
+    """The engine a user named (`--engine`) with single fields overridden. Any override
+    without `--engine` prices another engine too: it starts from "pytorch"."""
+    overrides = {k: v for k, v in (("tp_comm_overlap", tp_comm_overlap), ("main_grads", main_grads),
+                                   ("optimizer_impl", optimizer_impl), ("attention_kernel", attention_kernel))
+                 if v is not None}
+    if name is None:
+        name = "pytorch" if overrides else "autopar"
+    if name not in ENGINES:
+        raise AutoparError(f"--engine {name}: unknown engine", hint=f"one of {', '.join(ENGINES)}")
+    if name == "autopar" and overrides:
+        flags = ", ".join("--" + k.replace("_", "-") for k in overrides)
+        raise AutoparError(f"{flags} describe(s) another engine than autopar's own program, which runs as it is",
+                           hint="name the engine you are pricing, e.g. --engine megatron or --engine pytorch")
+    checks = (("main_grads", MAIN_GRADS), ("optimizer_impl", OPTIMIZER_IMPLS), ("attention_kernel", ATTENTION_KERNELS))
+    for key, allowed in checks:
+        if key in overrides and overrides[key] not in allowed:
+            raise AutoparError(f"--{key.replace('_', '-')} {overrides[key]}: must be one of {', '.join(allowed)}")
+    return replace(ENGINES[name], **overrides)
+
+
+def with_engine(spec, engine: Engine):
+    """`spec` as `engine` runs it (copies; the input is untouched): attention ops carry the
+    engine's kernel, and the spec remembers the engine for every layout built from it."""
+    if engine.is_autopar:
+        return spec
+    spec = copy.copy(spec)
+    if engine.attention_kernel is not None:
+        layers = []
+        for layer in spec.layers:
+            if any(op.kind == "attention" for op in layer.ops):
+                layer = copy.copy(layer)
+                layer.ops = [replace(op, impl=engine.attention_kernel) if op.kind == "attention" else op
+                             for op in layer.ops]
+            layers.append(layer)
+        spec.layers = layers
+    spec.engine = engine
+    return spec
+
+
+def engine_of(spec) -> Engine:
+    """The engine a spec was prepared for (`with_engine`); autopar's own by default."""
+    return getattr(spec, "engine", None) or AUTOPAR
+
+
+def plan_engine(plan) -> Engine:
+    """The engine a Plan was priced for (kept in `Plan.assumptions["engine"]`)."""
+    assumptions = plan.assumptions if isinstance(plan.assumptions, dict) else {}
+    return Engine.from_dict(assumptions.get("engine"))
+
+
+def check_runs_on_autopar(plan) -> None:
+    """Refuse to lower a plan that was priced for another engine: its numbers describe
+    a run autopar's program does not make (correct or refused)."""
+    engine = plan_engine(plan)
+    if not engine.is_autopar:
+        raise PlanMismatchError(
+            f"this plan was priced for the {engine.name} engine ({_describe(engine)}); autopar's program runs "
+            f"differently, so it cannot lower it as priced",
+            hint="re-plan without --engine / --tp-comm-overlap / --main-grads / --optimizer-impl / "
+                 "--attention-kernel to get a plan autopar runs")
+
+
+def _describe(engine: Engine) -> str:
+    d = {k: v for k, v in engine.to_dict().items() if k != "name" and v != getattr(AUTOPAR, k)}
+    return ", ".join(f"{k}={v}" for k, v in d.items()) or "as autopar"
