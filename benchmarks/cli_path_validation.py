@@ -83,11 +83,10 @@ def _module_for(row: dict):
 
 
 def run_engine(layout: Layout, row: dict) -> Engine:
-    """The engine the published run used, as the validation script states it (engine flags)."""
-    if layout.optimizer_impl == "fused" or layout.tp_comm_overlap:
-        name = "megatron"
-    else:
-        name = "pytorch"
+    """The engine the published run used, as the validation script states it (engine flags):
+    Megatron-LM / NeMo rows `--engine megatron`, MosaicML's and torchtitan's `--engine pytorch`."""
+    source = row.get("source", "")
+    name = "megatron" if ("NeMo" in source or "Megatron" in source) else "pytorch"
     return Engine(name=name, tp_comm_overlap=layout.tp_comm_overlap, main_grads=layout.main_grads,
                   optimizer_impl=layout.optimizer_impl,
                   attention_kernel=MPT_ATTENTION if row["label"].startswith("MPT-") else None,
