@@ -20,9 +20,10 @@ import copy
 from dataclasses import asdict, dataclass, fields, replace
 
 from autopar.errors import AutoparError, PlanMismatchError
-from cost_models.compute import ATTENTION_IMPL_SPEED
 
-ATTENTION_KERNELS = tuple(sorted(k for k in ATTENTION_IMPL_SPEED if k))  # flash1, flash2, flash-triton
+# The kernels cost_models.compute.ATTENTION_IMPL_SPEED prices (a test keeps the two equal;
+# not imported from there: the CLI builds its parser without the cost models' sympy)
+ATTENTION_KERNELS = ("flash-triton", "flash1", "flash2")
 MAIN_GRADS = ("same", "fp32")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 
@@ -143,12 +144,12 @@ def check_runs_on_autopar(plan) -> None:
     engine = plan_engine(plan)
     if not engine.is_autopar:
         raise PlanMismatchError(
-            f"this plan was priced for the {engine.name} engine ({_describe(engine)}); autopar's program runs "
+            f"this plan was priced for the {engine.name} engine ({describe(engine)}); autopar's program runs "
             f"differently, so it cannot lower it as priced",
             hint="re-plan without --engine / --tp-comm-overlap / --main-grads / --optimizer-impl / "
                  "--attention-kernel to get a plan autopar runs")
 
 
-def _describe(engine: Engine) -> str:
+def describe(engine: Engine) -> str:
     d = {k: v for k, v in engine.to_dict().items() if k != "name" and v != getattr(AUTOPAR, k)}
     return ", ".join(f"{k}={v}" for k, v in d.items()) or "as autopar"

@@ -22,14 +22,15 @@ script already states for each source (its `assumed` column).
 
     python3 benchmarks/cli_path_validation.py [--out benchmarks/results] [--limit N]
 
-Rows whose architecture no example file writes (Nemotron-4: squared-ReLU MLP)
-are listed and left out. The tp collectives are capture's dataflow pattern (the
+Nemotron-4 is built with transformers' NemotronForCausalLM at the published
+shape. The tp collectives are capture's dataflow pattern (the
 CLI also counts DTensor's on the lowering for the autopar engine: GPT's fused
 qkv then issues two all-gathers more per block backward, not priced here).
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import sys
@@ -63,6 +64,21 @@ def _gpt(hidden, heads, layers, vocab, seq, **kw):
     return gpt_example.GPT(cfg), gpt_example.example_inputs(1, cfg)
 
 
+def _csv_shapes() -> dict:
+    with open(vr.TP_PP_CSV) as f:
+        return {r["model"]: r for r in csv.DictReader(f)}
+
+
+def _nemotron(r: dict):
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    seq, vocab = int(r["seq_len"]), int(r["vocab"])
+    cfg = NemotronConfig(hidden_size=int(r["hidden"]), num_hidden_layers=int(r["layers"]),
+                         num_attention_heads=int(r["heads"]), num_key_value_heads=int(r["kv_heads"]),
+                         intermediate_size=int(r["ffn_hidden"]), vocab_size=vocab, max_position_embeddings=seq)
+    return NemotronForCausalLM(cfg), (torch.randint(0, vocab, (1, seq)),)
+
+
 def _module_for(row: dict):
     """(cache key, builder) of the model a user would write for this row; None if no example writes it."""
     label = row["label"]
@@ -75,6 +91,10 @@ def _module_for(row: dict):
         # Megatron 2021-22 ran attention unfused with dropout: the model written that way
         kw = {"attention_impl": "math", "dropout": 0.1} if old else {}
         return ("gpt3", old), lambda: _gpt(12288, 96, 96, 51200, 2048, **kw)
+    if label.startswith("Nemotron4"):
+        # Nemotron-4 as transformers writes it (squared-ReLU MLP, LayerNorm1P, partial RoPE, GQA)
+        r = _csv_shapes()[label.split()[0]]
+        return ("nemotron", r["model"]), lambda: _nemotron(r)
     if label.startswith("Llama3.1-405B"):
         cfg = llama_example.LlamaConfig(dim=16384, layers=126, heads=128, kv_heads=8, ffn_hidden=53248,
                                         vocab_size=128256, seq_len=8192)

@@ -61,6 +61,13 @@ def test_options_name_an_engine_or_say_what_is_wrong():
     assert Engine.from_dict(None) is AUTOPAR
 
 
+def test_attention_kernels_are_the_ones_the_cost_model_prices():
+    from autopar.engine import ATTENTION_KERNELS
+    from cost_models.compute import ATTENTION_IMPL_SPEED
+
+    assert set(ATTENTION_KERNELS) == {k for k in ATTENTION_IMPL_SPEED if k}
+
+
 def test_layout_states_the_engine_and_its_zero_levels():
     own = candidate_layout(_cand(), zero=1)
     assert own.zero == 2, "autopar runs ZeRO 1 beside tp / pp as FSDP2's ZeRO 2"
