@@ -150,6 +150,15 @@ def check_runs_on_autopar(plan) -> None:
                  "--attention-kernel to get a plan autopar runs")
 
 
+def priced_for(plan) -> str:
+    """Which program a plan's numbers are for, in words (the terminal plan and the report)."""
+    engine = plan_engine(plan)
+    if engine.is_autopar:
+        return ("autopar's own program (what autopar compile emits); to compare with a run made on "
+                "Megatron-LM / NeMo or plain PyTorch, price it as that engine ran it (--engine, docs/cli.md)")
+    return f"the {engine.name} engine ({describe(engine)}): an estimate autopar does not lower"
+
+
 def describe(engine: Engine) -> str:
     d = {k: v for k, v in engine.to_dict().items() if k != "name" and v != getattr(AUTOPAR, k)}
     return ", ".join(f"{k}={v}" for k, v in d.items()) or "as autopar"

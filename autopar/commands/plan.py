@@ -13,6 +13,7 @@ import sys
 import time
 
 from autopar.commands.common import add_plan_arguments, check_report_path, plan_from_args, stderr_is_tty
+from autopar.engine import priced_for
 from autopar.errors import AutoparError
 from autopar.report.format import bytes_
 from autopar.report.tables import not_offered
@@ -138,7 +139,7 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
                   f"global batch {plan.global_batch_size}, {plan.precision}")
     if plan.constraints:
         console.print("pinned: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.constraints.items())))
-    console.print(priced_for(plan), markup=False)
+    console.print("priced for: " + priced_for(plan), markup=False)
 
     mesh = Table(title="Layout", show_header=True, header_style="bold")
     for col in ("pp", "dp", "tp", "seq. parallel", "schedule", "micro-batch", "count"):
@@ -217,18 +218,6 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
                   + (f"; planned in {wall_s:.1f} s (capture included)" if wall_s is not None else "") + "[/]")
     if s.get("note"):  # the Plan is not the solver's own answer: say why, and that nothing is proven
         console.print(f"[dim]chosen: {s['note']}[/]")
-
-
-def priced_for(plan) -> str:
-    """Which program the numbers are for: autopar's own (what compile emits), or the
-    engine `--engine` named (an estimate autopar does not lower)."""
-    from autopar.engine import describe, plan_engine
-
-    engine = plan_engine(plan)
-    if engine.is_autopar:
-        return ("priced for: autopar's own program (`autopar compile`); to compare with a run made on "
-                "Megatron-LM / NeMo or plain PyTorch, price it as that engine ran it (--engine, docs/cli.md)")
-    return f"priced for: the {engine.name} engine ({describe(engine)}); an estimate, not lowered by autopar compile"
 
 
 def memory_limit_line(plan) -> str | None:

@@ -7,6 +7,7 @@ recombine numbers the Plan already holds so a reader can verify them).
 """
 from __future__ import annotations
 
+from autopar.engine import priced_for
 from autopar.report import format as fmt
 from autopar.report import gantt, memory, mesh, tables, timeline
 
@@ -246,5 +247,6 @@ def build_context(plan, graph=None) -> dict:
         "hand_checks": hand_checks(plan),
         "link_rows": link_rows(plan),
         "fusions": plan.fusions,
+        "priced_for": priced_for(plan),
         "fmt": fmt,
     }
