@@ -48,6 +48,13 @@ class Engine:
     # TP collectives: counted on autopar's DTensor lowering (True), or the dataflow's
     # Megatron pattern (two all-reduces per block each way, or AG + RS with SP)
     counted_tp_collectives: bool = True
+    # Attention split by heads whatever the model code does: where autopar's DTensor lowering
+    # must all-gather q/k/v (a fused qkv split by the full hidden size) and run the attention
+    # whole on every tp rank, Megatron's column-parallel qkv is head-parallel. So the gather
+    # is not issued, the ops downstream of it run 1/tp, and what they save is 1/tp
+    # (Korthikanti et al. 2022, section 4: s b h (10 + 24/t + 5 a s / (h t)) without SP,
+    # (s b h / t)(34 + 5 a s / h) with it)
+    head_parallel_attention: bool = False
 
     @property
     def is_autopar(self) -> bool:
@@ -78,7 +85,7 @@ ENGINES = {
     # fusion), the distributed optimizer as ZeRO 1, Megatron's TP collective pattern.
     # TP overlap is a separate switch (--tp-comm-overlap), off by default as in Megatron.
     "megatron": Engine(name="megatron", main_grads="fp32", optimizer_impl="fused", zero_as_pinned=True,
-                       counted_tp_collectives=False),
+                       counted_tp_collectives=False, head_parallel_attention=True),
     # Plain PyTorch outside autopar (FSDP1/FSDP2 or DDP as written by hand, torchtitan,
     # Composer): torch's foreach AdamW, ZeRO levels as pinned.
     "pytorch": Engine(name="pytorch", zero_as_pinned=True, counted_tp_collectives=False),
@@ -110,21 +117,33 @@ def engine_from_options(name: str | None = None, *, tp_comm_overlap: bool | None
 
 def with_engine(spec, engine: Engine):
     """`spec` as `engine` runs it (copies; the input is untouched): attention ops carry the
-    engine's kernel, and the spec remembers the engine for every layout built from it."""
+    engine's kernel, attention is split by heads where the engine does so,
+    and the spec remembers the engine for every layout built from it."""
     if engine.is_autopar:
         return spec
     spec = copy.copy(spec)
-    if engine.attention_kernel is not None:
-        layers = []
-        for layer in spec.layers:
-            if any(op.kind == "attention" for op in layer.ops):
-                layer = copy.copy(layer)
-                layer.ops = [replace(op, impl=engine.attention_kernel) if op.kind == "attention" else op
-                             for op in layer.ops]
-            layers.append(layer)
-        spec.layers = layers
+    spec.layers = [_layer_as_run(layer, engine) for layer in spec.layers]
     spec.engine = engine
     return spec
+
+
+def _layer_as_run(layer, engine: Engine):
+    changed = copy.copy(layer)
+    if engine.attention_kernel is not None and any(op.kind == "attention" for op in layer.ops):
+        changed.ops = [replace(op, impl=engine.attention_kernel) if op.kind == "attention" else op
+                       for op in layer.ops]
+    if engine.head_parallel_attention:
+        changed.ops = [replace(op, tp_sharded=True, tp_replicated=False) if op.tp_replicated else op
+                       for op in changed.ops]
+        changed.tp_gather_bytes = 0
+        # cost_models.memory divides the sharded share by tp and keeps the gathered one whole
+        changed.activation_bytes_tp_sharded = layer.activation_bytes_tp_sharded + layer.activation_bytes_tp_gathered
+        changed.activation_bytes_tp_gathered = 0
+        if layer.activation_bytes_selective_tp_sharded is not None:
+            changed.activation_bytes_selective_tp_sharded = (layer.activation_bytes_selective_tp_sharded
+                                                             + layer.activation_bytes_selective_tp_gathered)
+        changed.activation_bytes_selective_tp_gathered = 0
+    return changed
 
 
 def engine_of(spec) -> Engine:

@@ -51,7 +51,7 @@ import validation_runs as vr  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
 
-from autopar.engine import AUTOPAR, Engine, with_engine  # noqa: E402
+from autopar.engine import AUTOPAR, Engine, engine_from_options, with_engine  # noqa: E402
 from autopar.solve.layout import candidate_layout, root_held_layers  # noqa: E402
 from autopar.solve.planner import model_spec  # noqa: E402
 from autopar.solve.search_space import Candidate  # noqa: E402
@@ -107,10 +107,10 @@ def run_engine(layout: Layout, row: dict) -> Engine:
     Megatron-LM / NeMo rows `--engine megatron`, MosaicML's and torchtitan's `--engine pytorch`."""
     source = row.get("source", "")
     name = "megatron" if ("NeMo" in source or "Megatron" in source) else "pytorch"
-    return Engine(name=name, tp_comm_overlap=layout.tp_comm_overlap, main_grads=layout.main_grads,
-                  optimizer_impl=layout.optimizer_impl,
-                  attention_kernel=MPT_ATTENTION if row["label"].startswith("MPT-") else None,
-                  zero_as_pinned=True, counted_tp_collectives=False)
+    # what `autopar plan --engine NAME --tp-comm-overlap --main-grads ... ` builds
+    return engine_from_options(name, tp_comm_overlap=layout.tp_comm_overlap or None, main_grads=layout.main_grads,
+                               optimizer_impl=layout.optimizer_impl,
+                               attention_kernel=MPT_ATTENTION if row["label"].startswith("MPT-") else None)
 
 
 def _price(spec, layout: Layout, cluster, engine: Engine):
