@@ -87,8 +87,9 @@ ENGINES = {
     "megatron": Engine(name="megatron", main_grads="fp32", optimizer_impl="fused", zero_as_pinned=True,
                        counted_tp_collectives=False, head_parallel_attention=True),
     # Plain PyTorch outside autopar (FSDP1/FSDP2 or DDP as written by hand, torchtitan,
-    # Composer): torch's foreach AdamW, ZeRO levels as pinned.
-    "pytorch": Engine(name="pytorch", zero_as_pinned=True, counted_tp_collectives=False),
+    # Composer): torch's foreach AdamW, ZeRO levels as pinned; its tensor parallelism is
+    # DTensor's, whose collectives the lowering check counts as for autopar's own.
+    "pytorch": Engine(name="pytorch", zero_as_pinned=True),
 }
 
 
