@@ -123,6 +123,10 @@ def test_cli_engine_flags(capsys, tmp_path):
     # compile lowers autopar's program only: no engine flags, and a saved foreign plan is refused
     path = tmp_path / "plan.json"
     path.write_text(saved.to_json())
+    # the report of a saved foreign plan says what it was priced for
+    assert main(["report", "--plan", str(path), "-o", str(tmp_path / "plan.html")]) == 0
+    assert "the megatron engine (tp_comm_overlap=True" in (tmp_path / "plan.html").read_text()
+    capsys.readouterr()
     assert main(["compile", "--plan", str(path), f"{GPT}:gpt_tiny", "-o", str(tmp_path / "build")]) == 2
     assert "megatron engine" in capsys.readouterr().err
     with pytest.raises(SystemExit):
