@@ -48,7 +48,6 @@ import gpt as gpt_example  # noqa: E402  (examples/gpt.py)
 import llama as llama_example  # noqa: E402  (examples/llama.py)
 import validation_runs as vr  # noqa: E402
 
-from cost_models.estimate import estimate  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
 
 from autopar.engine import AUTOPAR, Engine, engine_from_options, with_engine  # noqa: E402
@@ -115,18 +114,15 @@ def run_engine(layout: Layout, row: dict) -> Engine:
 
 def _price(spec, layout: Layout, cluster, engine: Engine):
     """The CLI's pinned estimate: candidate_layout with the engine; an unstated checkpoint
-    takes the least recomputation that fits, as validation_runs does."""
+    takes the least recomputation that fits (validation_runs._price)."""
     cand = Candidate(pp=layout.pp, dp=layout.dp, tp=layout.tp, micro_batch_size=layout.micro_batch_size,
                      num_micro_batches=layout.num_micro_batches, schedule=layout.schedule,
                      virtual_stages=layout.virtual_stages, sequence_parallel=layout.sequence_parallel)
     spec = with_engine(spec, engine)
-    for mode in ([layout.checkpoint] if layout.checkpoint else ["none", "selective", "full"]):
-        built = candidate_layout(cand, precision=layout.precision, zero=layout.zero, checkpoint=mode,
-                                 root_held=root_held_layers(spec), engine=engine)
-        est = estimate(spec, built, cluster)
-        if est.fits:
-            break
-    return built, est
+    built = candidate_layout(cand, precision=layout.precision, zero=layout.zero,
+                             checkpoint=layout.checkpoint or "none", root_held=root_held_layers(spec), engine=engine)
+    built.checkpoint = layout.checkpoint
+    return vr._price(spec, built, cluster)
 
 
 def run(limit: int | None = None, rows: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
