@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One lent GPU, one call (issue 13): calibrate it, then time every pinned plan of
+# benchmarks/gpu_step_time.py on it. Device time is counted in minutes, so the whole
+# session is this one script, each part under its own limit, every result written
+# under OUT as soon as it exists (a part cut short loses only itself).
+#
+#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S]
+#   DEVICE: the cost model's name of the GPU (h100-sxm, h200); plans come from
+#   `python3 benchmarks/gpu_step_time.py plan --device DEVICE`, made beforehand here.
+set -u
+dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+t0=$(date +%s)
+timeout "$cal_s" python3 -m autopar calibrate --device cuda --ranks 1 -o "$out/${dev}_profile.json" 2>&1 | tail -n 40
+echo "calibrate: $(( $(date +%s) - t0 )) s"
+# held-out cases first: a measurement cut short keeps the rows nothing was set from
+cases=$(python3 -c "
+import json, sys; sys.path.insert(0, 'benchmarks')
+import gpu_step_time as g
+plans = json.load(open(g.plans_file('$dev')))
+order = [*g.HELD_OUT_3, *g.HELD_OUT_2, *[c for c in g.CASES if c not in g.HELD_OUT_3 and c not in g.HELD_OUT_2]]
+print(','.join(c for c in order if c in plans))")
+t0=$(date +%s)
+timeout "$meas_s" python3 benchmarks/gpu_step_time.py measure --device "$dev" --cases "$cases" \
+    --out "$out/gpu_step_time_${dev}_measured.json"
+echo "measure: $(( $(date +%s) - t0 )) s"
