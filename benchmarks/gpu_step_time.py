@@ -116,6 +116,10 @@ HELD_OUT_3 = {
                                              max_position_embeddings=2048), 4, "full"),
 }
 HF_SEQ = 2048
+# which set a case belongs to, for the tables' summaries: the development cases are the
+# only ones any cost-model change was ever made looking at
+SET_OF = {**{c: "development" for c in CASES}, **{c: "held out 1" for c in HELD_OUT},
+          **{c: "held out 2" for c in HELD_OUT_2}, **{c: "held out 3" for c in HELD_OUT_3}}
 CASES.update(HELD_OUT)
 CASES.update(HELD_OUT_2)
 CASES.update(HELD_OUT_3)
@@ -305,15 +309,20 @@ def cmd_table(args) -> int:
 
 def write_table(rows, measured, args) -> None:
     labels = [lab for lab in ("physics", "profile") if any(lab in r for r in rows)]
-    summary = {}
+    def summarise(ok: list) -> dict:
+        return {"step_median_abs_error": statistics.median(abs(r["step_error"]) for r in ok),
+                "step_signed_median_error": statistics.median(r["step_error"] for r in ok),
+                "step_within_10pct": sum(abs(r["step_error"]) <= 0.10 for r in ok),
+                "memory_median_abs_error": statistics.median(abs(r["memory_error"]) for r in ok),
+                "memory_within_5pct": sum(abs(r["memory_error"]) <= 0.05 for r in ok), "cases": len(ok)}
+
+    summary, by_set = {}, {}
+    sets = sorted({SET_OF[r["case"]] for r in rows if "error" not in r})
     for lab in labels:
-        ok = [r[lab] for r in rows if lab in r]
-        summary[lab] = {
-            "step_median_abs_error": statistics.median(abs(r["step_error"]) for r in ok),
-            "step_signed_median_error": statistics.median(r["step_error"] for r in ok),
-            "step_within_10pct": sum(abs(r["step_error"]) <= 0.10 for r in ok),
-            "memory_median_abs_error": statistics.median(abs(r["memory_error"]) for r in ok),
-            "memory_within_5pct": sum(abs(r["memory_error"]) <= 0.05 for r in ok), "cases": len(ok)}
+        summary[lab] = summarise([r[lab] for r in rows if lab in r])
+        if len(sets) > 1:  # a table of several sets: each set's own figures too
+            by_set[lab] = {s: summarise([r[lab] for r in rows if lab in r and SET_OF[r["case"]] == s])
+                           for s in sets}
     command = "python3 benchmarks/gpu_step_time.py table " + args.measured + (
         f" --profile {args.profile}" if args.profile else "") + (
         f" --device {args.device} --out {args.out}" if args.device != "h100-sxm" else "")
@@ -330,23 +339,29 @@ def write_table(rows, measured, args) -> None:
              f"Table by `{command}`.", "",
              "**Calibration**: the profile of `autopar calibrate --device cuda --ranks 1` on the same GPU "
              "(micro-benchmarks only). **Validation**: every row; nothing in the cost model was set from them.", ""]
-    head = "| case | measured ms | " + " | ".join(f"{lab} ms | error" for lab in labels) + \
+    several = bool(by_set)
+    head = ("| set " if several else "") + "| case | measured ms | " + " | ".join(f"{lab} ms | error" for lab in labels) + \
         " | measured GiB | " + " | ".join(f"{lab} GiB | error" for lab in labels) + " |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['error']} |")
+            lines.append(("| " + SET_OF[r["case"]] + " " if several else "") + f"| {r['case']} | {r['error']} |")
             continue
         t = " | ".join(f"{r[lab]['step_s'] * 1e3:.1f} | {r[lab]['step_error']:+.1%}" for lab in labels)
         mem = " | ".join(f"{r[lab]['peak_bytes'] / 2**30:.2f} | {r[lab]['memory_error']:+.1%}" for lab in labels)
-        lines.append(f"| {r['case']} | {r['measured_s'] * 1e3:.1f} | {t} | {r['measured_peak_bytes'] / 2**30:.2f} | "
+        lines.append(("| " + SET_OF[r["case"]] + " " if several else "") +
+                     f"| {r['case']} | {r['measured_s'] * 1e3:.1f} | {t} | {r['measured_peak_bytes'] / 2**30:.2f} | "
                      f"{mem} |")
     lines.append("")
+    def said(name: str, s: dict) -> str:
+        return (f"{name}: step median |error| {s['step_median_abs_error']:.1%} (signed "
+                f"{s['step_signed_median_error']:+.1%}), {s['step_within_10pct']} of {s['cases']} within 10%; "
+                f"memory median |error| {s['memory_median_abs_error']:.1%}, {s['memory_within_5pct']} of "
+                f"{s['cases']} within 5%.")
     for lab, s in summary.items():
-        lines.append(f"- **{lab}**: step median |error| {s['step_median_abs_error']:.1%} (signed "
-                     f"{s['step_signed_median_error']:+.1%}), {s['step_within_10pct']} of {s['cases']} within 10%; "
-                     f"memory median |error| {s['memory_median_abs_error']:.1%}, {s['memory_within_5pct']} of "
-                     f"{s['cases']} within 5%.")
+        lines.append("- " + said(f"**{lab}**", s))
+        for name, sub in by_set.get(lab, {}).items():
+            lines.append("  - " + said(name, sub))
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
