@@ -110,6 +110,43 @@ class Timer:
             inner = max(1, min(10_000, int(self.settings.min_sample_s / one)))
         return self.samples({"fn": fn}, inner, self.settings.repeats)["fn"]
 
+    # No GPU clock runs above this (H100 / H200 boost at 1.98 GHz): a sleep of
+    # seconds x this many cycles lasts at least that long
+    GPU_CYCLES_PER_S = 2.0e9
+
+    def kernel(self, fn) -> float:
+        """Median GPU seconds of one call's kernels (CUDA only).
+
+        A GPU runs a call's kernels while the host is already launching the next call,
+        so a timed loop measures the larger of the two, not their sum: taking the host's
+        time per op out of it (as a CPU's serial timings rightly do) priced every call
+        shorter than its launch as absurdly fast (on an H200: a 33 MB gelu at 30 TB/s,
+        six times the HBM's 4.8). Here the calls are queued behind a sleeping kernel
+        that outlasts their launching, and CUDA events time the GPU running them back
+        to back: the kernels' own time. The cost model charges host time apart, per
+        op, and takes a layer's larger of the two."""
+        fn()
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        one = max(time.perf_counter() - t0, 1e-7)  # host or kernels, whichever is longer
+        inner = max(1, min(64, int(self.settings.min_sample_s / one)))  # 64 calls: the launch queue holds them
+        # launching a call takes at most its one-call time, and never more than 200 us
+        # (a backward's few kernels): past that the kernels outlast the launches anyway
+        sleep_cycles = int(1.5 * inner * min(one, 2e-4) * self.GPU_CYCLES_PER_S)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(self.settings.repeats):
+            torch.cuda._sleep(sleep_cycles)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+        return statistics.median(samples)
+
     def samples(self, fns: dict, inner: int, repeats: int) -> dict:
         """Median seconds per call of each fn, sampled in turn (A B C A B C ...), a
         barrier before each sample so every rank times the same work at the same moment."""
@@ -167,11 +204,20 @@ def speed_probe(device: torch.device | str = "cpu", samples: int = 9, barrier=No
                            inner=4, repeats=samples)["probe"]
 
 
-def _rate(work: float, seconds: float, overhead: float) -> float:
-    # The work's own rate: the dispatch time of the call (timed with autograd off) is
-    # taken out, because the cost model charges host time per dispatched op of a layer
-    # (every op, views included). Never more than 90% of the sample: a call is some work.
-    return work / max(seconds - overhead, 0.1 * seconds)
+def _work_seconds(timer: Timer, fn, overhead: float) -> float:
+    """Seconds of fn's own work per call, its host dispatch excluded, because the cost
+    model charges host time per dispatched op of a layer (every op, views included).
+    A CPU does the two in turn: the call's time less its dispatch (`overhead`, timed
+    with autograd off), never less than 10% of it (a call is some work). A GPU
+    overlaps them: its kernels' own time (Timer.kernel)."""
+    if timer.device.type == "cuda":
+        return timer.kernel(fn)
+    seconds = timer(fn)
+    return max(seconds - overhead, 0.1 * seconds)
+
+
+def _work_rate(work: float, timer: Timer, fn, overhead: float) -> float:
+    return work / _work_seconds(timer, fn, overhead)
 
 
 class _TinyBlock(torch.nn.Module):
@@ -493,7 +539,7 @@ def measure_gemm(timer: Timer, device: torch.device, dtype: str, g: dict, overhe
                     ops = _rotating(lambda: (torch.randn(m, k, device=device, dtype=dt),
                                              torch.randn(k, n, device=device, dtype=dt)),
                                     (m * k + k * n) * dt.itemsize, device)
-                    rates.append(_rate(2 * m * n * k, timer(_cycling(torch.mm, ops)), overhead))
+                    rates.append(_work_rate(2 * m * n * k, timer, _cycling(torch.mm, ops), overhead))
             progress(f"GEMM {dtype}: m = {m} done ({i + 1}/{len(ms)})")
     return {"m": ms, "n": nks, "k": nks, "flops_per_s": rates}
 
@@ -536,7 +582,7 @@ def measure_ops(timer: Timer, device: torch.device, g: dict, overhead: float, pr
                 nbytes = factor * rows * width * 4
                 sizes.append(float(nbytes))
                 keep = _copies(rows * width * 4, device)  # the results: one row block each
-                rates.append(_rate(nbytes, timer(_cycling(fn, ops, keep=keep)), overhead))
+                rates.append(_work_rate(nbytes, timer, _cycling(fn, ops, keep=keep), overhead))
             out[name] = {"bytes": sizes, "bytes_per_s": rates}
             if OP_TABLES[name]:
                 out[OP_TABLES[name]] = out[name]
@@ -601,7 +647,7 @@ def _measure_op_backward(timer: Timer, device: torch.device, fn, width: int, ele
         nbytes = _bytes_moved(lambda: backward(*graphs[0]))
         keep = _copies(rows * width * 4, device)
         sizes.append(float(nbytes))
-        rates.append(_rate(nbytes, timer(_cycling(backward, graphs, keep=keep)), fixed))
+        rates.append(_work_rate(nbytes, timer, _cycling(backward, graphs, keep=keep), fixed))
         del graphs, sets
     return {"bytes": sizes, "bytes_per_s": rates}
 
@@ -663,13 +709,13 @@ def measure_attention(timer: Timer, device: torch.device, dtypes, g: dict, over:
                            for _ in range(3))
                 work = 4.0 * h * s * s * d  # counted unmasked, as the workload counts attention
                 with torch.no_grad():
-                    t_fwd = timer(lambda: f.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    fwd_rates.append(_work_rate(work, timer, lambda: f.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal), over["no_grad"]))
                 out = f.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 grad = torch.randn_like(out)
-                t_bwd = timer(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+                bwd_rates.append(_work_rate(work, timer, lambda: torch.autograd.grad(
+                    out, (q, k, v), grad, retain_graph=True), over["bwd"]))
                 flops.append(work)
-                fwd_rates.append(_rate(work, t_fwd, over["no_grad"]))
-                bwd_rates.append(_rate(work, t_bwd, over["bwd"]))
             # the sequence length of each point: the cost model prices a call of b x h
             # sequences at the rate measured at its length (measured.attention_time)
             seqs = [float(s) for s in g["attn_seq"]]
@@ -697,7 +743,7 @@ def measure_gemm_unaligned(timer: Timer, device: torch.device, dtype: str, overh
                 ops = _rotating(lambda: (torch.randn(m, k_, device=device, dtype=dt),
                                          torch.randn(k_, n_, device=device, dtype=dt)),
                                 (m * k_ + k_ * n_) * dt.itemsize, device)
-                return max(timer(_cycling(torch.mm, ops)) - overhead, 1e-9)
+                return max(_work_seconds(timer, _cycling(torch.mm, ops), overhead), 1e-9)
             aligned = timed(n, k)
             flops.append(2.0 * m * n * k)
             slowdown.append(max(1.0, (timed(n - 1, k) + timed(n, k - 1)) / 2 / aligned))

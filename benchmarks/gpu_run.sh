@@ -12,6 +12,8 @@ dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+# calibrate times a GPU's kernels on the device (Timer.kernel): check that first
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cost_measured.py -k gpu_kernel 2>&1 | tail -n 5
 t0=$(date +%s)
 timeout "$cal_s" python3 -m autopar calibrate --device cuda --ranks 1 -o "$out/${dev}_profile.json" 2>&1 | tail -n 40
 echo "calibrate: $(( $(date +%s) - t0 )) s"

@@ -480,3 +480,49 @@ def test_memory_tracker_benchmark_agrees_with_fsdp_mem_tracker(tmp_path):
         assert row["tracked_bytes"] > 3.5 * 2 ** 30  # a real-size rank, not a toy
         assert abs(row["error"]) < 0.05, (row["case"], row["error"])
         assert row["tracked_sharded_states"] == pytest.approx(row["predicted_sharded_states"], rel=0.01), row["case"]
+
+
+def test_calibrate_work_time_on_a_cpu_is_the_call_less_its_dispatch():
+    """On a CPU the host dispatches and then computes: a call's work is its time less the
+    dispatch time the cost model charges apart per op, never under a tenth of it."""
+    import torch
+
+    from autopar import calibrate as cal
+
+    class FixedTimer(cal.Timer):
+        def __call__(self, fn, inner=None):
+            return 1e-3
+
+    timer = FixedTimer(cal.Settings(device="cpu"), torch.device("cpu"))
+    assert cal._work_seconds(timer, lambda: None, 2e-4) == pytest.approx(8e-4)
+    assert cal._work_seconds(timer, lambda: None, 5e-3) == pytest.approx(1e-4)
+    assert cal._work_rate(8.0, timer, lambda: None, 2e-4) == pytest.approx(1e4)
+
+
+def _cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="a GPU's kernel timing (run on a lent GPU: benchmarks/gpu_run.sh)")
+def test_calibrate_gpu_kernel_time_excludes_the_overlapped_launch():
+    """On a GPU the kernels run while the host launches the next call: a memory-bound
+    op too small to outlast its launch must be timed at its kernels' own speed, never
+    faster than the HBM streams (the host-time subtraction priced a 33 MB gelu at
+    30 TB/s on a 4.8 TB/s H200), and the large sizes at the same speed as before."""
+    import torch
+
+    from autopar import calibrate as cal
+
+    dev = torch.device("cuda")
+    settings = cal.Settings(device="cuda")
+    timer = cal.Timer(settings, dev)
+    over = cal.measure_overhead(timer, dev)
+    g = {**cal.grids(settings), "elements": [2**18, 2**22, 2**26]}
+    table = cal.measure_ops(timer, dev, g, over["no_grad"], lambda msg: None)
+    for name in ("add", "gelu", "copy"):
+        streaming = table[name]["bytes_per_s"][-1]  # far beyond L2: HBM's own rate
+        assert max(table[name]["bytes_per_s"]) <= 1.15 * streaming, (name, table[name])
+    # a tiny op's kernel is shorter than its launch: timed alone it is the launch
+    x = torch.randn(1024, device=dev)
+    assert timer.kernel(lambda: x + x) < timer(lambda: x + x)
