@@ -55,10 +55,18 @@ class Engine:
     # (Korthikanti et al. 2022, section 4: s b h (10 + 24/t + 5 a s / (h t)) without SP,
     # (s b h / t)(34 + 5 a s / h) with it)
     head_parallel_attention: bool = False
+    # The fusion pass's chains (autopar.kernels.fusion.PATTERNS) the engine runs as one
+    # kernel; None: all of them, as autopar's program swaps its Triton kernels in. Any
+    # other engine is priced with only the chains it fuses itself: the rest run eager.
+    fused_patterns: tuple[str, ...] | None = None
 
     @property
     def is_autopar(self) -> bool:
         return self == AUTOPAR
+
+    def runs_fused(self, pattern: str) -> bool:
+        """Whether this engine runs the fusion pass's chain `pattern` as one kernel."""
+        return self.fused_patterns is None or pattern in self.fused_patterns
 
     def layout_fields(self) -> dict:
         """The Layout fields this engine sets (the rest of a Layout is the plan's)."""
@@ -73,7 +81,8 @@ class Engine:
         if not d:
             return AUTOPAR
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        # JSON has no tuples: a saved plan's list must compare equal to the preset's tuple
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known})
 
 
 AUTOPAR = Engine()
@@ -84,12 +93,19 @@ ENGINES = {
     # weight-gradient GEMM (--accumulate-allreduce-grads-in-fp32, gradient-accumulation
     # fusion), the distributed optimizer as ZeRO 1, Megatron's TP collective pattern.
     # TP overlap is a separate switch (--tp-comm-overlap), off by default as in Megatron.
+    # Fused as Megatron-LM's arguments default (--bias-gelu-fusion, --bias-swiglu-fusion,
+    # --masked-softmax-fusion, --bias-dropout-fusion): bias + GeLU, SwiGLU, the scaled masked
+    # softmax, dropout + residual add. Its residual add and the next LayerNorm stay two
+    # kernels (Transformer Engine fuses the norm into the following GEMM's module, not into
+    # the add); its RoPE fusion has no chain in autopar's pass, so RoPE is priced eager.
     "megatron": Engine(name="megatron", main_grads="fp32", optimizer_impl="fused", zero_as_pinned=True,
-                       counted_tp_collectives=False, head_parallel_attention=True),
+                       counted_tp_collectives=False, head_parallel_attention=True,
+                       fused_patterns=("bias_gelu", "swiglu", "scaled_softmax", "dropout_add")),
     # Plain PyTorch outside autopar (FSDP1/FSDP2 or DDP as written by hand, torchtitan,
     # Composer): torch's foreach AdamW, ZeRO levels as pinned; its tensor parallelism is
-    # DTensor's, whose collectives the lowering check counts as for autopar's own.
-    "pytorch": Engine(name="pytorch", zero_as_pinned=True),
+    # DTensor's, whose collectives the lowering check counts as for autopar's own. Eager:
+    # every op of a chain is its own kernel (no fused chains; torch.compile is not priced).
+    "pytorch": Engine(name="pytorch", zero_as_pinned=True, fused_patterns=()),
 }
 
 

@@ -51,6 +51,7 @@ import validation_runs as vr  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
 
 from autopar.engine import AUTOPAR, Engine, engine_from_options, with_engine  # noqa: E402
+from autopar.solve.fusion_costs import charge_fusions, plan_fusions  # noqa: E402
 from autopar.solve.layout import candidate_layout, root_held_layers  # noqa: E402
 from autopar.solve.planner import model_spec  # noqa: E402
 from autopar.solve.search_space import Candidate  # noqa: E402
@@ -112,13 +113,15 @@ def run_engine(layout: Layout, row: dict) -> Engine:
                                attention_kernel=MPT_ATTENTION if row["label"].startswith("MPT-") else None)
 
 
-def _price(spec, layout: Layout, cluster, engine: Engine):
-    """The CLI's pinned estimate: candidate_layout with the engine; an unstated checkpoint
-    takes the least recomputation that fits (validation_runs._price)."""
+def _price(spec, layout: Layout, cluster, engine: Engine, fusions: list[dict] = ()):
+    """The CLI's pinned estimate: candidate_layout with the engine, the fused chains the
+    engine runs charged as the planner charges them; an unstated checkpoint takes the
+    least recomputation that fits (validation_runs._price)."""
     cand = Candidate(pp=layout.pp, dp=layout.dp, tp=layout.tp, micro_batch_size=layout.micro_batch_size,
                      num_micro_batches=layout.num_micro_batches, schedule=layout.schedule,
                      virtual_stages=layout.virtual_stages, sequence_parallel=layout.sequence_parallel)
     spec = with_engine(spec, engine)
+    spec = charge_fusions(spec, [f for f in fusions if engine.runs_fused(f["pattern"])], cluster.device_profile)
     built = candidate_layout(cand, precision=layout.precision, zero=layout.zero,
                              checkpoint=layout.checkpoint or "none", root_held=root_held_layers(spec), engine=engine)
     built.checkpoint = layout.checkpoint
@@ -128,7 +131,7 @@ def _price(spec, layout: Layout, cluster, engine: Engine):
 def run(limit: int | None = None, rows: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """Price `rows` (validation_runs specs; default: all it prices) both ways."""
     specs = rows if rows is not None else [s for s in vr.mpt_rows() + vr.tp_pp_rows() if not s.get("skip")]
-    captured, results, skipped = {}, [], []
+    captured, fusions, results, skipped = {}, {}, [], []
     for row in specs[:limit] if limit else specs:
         found = _module_for(row)
         if found is None:
@@ -140,13 +143,15 @@ def run(limit: int | None = None, rows: list[dict] | None = None) -> tuple[list[
             with torch.device("meta"):  # planned without allocating weights, as `autopar plan` does
                 module, inputs = build()
             captured[key] = model_spec(module, inputs, precision=row["layout"].precision)
+            # the chains the fusion pass finds, as `autopar plan` (fusion on by default) records them
+            fusions[key] = plan_fusions(module, captured[key])[0]
             print(f"captured {key} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         seq = row["model"]().seq_len
         spec = model_spec(captured[key], seq_len=seq)
         out = {"run": row["label"], "family": row["family"], "metric": row.get("metric", "tokens_per_s_per_gpu"),
                "published": row["published"]}
         for name, engine in (("autopar", AUTOPAR), ("run_engine", run_engine(row["layout"], row))):
-            layout, est = _price(spec, row["layout"], row["cluster"], engine)
+            layout, est = _price(spec, row["layout"], row["cluster"], engine, fusions[key])
             predicted = vr._predicted(est, layout, out["metric"])
             out[name] = {"predicted": predicted, "error": predicted / row["published"] - 1.0, "fits": est.fits,
                          "checkpoint": layout.checkpoint, "engine": engine.name, "mfu": est.mfu}

@@ -2,6 +2,7 @@
 pass's chains in `Plan.fusions`, the cost model charges the HBM bytes they
 save (on GPU profiles only), and the CLI switches it with --fusion/--no-fusion."""
 import copy
+import json
 
 import pytest
 import sympy
@@ -243,3 +244,23 @@ def test_compile_with_a_solver_made_plan_runs_the_fused_modules(monkeypatch):
     # the plan trains in bf16 (its precision): one bf16 ulp at a loss of ~4.9 is 0.03
     for a, b in zip(fused, plain):
         assert abs(a - b) <= 1e-2 * abs(b)
+
+
+def test_each_engine_is_priced_with_the_chains_it_fuses(mid_plans):
+    """autopar swaps its Triton kernel in for every chain the pass finds. Megatron fuses
+    bias + GeLU and dropout + add, not the residual add with the next LayerNorm. Eager
+    PyTorch fuses none, so its plan is priced unfused. A priced fusion it never runs
+    would make the estimate too fast."""
+    from autopar.engine import ENGINES, Engine
+
+    model = mid_plans["model"]
+    own = {f["pattern"] for f in mid_plans["fused"].fusions}
+    assert {"add_layernorm", "bias_gelu"} <= own
+    meg = _plan(model, "dgx-h100:1", MID, engine=ENGINES["megatron"])
+    assert {f["pattern"] for f in meg.fusions} == own & {"bias_gelu", "swiglu", "scaled_softmax", "dropout_add"}
+    eager = _plan(model, "dgx-h100:1", MID, engine=ENGINES["pytorch"])
+    assert eager.fusions == [] and "pytorch engine runs none" in eager.assumptions["fusion"]["why_none"]
+    step = {k: p.predicted.step_time_s for k, p in (("own", mid_plans["fused"]), ("meg", meg), ("eager", eager))}
+    assert step["eager"] == pytest.approx(mid_plans["eager"].predicted.step_time_s, rel=1e-9)
+    # the engine and its fused chains travel in the plan's JSON (lists come back as the preset's tuple)
+    assert Engine.from_dict(json.loads(meg.to_json())["assumptions"]["engine"]) == ENGINES["megatron"]

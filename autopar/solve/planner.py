@@ -302,6 +302,10 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
         fusions, no_fusion_why = plan_fusions(torch_module, spec)
+        found = len(fusions)
+        fusions = [f for f in fusions if engine.runs_fused(f["pattern"])]  # another engine fuses its own
+        if found and not fusions:
+            no_fusion_why = f"the {engine.name} engine runs none of the {found} fusable chains found as one kernel"
     unfused_spec, spec = spec, charge_fusions(spec, fusions, cluster.device_profile)
     for s in (unfused_spec, spec):
         s.lowering_limits = lowering_limits
