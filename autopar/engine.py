@@ -59,6 +59,9 @@ class Engine:
     # kernel; None: all of them, as autopar's program swaps its Triton kernels in. Any
     # other engine is priced with only the chains it fuses itself: the rest run eager.
     fused_patterns: tuple[str, ...] | None = None
+    # The engine runs its own kernels, not the model's code: each memory-bound leaf module
+    # (a norm, an activation) as one kernel (capture's LayerSpec.module_fusion_saved_*)
+    fuses_modules: bool = False
 
     @property
     def is_autopar(self) -> bool:
@@ -98,9 +101,12 @@ ENGINES = {
     # softmax, dropout + residual add. Its residual add and the next LayerNorm stay two
     # kernels (Transformer Engine fuses the norm into the following GEMM's module, not into
     # the add); its RoPE fusion has no chain in autopar's pass, so RoPE is priced eager.
+    # It runs Megatron's implementation of the architecture, not the model file: every
+    # norm is Transformer Engine's one kernel, activations are compiled (`@jit_fuser`).
     "megatron": Engine(name="megatron", main_grads="fp32", optimizer_impl="fused", zero_as_pinned=True,
                        counted_tp_collectives=False, head_parallel_attention=True,
-                       fused_patterns=("bias_gelu", "swiglu", "scaled_softmax", "dropout_add")),
+                       fused_patterns=("bias_gelu", "swiglu", "scaled_softmax", "dropout_add"),
+                       fuses_modules=True),
     # Plain PyTorch outside autopar (FSDP1/FSDP2 or DDP as written by hand, torchtitan,
     # Composer): torch's foreach AdamW, ZeRO levels as pinned; its tensor parallelism is
     # DTensor's, whose collectives the lowering check counts as for autopar's own. Eager:
@@ -134,8 +140,9 @@ def engine_from_options(name: str | None = None, *, tp_comm_overlap: bool | None
 
 def with_engine(spec, engine: Engine):
     """`spec` as `engine` runs it (copies; the input is untouched): attention ops carry the
-    engine's kernel, attention is split by heads where the engine does so,
-    and the spec remembers the engine for every layout built from it."""
+    engine's kernel, attention is split by heads where the engine does so, memory-bound
+    modules run as one kernel each where the engine has its own, and the spec remembers
+    the engine for every layout built from it."""
     if engine.is_autopar:
         return spec
     spec = copy.copy(spec)
@@ -146,6 +153,9 @@ def with_engine(spec, engine: Engine):
 
 def _layer_as_run(layer, engine: Engine):
     changed = copy.copy(layer)
+    if engine.fuses_modules:
+        changed.fused_bytes_saved_fwd = layer.fused_bytes_saved_fwd + layer.module_fusion_saved_fwd
+        changed.fused_bytes_saved_bwd = layer.fused_bytes_saved_bwd + layer.module_fusion_saved_bwd
     if engine.attention_kernel is not None and any(op.kind == "attention" for op in layer.ops):
         changed.ops = [replace(op, impl=engine.attention_kernel) if op.kind == "attention" else op
                        for op in layer.ops]

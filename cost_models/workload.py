@@ -143,6 +143,11 @@ class LayerSpec:
           that fuses sets these, see autopar.kernels.fusion). The cost model
           takes them off the byte time of the layer's non-GEMM ops, never
           below those ops' launch floor.
+    module_fusion_saved_fwd / module_fusion_saved_bwd: the bytes those ops
+          would lose if every memory-bound leaf module ran as one kernel
+          (capture measures them; an engine with its own fused kernels, such
+          as Megatron's, adds them to fused_bytes_saved_*). Not charged
+          by themselves.
     """
 
     name: str
@@ -176,6 +181,8 @@ class LayerSpec:
     shared_params: list = field(default_factory=list)
     fused_bytes_saved_fwd: Expr = 0  # see the class docstring
     fused_bytes_saved_bwd: Expr = 0
+    module_fusion_saved_fwd: Expr = 0  # see the class docstring
+    module_fusion_saved_bwd: Expr = 0
 
     def eval(self, name: str, batch: int = 1, seq: int | None = None) -> float:
         """Numeric value of field `name` at a micro-batch of `batch` samples."""

@@ -302,3 +302,40 @@ def test_blocks_in_a_module_dict_are_layers():
     assert [l.name for l in graph.layers] == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "head"]
     assert graph.layers[-1].module_paths == ["norm", "output"]
     assert len({l.signature for l in graph.layers[1:4]}) == 1
+
+
+class EagerRMSNorm(nn.Module):
+    """RMSNorm as Hugging Face writes it: several eager ops where an engine's kernel is one."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class NormBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm, self.proj = EagerRMSNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+def test_a_memory_bound_leaf_module_knows_what_one_kernel_would_save():
+    """An engine that runs each norm / activation module as one kernel reads its outside
+    inputs once and writes what is used outside once. The eager RMSNorm moves
+    pow 2T, mean T + T/d, add 2T/d, rsqrt 2T/d, mul 2T + T/d, weight-mul 2T + 4d
+    (T: one activation's bytes); fused it reads x and the weight and writes one
+    output: 2T + 4d. The Linear's module runs a GEMM and is never fused."""
+    d = 32
+    graph = autopar.capture(nn.Sequential(NormBlock(d), NormBlock(d)), (torch.randn(2, 16, d),), dtype=torch.float32)
+    block = graph.layers[0]
+    for b, s in ((2, 16), (3, 40)):
+        t = 4 * b * s * d
+        assert evaluate(block.module_fusion_saved_fwd, b, s) == 5 * t + 6 * t // d
+        assert evaluate(block.module_fusion_saved_bwd, b, s) > 0

@@ -263,7 +263,8 @@ def _s2_keys(dicts: list, seqs) -> set:
 def _fit_layer(per_point: dict, grid: PointGrid, what: str):
     values = {f: {p: getattr(m, f) for p, m in per_point.items()}
               for f in ("fwd_flops", "bwd_flops", "activation_bytes", "activation_bytes_tp_sharded",
-                        "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered")}
+                        "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered",
+                        "module_fusion_saved_fwd", "module_fusion_saved_bwd")}
     # Selective recomputation drops the saved tensors that grow with s^2 (the
     # attention scores, softmax, dropout mask) and redoes the ops whose FLOPs
     # grow with s^2 (QK^T, scores x V).

@@ -12,6 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from autopar.capture.tp_dataflow import tp_flow
 from autopar.capture.tracer import PointTrace
 from autopar.checkpoint_policy import SAVED_OP_NAMES
@@ -50,6 +52,10 @@ class LayerMetrics:
     has_weight_gemm: bool = False
     has_norm: bool = False
     col_widths: list = field(default_factory=list)
+    # HBM bytes an engine that runs each memory-bound leaf module as one kernel saves
+    # (module_fusion_savings): forward, backward
+    module_fusion_saved_fwd: int = 0
+    module_fusion_saved_bwd: int = 0
 
 
 def _normalise(path: str) -> str:
@@ -66,6 +72,48 @@ def tp_states(fwd: list, is_head: bool):
     """Per forward record: sharded (bool); and the row GEMMs and column GEMMs (see tp_dataflow.py)."""
     flow = tp_flow(fwd, is_head)
     return flow.sharded, flow.cols, flow.rows, flow.valid, flow.state
+
+
+# Ops a kernel-fusing engine merges into one kernel per module: the memory-bound kinds
+_FUSABLE_KINDS = frozenset({"elementwise", "norm", "softmax", "reduction"})
+
+
+def _tensor_bytes(shape: tuple, dtype: str) -> int:
+    return math.prod(shape) * getattr(torch, dtype).itemsize
+
+
+def module_fusion_savings(fwd: list, bwd: list) -> tuple[int, int]:
+    """HBM bytes (forward, backward) saved when each memory-bound leaf module of a layer
+    runs as one kernel, as an engine with its own kernels runs it whatever the model
+    code writes: Megatron-core's Transformer Engine norm is one kernel where Hugging
+    Face's RMSNorm is eight eager ops with fp32 upcasts, its squared ReLU is compiled
+    into one (`@jit_fuser`) where the model writes relu then pow.
+
+    A leaf module (no submodule runs an op) whose forward ops are all memory-bound and
+    at least two of them move data: fused, it reads its outside inputs once (parameters
+    included) and writes the tensors used outside it once; its backward reads those
+    inputs and the outputs' gradients and writes the inputs' gradients. Saved = the
+    eager ops' bytes less that, per direction, never negative."""
+    by_module: dict = {}
+    for r in fwd:
+        by_module.setdefault(r.module, []).append(r)
+    saved_fwd = saved_bwd = 0
+    for module, recs in by_module.items():
+        if not module or any(m.startswith(module + ".") for m in by_module):
+            continue  # the model itself, or not a leaf
+        if any(r.kind not in _FUSABLE_KINDS for r in recs) or sum(1 for r in recs if r.nbytes) < 2:
+            continue
+        inside = {r.idx for r in recs}
+        outside_in = {(prod, shape, dtype): _tensor_bytes(shape, dtype) for r in recs
+                      for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers) if prod not in inside}
+        used_outside = {prod: _tensor_bytes(shape, dtype) for r in fwd if r.idx not in inside
+                        for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers) if prod in inside}
+        outs = sum(used_outside.values()) or recs[-1].bytes_written  # used by the next layer only
+        ins = sum(outside_in.values())
+        eager_bwd = sum(r.nbytes for r in bwd if r.fwd_ref in inside)
+        saved_fwd += max(0, sum(r.nbytes for r in recs) - (ins + outs))
+        saved_bwd += max(0, eager_bwd - (2 * ins + outs))
+    return saved_fwd, saved_bwd
 
 
 def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix: str, is_head: bool) -> LayerMetrics:
@@ -172,6 +220,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         if widest is not None:
             m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
+    m.module_fusion_saved_fwd, m.module_fusion_saved_bwd = module_fusion_savings(fwd, bwd)
     return m
 
 

@@ -66,6 +66,9 @@ class OpRecord:
     param_names: tuple
     inputs: tuple  # indices of producing records (forward dataflow)
     out_is_int: bool
+    # forward: the producing record of each tensor input, in in_shapes' order (-1: none
+    # traced, a parameter or the layer's input), to tell a module's inner tensors from its inputs
+    in_producers: tuple = ()
     fwd_ref: int | None = None  # backward op: index of the forward op it differentiates
     causal: bool | None = None  # attention kernels: is_causal
     # Forward layout ops (split, slice, transpose, permute...): their dimension
@@ -347,10 +350,11 @@ class Tracer:
         if self.phase == "fwd":
             seq_nr = torch.autograd._get_sequence_nr() - 1
             inputs = tuple(self.producer[id(x)] for x in in_flat if id(x) in self.producer)
+            in_producers = tuple(self.producer.get(id(x), -1) for x in in_flat)
         else:
             node = torch._C._current_autograd_node()
             seq_nr = node._sequence_nr() if node is not None else -1
-            inputs = ()
+            inputs = in_producers = ()
         moves = not opinfo.moves_no_data(func)
         read = sum(opinfo.tensor_bytes(x) for x in in_flat) if moves else 0
         written = sum(opinfo.tensor_bytes(x) for x in out_flat) if moves else 0
@@ -366,7 +370,7 @@ class Tracer:
             gemm=opinfo.gemm_shape(func, args, out_flat[0]) if self.phase == "fwd" and out_flat
             and opinfo.op_kind(packet) == "gemm" else None,
             seq_nr=seq_nr, uses_param=bool(params), param_names=tuple(params), inputs=inputs,
-            out_is_int=bool(out_flat) and not (out_flat[0].is_floating_point() or out_flat[0].is_complex()),
+            in_producers=in_producers, out_is_int=bool(out_flat) and not (out_flat[0].is_floating_point() or out_flat[0].is_complex()),
         )
         if self.phase == "fwd":
             rec.dims = _dim_args(func, args, kwargs)

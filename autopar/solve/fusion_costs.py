@@ -58,8 +58,9 @@ def charge_fusions(spec, fusions: list[dict], device):
             layers.append(layer)
             continue
         fused = copy.copy(layer)
-        fused.fused_bytes_saved_fwd = saved["fwd_saved"]
-        fused.fused_bytes_saved_bwd = saved["bwd_saved"]
+        # added to what the spec already saves (an engine's own fused modules, autopar.engine)
+        fused.fused_bytes_saved_fwd = layer.fused_bytes_saved_fwd + saved["fwd_saved"]
+        fused.fused_bytes_saved_bwd = layer.fused_bytes_saved_bwd + saved["bwd_saved"]
         if layer.signature:
             # identical blocks fuse identically and keep sharing solver variables;
             # a block fused differently must not share an unfused block's costs
