@@ -59,8 +59,8 @@ class Engine:
     # kernel; None: all of them, as autopar's program swaps its Triton kernels in. Any
     # other engine is priced with only the chains it fuses itself: the rest run eager.
     fused_patterns: tuple[str, ...] | None = None
-    # The engine runs its own kernels, not the model's code: each memory-bound leaf module
-    # (a norm, an activation) as one kernel (capture's LayerSpec.module_fusion_saved_*)
+    # The engine runs its own kernels, not the model's code: each chain of memory-bound ops
+    # in a module (a norm, an activation, RoPE) as one kernel (LayerSpec.module_fusion_saved_*)
     fuses_modules: bool = False
 
     @property
@@ -100,9 +100,9 @@ ENGINES = {
     # --masked-softmax-fusion, --bias-dropout-fusion): bias + GeLU, SwiGLU, the scaled masked
     # softmax, dropout + residual add. Its residual add and the next LayerNorm stay two
     # kernels (Transformer Engine fuses the norm into the following GEMM's module, not into
-    # the add); its RoPE fusion has no chain in autopar's pass, so RoPE is priced eager.
-    # It runs Megatron's implementation of the architecture, not the model file: every
-    # norm is Transformer Engine's one kernel, activations are compiled (`@jit_fuser`).
+    # the add). It runs Megatron's implementation of the architecture, not the model file:
+    # every norm is Transformer Engine's one kernel, so is its fused RoPE, and activations
+    # are compiled (`@jit_fuser`): fuses_modules.
     "megatron": Engine(name="megatron", main_grads="fp32", optimizer_impl="fused", zero_as_pinned=True,
                        counted_tp_collectives=False, head_parallel_attention=True,
                        fused_patterns=("bias_gelu", "swiglu", "scaled_softmax", "dropout_add"),

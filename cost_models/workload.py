@@ -144,7 +144,7 @@ class LayerSpec:
           takes them off the byte time of the layer's non-GEMM ops, never
           below those ops' launch floor.
     module_fusion_saved_fwd / module_fusion_saved_bwd: the bytes those ops
-          would lose if every memory-bound leaf module ran as one kernel
+          would lose if each chain of memory-bound ops in a module ran as one kernel
           (capture measures them; an engine with its own fused kernels, such
           as Megatron's, adds them to fused_bytes_saved_*). Not charged
           by themselves.

@@ -326,12 +326,12 @@ class NormBlock(nn.Module):
         return x + self.proj(self.norm(x))
 
 
-def test_a_memory_bound_leaf_module_knows_what_one_kernel_would_save():
-    """An engine that runs each norm / activation module as one kernel reads its outside
-    inputs once and writes what is used outside once. The eager RMSNorm moves
-    pow 2T, mean T + T/d, add 2T/d, rsqrt 2T/d, mul 2T + T/d, weight-mul 2T + 4d
+def test_a_chain_of_memory_bound_ops_knows_what_one_kernel_would_save():
+    """An engine that runs each chain of memory-bound ops in a module as one kernel reads
+    its outside inputs once and writes what is used outside once. The eager RMSNorm
+    moves pow 2T, mean T + T/d, add 2T/d, rsqrt 2T/d, mul 2T + T/d, weight-mul 2T + 4d
     (T: one activation's bytes); fused it reads x and the weight and writes one
-    output: 2T + 4d. The Linear's module runs a GEMM and is never fused."""
+    output: 2T + 4d. The block's own residual add is one op: nothing to save."""
     d = 32
     graph = autopar.capture(nn.Sequential(NormBlock(d), NormBlock(d)), (torch.randn(2, 16, d),), dtype=torch.float32)
     block = graph.layers[0]
@@ -339,3 +339,28 @@ def test_a_memory_bound_leaf_module_knows_what_one_kernel_would_save():
         t = 4 * b * s * d
         assert evaluate(block.module_fusion_saved_fwd, b, s) == 5 * t + 6 * t // d
         assert evaluate(block.module_fusion_saved_bwd, b, s) > 0
+
+
+class Split(nn.Module):
+    """Two elementwise ops in one module, with or without a GEMM between them."""
+
+    def __init__(self, d, gemm):
+        super().__init__()
+        self.w, self.gemm = nn.Parameter(torch.randn(d, d)), gemm
+
+    def forward(self, x):
+        y = x * 2
+        if self.gemm:
+            y = y @ self.w
+        return torch.relu(y + 1) @ self.w
+
+
+def test_a_gemm_splits_a_module_into_separate_chains():
+    x = (torch.randn(2, 16, 32),)
+    chained = autopar.capture(nn.Sequential(Split(32, False), Split(32, False)), x, dtype=torch.float32)
+    split = autopar.capture(nn.Sequential(Split(32, True), Split(32, True)), x, dtype=torch.float32)
+    t = 4 * 2 * 16 * 32
+    # mul, add, relu fused: read x once, write relu's output once (was 2T + 2T + 2T)
+    assert evaluate(chained.layers[0].module_fusion_saved_fwd, 2, 16) == 4 * t
+    # mul | GEMM | add, relu: only add + relu are one chain
+    assert evaluate(split.layers[0].module_fusion_saved_fwd, 2, 16) == 2 * t

@@ -263,8 +263,14 @@ def _s2_keys(dicts: list, seqs) -> set:
 def _fit_layer(per_point: dict, grid: PointGrid, what: str):
     values = {f: {p: getattr(m, f) for p, m in per_point.items()}
               for f in ("fwd_flops", "bwd_flops", "activation_bytes", "activation_bytes_tp_sharded",
-                        "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered",
-                        "module_fusion_saved_fwd", "module_fusion_saved_bwd")}
+                        "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered")}
+    # What one kernel per chain of memory-bound ops saves: the chains seen at every point
+    # that save at every point, so the sum stays a polynomial in (batch, seq)
+    chains = set.intersection(*(set(m.module_fusion_chains) for m in per_point.values()))
+    fusion_savings = {}
+    for i, name in enumerate(("module_fusion_saved_fwd", "module_fusion_saved_bwd")):
+        keep = [k for k in chains if all(m.module_fusion_chains[k][i] > 0 for m in per_point.values())]
+        fusion_savings[name] = {p: sum(m.module_fusion_chains[k][i] for k in keep) for p, m in per_point.items()}
     # Selective recomputation drops the saved tensors that grow with s^2 (the
     # attention scores, softmax, dropout mask) and redoes the ops whose FLOPs
     # grow with s^2 (QK^T, scores x V).
@@ -298,6 +304,11 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
     values["activation_bytes_selective_tp_sharded"] = sel_sharded
     values["activation_bytes_selective_tp_gathered"] = sel_gathered
     fields = {f: fit(v, grid, f"{f} of {what}") for f, v in values.items()}
+    for name, v in fusion_savings.items():
+        try:
+            fields[name] = fit(v, grid, f"{name} of {what}")
+        except CaptureError:  # only another engine's estimate reads it: never a reason to refuse a model
+            fields[name] = 0
 
     ops = []
     base = per_point[grid.points[0]]

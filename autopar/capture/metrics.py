@@ -52,10 +52,9 @@ class LayerMetrics:
     has_weight_gemm: bool = False
     has_norm: bool = False
     col_widths: list = field(default_factory=list)
-    # HBM bytes an engine that runs each memory-bound leaf module as one kernel saves
-    # (module_fusion_savings): forward, backward
-    module_fusion_saved_fwd: int = 0
-    module_fusion_saved_bwd: int = 0
+    # HBM bytes (forward, backward) an engine that runs each chain of memory-bound ops in a
+    # module as one kernel saves, by the chain's first op key (module_fusion_savings)
+    module_fusion_chains: dict = field(default_factory=dict)
 
 
 def _normalise(path: str) -> str:
@@ -82,38 +81,64 @@ def _tensor_bytes(shape: tuple, dtype: str) -> int:
     return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
-def module_fusion_savings(fwd: list, bwd: list) -> tuple[int, int]:
-    """HBM bytes (forward, backward) saved when each memory-bound leaf module of a layer
-    runs as one kernel, as an engine with its own kernels runs it whatever the model
-    code writes: Megatron-core's Transformer Engine norm is one kernel where Hugging
-    Face's RMSNorm is eight eager ops with fp32 upcasts, its squared ReLU is compiled
-    into one (`@jit_fuser`) where the model writes relu then pow.
+def _chains(recs: list) -> list:
+    """The connected groups of memory-bound ops among one module's own ops (an op joins
+    the group of an op whose output it reads): each is what a fusing engine runs as one
+    kernel. Other ops (GEMMs, attention) split them."""
+    fusable = {r.idx: r for r in recs if r.kind in _FUSABLE_KINDS}
+    parent = {i: i for i in fusable}
 
-    A leaf module (no submodule runs an op) whose forward ops are all memory-bound and
-    at least two of them move data: fused, it reads its outside inputs once (parameters
-    included) and writes the tensors used outside it once; its backward reads those
-    inputs and the outputs' gradients and writes the inputs' gradients. Saved = the
-    eager ops' bytes less that, per direction, never negative."""
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for r in fusable.values():
+        for prod in r.in_producers:
+            if prod in fusable:
+                parent[root(prod)] = root(r.idx)
+    groups: dict = {}
+    for i, r in fusable.items():
+        groups.setdefault(root(i), []).append(r)
+    return list(groups.values())
+
+
+def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx) -> dict:
+    """HBM bytes (forward, backward) saved when each chain of memory-bound ops inside one
+    module runs as one kernel, as an engine with its own kernels runs the architecture
+    whatever the model code writes: Megatron-core's Transformer Engine norm is one kernel
+    where Hugging Face's RMSNorm is eight eager ops with fp32 upcasts, its squared ReLU
+    is compiled into one (`@jit_fuser`) where the model writes relu then pow, its RoPE
+    is Transformer Engine's fused kernel where the model slices, negates and concatenates.
+
+    A chain (_chains) of at least two ops that move data: fused, it reads its outside
+    inputs once (parameters included) and writes the tensors used outside it once; its
+    backward reads those inputs and the outputs' gradients and writes the inputs'
+    gradients. Returns {key_of(the chain's first op): (forward, backward) saved}, the
+    eager ops' bytes less that; negative where one kernel would move more (it reads
+    whole a tensor the eager ops only slice): capture keeps the chains that save at
+    every measured size (a sum of polynomials is one)."""
     by_module: dict = {}
     for r in fwd:
-        by_module.setdefault(r.module, []).append(r)
-    saved_fwd = saved_bwd = 0
-    for module, recs in by_module.items():
-        if not module or any(m.startswith(module + ".") for m in by_module):
-            continue  # the model itself, or not a leaf
-        if any(r.kind not in _FUSABLE_KINDS for r in recs) or sum(1 for r in recs if r.nbytes) < 2:
-            continue
-        inside = {r.idx for r in recs}
-        outside_in = {(prod, shape, dtype): _tensor_bytes(shape, dtype) for r in recs
-                      for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers) if prod not in inside}
-        used_outside = {prod: _tensor_bytes(shape, dtype) for r in fwd if r.idx not in inside
-                        for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers) if prod in inside}
-        outs = sum(used_outside.values()) or recs[-1].bytes_written  # used by the next layer only
-        ins = sum(outside_in.values())
-        eager_bwd = sum(r.nbytes for r in bwd if r.fwd_ref in inside)
-        saved_fwd += max(0, sum(r.nbytes for r in recs) - (ins + outs))
-        saved_bwd += max(0, eager_bwd - (2 * ins + outs))
-    return saved_fwd, saved_bwd
+        if r.module:  # ops of no module: the model's own forward, outside any block
+            by_module.setdefault(r.module, []).append(r)
+    saved = {}
+    for recs in by_module.values():
+        for chain in _chains(recs):
+            if sum(1 for r in chain if r.nbytes) < 2:
+                continue  # one kernel already
+            inside = {r.idx for r in chain}
+            outside_in = {(prod, shape, dtype): _tensor_bytes(shape, dtype) for r in chain
+                          for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers)
+                          if prod not in inside}
+            used_outside = {prod: _tensor_bytes(shape, dtype) for r in fwd if r.idx not in inside
+                            for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers) if prod in inside}
+            ins = sum(outside_in.values())
+            outs = sum(used_outside.values()) or chain[-1].bytes_written  # used by the next layer only
+            eager_bwd = sum(r.nbytes for r in bwd if r.fwd_ref in inside)
+            first = min(chain, key=lambda r: r.idx)
+            saved[key_of(first)] = (sum(r.nbytes for r in chain) - (ins + outs), eager_bwd - (2 * ins + outs))
+    return saved
 
 
 def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix: str, is_head: bool) -> LayerMetrics:
@@ -220,7 +245,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         if widest is not None:
             m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
-    m.module_fusion_saved_fwd, m.module_fusion_saved_bwd = module_fusion_savings(fwd, bwd)
+    m.module_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx])
     return m
 
 
