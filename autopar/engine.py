@@ -207,4 +207,6 @@ def priced_for(plan) -> str:
 
 def describe(engine: Engine) -> str:
     d = {k: v for k, v in engine.to_dict().items() if k != "name" and v != getattr(AUTOPAR, k)}
+    if "fused_patterns" in d:  # a list of chains reads better than a tuple's repr
+        d["fused_patterns"] = "+".join(d["fused_patterns"]) or "none"
     return ", ".join(f"{k}={v}" for k, v in d.items()) or "as autopar"
