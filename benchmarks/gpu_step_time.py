@@ -7,6 +7,10 @@ Three steps, because the GPU is lent for minutes and the planner's solver
     python3 benchmarks/gpu_step_time.py measure --out M.json # on the GPU: run every planned case
     python3 benchmarks/gpu_step_time.py table M.json [--profile P]   # here: predict, compare, write
 
+Each takes `--device` (the cost model's name of the GPU: h100-sxm by default, h200);
+`benchmarks/gpu_run.sh DEVICE OUT` is the whole GPU side in one call (the GPU-only
+calibrate test, `autopar calibrate --device cuda`, then `measure`, held-out cases first).
+
 The layout of every case is pinned in full (one GPU, bf16, micro-batch,
 checkpointing), so the program measured is the one autopar.compile lowers
 for that plan whatever the cost model predicts; `table` then prices the same
