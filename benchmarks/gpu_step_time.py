@@ -332,7 +332,7 @@ def write_table(rows, measured, args) -> None:
         f" --device {args.device} --out {args.out}" if args.device != "h100-sxm" else "")
     Path(args.out + ".json").write_text(json.dumps(
         {"command": command, "device": measured["device"], "torch": measured["torch"], "summary": summary,
-         "rows": rows}, indent=1) + "\n")
+         **({"summary_by_set": by_set} if by_set else {}), "rows": rows}, indent=1) + "\n")
     lines = ["# Predicted vs measured single-GPU training steps", "",
              f"Measured on one {measured['device']} (torch {measured['torch']}, CUDA {measured['cuda']}) by "
              f"`python3 benchmarks/gpu_step_time.py measure`: bf16 (FSDP2 mixed precision on a one-rank mesh, "
@@ -343,18 +343,18 @@ def write_table(rows, measured, args) -> None:
              f"Table by `{command}`.", "",
              "**Calibration**: the profile of `autopar calibrate --device cuda --ranks 1` on the same GPU "
              "(micro-benchmarks only). **Validation**: every row; nothing in the cost model was set from them.", ""]
-    several = bool(by_set)
-    head = ("| set " if several else "") + "| case | measured ms | " + " | ".join(f"{lab} ms | error" for lab in labels) + \
+    def lead(case: str) -> str:  # the set column, in a table of several sets
+        return f"| {SET_OF[case]} " if by_set else ""
+    head = ("| set " if by_set else "") + "| case | measured ms | " + " | ".join(f"{lab} ms | error" for lab in labels) + \
         " | measured GiB | " + " | ".join(f"{lab} GiB | error" for lab in labels) + " |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(("| " + SET_OF[r["case"]] + " " if several else "") + f"| {r['case']} | {r['error']} |")
+            lines.append(lead(r["case"]) + f"| {r['case']} | {r['error']} |")
             continue
         t = " | ".join(f"{r[lab]['step_s'] * 1e3:.1f} | {r[lab]['step_error']:+.1%}" for lab in labels)
         mem = " | ".join(f"{r[lab]['peak_bytes'] / 2**30:.2f} | {r[lab]['memory_error']:+.1%}" for lab in labels)
-        lines.append(("| " + SET_OF[r["case"]] + " " if several else "") +
-                     f"| {r['case']} | {r['measured_s'] * 1e3:.1f} | {t} | {r['measured_peak_bytes'] / 2**30:.2f} | "
+        lines.append(lead(r["case"]) + f"| {r['case']} | {r['measured_s'] * 1e3:.1f} | {t} | {r['measured_peak_bytes'] / 2**30:.2f} | "
                      f"{mem} |")
     lines.append("")
     def said(name: str, s: dict) -> str:

@@ -122,6 +122,11 @@ def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx) -> dict:
     for r in fwd:
         if r.module:  # ops of no module: the model's own forward, outside any block
             by_module.setdefault(r.module, []).append(r)
+    # every forward input by producer, once: (consumer, bytes) of each tensor an op reads
+    readers: dict = {}
+    for r in fwd:
+        for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers):
+            readers.setdefault(prod, []).append((r.idx, _tensor_bytes(shape, dtype)))
     saved = {}
     for recs in by_module.values():
         for chain in _chains(recs):
@@ -131,8 +136,8 @@ def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx) -> dict:
             outside_in = {(prod, shape, dtype): _tensor_bytes(shape, dtype) for r in chain
                           for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers)
                           if prod not in inside}
-            used_outside = {prod: _tensor_bytes(shape, dtype) for r in fwd if r.idx not in inside
-                            for shape, dtype, prod in zip(r.in_shapes, r.in_dtypes, r.in_producers) if prod in inside}
+            used_outside = {r.idx: nbytes for r in chain for reader, nbytes in readers.get(r.idx, ())
+                            if reader not in inside}
             ins = sum(outside_in.values())
             outs = sum(used_outside.values()) or chain[-1].bytes_written  # used by the next layer only
             eager_bwd = sum(r.nbytes for r in bwd if r.fwd_ref in inside)
