@@ -346,6 +346,21 @@ def _copy_s(nbytes: float, device) -> float:
     return nbytes / (device.memory_bandwidth * device.memory_efficiency)
 
 
+def _batch_norm_sync(layer: LayerSpec, dp: int, dp_place, cluster) -> tuple[float, float]:
+    """Forward (and again backward) time of keeping BatchNorm statistics global
+    over dp, per micro-batch (autopar/lower/batch_norm.py, as SyncBatchNorm): per
+    BatchNorm two fp32 all-reduces of about its channel count, the sums then the
+    squared deviations (backward: their gradients). Each blocks the op after it,
+    so none hides; a few KiB each, so the link's latency is most of it.
+    Returns (seconds, bytes on the wire) of one pass."""
+    channels = (layer.attrs or {}).get("batch_norm_channels") or ()
+    if dp <= 1 or not channels:
+        return 0.0, 0.0
+    seconds = sum(C.collective_time("all_reduce", 4 * (c + 1), dp_place, cluster)
+                  + C.collective_time("all_reduce", 4 * c, dp_place, cluster) for c in channels)
+    return seconds, sum(2 * 4 * (2 * c + 1) for c in channels) * (dp - 1) / dp
+
+
 def _exposed(comm_s: float, window_s: float, device) -> float:
     """What a collective of comm_s adds to the step when compute of window_s could
     hide it: at most the device's hideable share of it (collective_overlap) hides,
@@ -570,6 +585,10 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
             fwd_exp += _exposed(h2d, C.FSDP_PREFETCH_OVERLAP * fwd_s, device)
             bwd_exp += _exposed(h2d, C.FSDP_PREFETCH_OVERLAP * bwd_window, device)
 
+    bn_s, bn_bytes = _batch_norm_sync(layer, layout.dp, dp_place, cluster)
+    if bn_s:
+        colls.append(("all_reduce", 2 * m * bn_bytes, 2 * m * bn_s))
+        fwd_exp, bwd_exp = fwd_exp + bn_s, bwd_exp + bn_s
     dp_total = sum(t for _, _, t in colls)
     model_flops = 3 * fast(layer.fwd_flops)(b, s1) / tp
     return LayerCost(

@@ -169,6 +169,9 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
             attrs["loss"] = True
         if seq is not None:
             attrs["seq_len"] = seq
+        bn = _batch_norm_channels(meta, paths)
+        if bn:
+            attrs["batch_norm_channels"] = bn
         sig_src = (static_signature(blocks[layer - 1][1]), base.input_shapes.get(layer)) if 0 < layer < n - 1 \
             else (lname, layer, [(k, sizes[k]) for k in owned], sorted(shared.get(layer, ())), str(fields))
         indices.append(layer)
@@ -180,6 +183,15 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
             module_paths=paths, shared_params=sorted(shared.get(layer, ())),
         ))
     return layers, indices, base
+
+
+def _batch_norm_channels(meta: nn.Module, paths: list) -> list:
+    """Channels of each BatchNorm in the layer's modules: it normalises by
+    batch statistics, which data parallelism must synchronise (priced by the
+    cost model) and micro-batching cannot keep (the planner does not offer it)."""
+    return [m.num_features for name, m in meta.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and any(p == "" or name == p or name.startswith(p + ".") for p in paths)]
 
 
 def _loose_params(owned: list, paths: list) -> list:

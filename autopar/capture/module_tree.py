@@ -129,6 +129,10 @@ def meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         for key, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type != "meta":
                 setattr(module, key, _meta_like(value, dtype))
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+            # A cumulative average reads num_batches_tracked's value (`1 / float(n)`),
+            # which meta tensors lack; a momentum does the same ops on the statistics.
+            module.momentum = 0.1
     meta.train()
     return meta
 

@@ -31,11 +31,9 @@ input with fp32 weight and statistics, not bf16 weight with fp32 statistics:
 "expected scalar type BFloat16 but found Float"), and the modules a Hugging
 Face model lists in `_keep_in_fp32_modules` (fed fp32 inputs, as it expects).
 
-BatchNorm normalises over each rank's micro-batch, as DDP does without
-SyncBatchNorm (which runs on GPUs only); the running statistics are averaged
-over dp after every step (`average_batchnorm_stats`), so every rank holds the
-same buffers (with one micro-batch per rank, the running mean is the one a
-single process keeps over the global batch).
+BatchNorm normalises over the global batch (batch_norm.py synchronises it
+over dp before this file shards anything), so every rank holds the same
+running statistics.
 """
 from __future__ import annotations
 
@@ -130,26 +128,6 @@ def fp32_modules(model: nn.Module, keep: list[str] | None = None) -> dict[str, b
         elif pattern is not None and pattern.search(name):
             out[name] = True
     return out
-
-
-def batchnorm_stats(stages) -> list[torch.Tensor]:
-    """The running mean and variance of every BatchNorm on this rank's stages."""
-    return [b for s in stages for m in s.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-            for b in (m.running_mean, m.running_var) if b is not None]
-
-
-def average_batchnorm_stats(stats: list[torch.Tensor], dp_group) -> None:
-    """Mean over dp of the running statistics, in one all-reduce (gloo has no AVG)."""
-    if not stats:
-        return
-    flat = torch.cat([b.reshape(-1).float() for b in stats])
-    dist.all_reduce(flat, group=dp_group)
-    flat /= dist.get_world_size(dp_group)
-    at = 0
-    for b in stats:
-        b.copy_(flat[at:at + b.numel()].view_as(b))
-        at += b.numel()
 
 
 def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh, precision: str,

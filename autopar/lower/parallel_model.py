@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (checkpointing, data_parallel, grad_norm, loss_scaling, pipeline_parallel, state_dict,
-                           tensor_parallel, what_runs)
+from autopar.lower import (batch_norm, checkpointing, data_parallel, grad_norm, loss_scaling, pipeline_parallel,
+                           state_dict, tensor_parallel, what_runs)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
@@ -87,8 +87,6 @@ class ParallelModel:
         n_stages = len(plan.stages)
         self.has_first = any(s.stage_index == 0 for s in stages)
         self.has_last = any(s.stage_index == n_stages - 1 for s in stages)
-        # BatchNorm running statistics, averaged over dp after each step (data_parallel)
-        self._bn_stats = data_parallel.batchnorm_stats(stages) if plan.mesh.dp > 1 else []
 
     @property
     def module(self) -> nn.Module:
@@ -155,7 +153,6 @@ class ParallelModel:
         self.last_step_skipped = skip
         if self.lr_scheduler is not None and not skip:  # as Megatron: a skipped step does not advance the schedule
             self.lr_scheduler.step()
-        data_parallel.average_batchnorm_stats(self._bn_stats, self.mesh["dp"].get_group())
         return self._global_mean(local_loss)
 
     def parameters(self):
@@ -362,6 +359,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
     if tp > 1:
         check_tied_styles(layout)
+    batch_norm.whole_batch_refusal(model, plan)
     optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
     if optimizer_only:
         raise PlanMismatchError(
@@ -421,6 +419,10 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                     f"{' with sequence parallelism' if sp else ''}: {why}",
                     hint="plan with `autopar plan` / autopar.plan (it offers only layouts that run), or without "
                          f"{'sequence parallelism' if sp else 'tensor parallelism'} for this model")
+
+    # BatchNorm over the global batch (after the fake-tensor probes above: they run no collective)
+    if plan.mesh.dp > 1:
+        batch_norm.synchronise(model, mesh["dp"].get_group(), device)
 
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)

@@ -31,7 +31,7 @@ from autopar.solve.lowering_costs import charge_tp_collectives
 from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
 from autopar.solve.refine import assignment_of, fits, polish, tidy, uniform_layouts
 from autopar.solve.search import CandidateResult, SearchResult, search
-from autopar.solve.search_space import Candidate, enumerate_candidates
+from autopar.solve.search_space import Candidate, enumerate_candidates, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.what_fits import checking_a_fix, hint_text, tried_text, what_would_fit
 
@@ -185,7 +185,8 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
     world = cluster.world_size
     cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints,
                                        seq_len=getattr(model, "seq_len", None),
-                                       lowering_limits=getattr(model, "lowering_limits", None))
+                                       lowering_limits=getattr(model, "lowering_limits", None),
+                                       whole_batch=whole_batch_reason(model.layers))
     if not cands:
         raise InfeasibleError(
             f"no valid mesh for {world} GPUs, global batch {global_batch_size} and {len(model.layers)} layers"

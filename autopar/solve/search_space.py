@@ -22,6 +22,11 @@ left to the stage solver (`cpsat.py`). Enumeration rules, and why:
   max(1, m // pp) rounds, but only m % pp == 0 gives its order the shape the
   cost model simulates, and it implies m >= pp).
 - sequence parallelism only with tp > 1.
+- a model with BatchNorm (`LayerSpec.attrs["batch_norm_channels"]`): one
+  micro-batch per dp rank and no pipeline. Its training forward normalises
+  by the statistics of the batch it sees; the lowering synchronises them over
+  dp (autopar/lower/batch_norm.py) but a micro-batch only ever sees its own
+  samples, which is another function than one process training the batch.
 """
 from __future__ import annotations
 
@@ -85,14 +90,17 @@ class SpaceReport:
 def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: int, tp_degrees,
                          constraints: Constraints | None = None, *, max_micro_batch: int | None = None,
                          interleave_choices=INTERLEAVE_CHOICES, seq_len: int | None = None,
-                         lowering_limits: dict | None = None) -> tuple[list[Candidate], SpaceReport]:
+                         lowering_limits: dict | None = None, whole_batch: str | None = None
+                         ) -> tuple[list[Candidate], SpaceReport]:
     """All candidates allowed by the cluster, the model and the pins, in a fixed order.
 
     `seq_len` (the training sequence length) rules out sequence parallelism
     where tp does not divide it: every tp rank must hold an equal shard of
     the sequence (torch's collectives need equal pieces). `lowering_limits`
     (autopar.lower.what_runs) rules out what the lowering cannot run for
-    this model: pipelines, tp degrees, sequence parallelism, with reasons."""
+    this model: pipelines, tp degrees, sequence parallelism, with reasons.
+    `whole_batch` (see `whole_batch_reason`): why each replica's batch must
+    run as one forward; micro-batching and pipelines are then not offered."""
     c = constraints or Constraints()
     report = SpaceReport({})
     limits = lowering_limits if (lowering_limits or {}).get("checked") else {}
@@ -122,6 +130,9 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
             if pp > 1 and limits.get("pipeline"):
                 report.add(f"lowering cannot run it ({limits['pipeline']})", mesh)
                 continue
+            if pp > 1 and whole_batch:
+                report.add(f"a pipeline runs micro-batches and {whole_batch}", mesh)
+                continue
             if global_batch_size % dp:
                 report.add(f"dp does not divide the global batch {global_batch_size}", mesh)
                 continue
@@ -132,12 +143,25 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                 if max_micro_batch is not None and c.micro_batch is None and mbs > max_micro_batch:
                     continue
                 m = per_replica // mbs
+                if m > 1 and whole_batch:
+                    report.add(f"{m} micro-batches per step, and {whole_batch}", f"{mesh} micro-batch {mbs}")
+                    continue
                 for schedule, v in _schedules(pp, m, num_layers, c, interleave_choices, report,
                                               f"{mesh} with {m} micro-batches"):
                     for sp in _sequence_parallel(tp, c, seq_len, report, mesh, no_sp.get(str(tp))):
                         out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
                                              schedule=schedule, virtual_stages=v, sequence_parallel=sp))
     return out, report
+
+
+def whole_batch_reason(layers) -> str | None:
+    """Why every forward must see a replica's whole batch, or None: BatchNorm
+    (capture's `batch_norm_channels`) normalises by the batch it is given."""
+    bn = [l.name for l in layers if (l.attrs or {}).get("batch_norm_channels")]
+    if not bn:
+        return None
+    return (f"BatchNorm (in {', '.join(bn[:3])}{' ...' if len(bn) > 3 else ''}) would normalise each micro-batch "
+            f"by its own statistics, not the batch one process trains on")
 
 
 def _schedules(pp: int, m: int, num_layers: int, c: Constraints, interleave_choices, report=None, what=""):
