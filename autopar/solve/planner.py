@@ -31,7 +31,7 @@ from autopar.solve.lowering_costs import charge_tp_collectives
 from autopar.solve.problem import KIB, NS, memory_floor, time_lower_bound, to_mem_units
 from autopar.solve.refine import assignment_of, fits, polish, tidy, uniform_layouts
 from autopar.solve.search import CandidateResult, SearchResult, search
-from autopar.solve.search_space import Candidate, enumerate_candidates, whole_batch_reason
+from autopar.solve.search_space import Candidate, divisors, enumerate_candidates, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.what_fits import checking_a_fix, hint_text, tried_text, what_would_fit
 
@@ -89,14 +89,31 @@ def model_spec(model, example_inputs=None, *, seq_len=None, name=None, precision
 
 
 def tp_degrees(model) -> tuple:
-    """Tensor-parallel sizes every splittable layer accepts (blocks decide; odd vocabularies run replicated)."""
+    """Tensor-parallel sizes every splittable layer accepts (blocks decide). A layer
+    that splits at no size (an odd vocabulary, ALBERT's MLM head whose LayerNorm
+    spans the column-split dim) runs replicated over tp and vetoes nothing."""
+    allowed = None
+    for layer in _splittable(model):
+        allowed = (set(layer.tp_degrees) | {1}) if allowed is None else allowed & (set(layer.tp_degrees) | {1})
+    return tuple(sorted(allowed)) if allowed else (1,)
+
+
+def tp_refusals(model, degrees) -> dict:
+    """{tp: why} for each of `degrees` some splittable layer does not accept:
+    the first such layer, with the sizes tp must divide."""
+    out = {}
+    for tp in degrees:
+        layer = next((l for l in _splittable(model) if tp not in set(l.tp_degrees)), None)
+        if layer is not None:
+            sizes = ", ".join(f"{k} {layer.attrs[k]}" for k in ("heads", "kv_heads", "ffn_hidden", "vocab_size")
+                              if layer.attrs.get(k))
+            out[tp] = f"tp does not divide layer {layer.name}'s {sizes or 'split dimension'}"
+    return out
+
+
+def _splittable(model) -> list:
     layers = [l for l in model.layers if l.kind in TP_KINDS] or [l for l in model.layers if l.tp_allreduces]
-    if not layers:
-        return (1,)
-    allowed = set(layers[0].tp_degrees) | {1}
-    for layer in layers[1:]:
-        allowed &= set(layer.tp_degrees) | {1}
-    return tuple(sorted(allowed))
+    return [l for l in layers if set(l.tp_degrees or (1,)) - {1}]
 
 
 def tp_style(layer, tp: int, sequence_parallel: bool) -> str:
@@ -186,7 +203,8 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
     cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints,
                                        seq_len=getattr(model, "seq_len", None),
                                        lowering_limits=getattr(model, "lowering_limits", None),
-                                       whole_batch=whole_batch_reason(model.layers))
+                                       whole_batch=whole_batch_reason(model.layers),
+                                       tp_why=tp_refusals(model, divisors(world)))
     if not cands:
         raise InfeasibleError(
             f"no valid mesh for {world} GPUs, global batch {global_batch_size} and {len(model.layers)} layers"

@@ -90,8 +90,8 @@ class SpaceReport:
 def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: int, tp_degrees,
                          constraints: Constraints | None = None, *, max_micro_batch: int | None = None,
                          interleave_choices=INTERLEAVE_CHOICES, seq_len: int | None = None,
-                         lowering_limits: dict | None = None, whole_batch: str | None = None
-                         ) -> tuple[list[Candidate], SpaceReport]:
+                         lowering_limits: dict | None = None, whole_batch: str | None = None,
+                         tp_why: dict | None = None) -> tuple[list[Candidate], SpaceReport]:
     """All candidates allowed by the cluster, the model and the pins, in a fixed order.
 
     `seq_len` (the training sequence length) rules out sequence parallelism
@@ -100,10 +100,16 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
     (autopar.lower.what_runs) rules out what the lowering cannot run for
     this model: pipelines, tp degrees, sequence parallelism, with reasons.
     `whole_batch` (see `whole_batch_reason`): why each replica's batch must
-    run as one forward; micro-batching and pipelines are then not offered."""
+    run as one forward; micro-batching and pipelines are then not offered.
+    `tp_why`: {tp: why} for tp degrees outside `tp_degrees` (which layer refuses)."""
     c = constraints or Constraints()
     report = SpaceReport({})
     limits = lowering_limits if (lowering_limits or {}).get("checked") else {}
+    if lowering_limits is not None and not lowering_limits.get("checked"):
+        # The lowering was asked and could not say what runs: offer only what needs no
+        # split of the model (data parallelism, ZeRO), never a layout that may not run.
+        why = f"its check could not run: {lowering_limits.get('why', 'unknown')}"
+        limits = {"pipeline": why, "tp": {str(t): why for t in tp_degrees if t > 1}}
     no_tp = limits.get("tp") or {}
     no_sp = limits.get("sequence_parallel") or {}
     tp_ok = set(tp_degrees)
@@ -112,7 +118,7 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
         if c.tp is not None and tp != c.tp:
             continue
         if tp not in tp_ok:
-            report.add("tp does not divide the layers' heads/ffn", f"tp{tp}")
+            report.add((tp_why or {}).get(tp, "tp does not divide the layers' heads/ffn"), f"tp{tp}")
             continue
         if no_tp.get(str(tp)):
             report.add(f"lowering cannot run it ({no_tp[str(tp)]})", f"tp{tp}")
