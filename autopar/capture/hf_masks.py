@@ -9,7 +9,8 @@ for tracers, `is_tracing`, takes the slow path: a materialised mask and no
 `is_causal`, which is not what a training run does).
 
 Capture therefore answers those checks as a pretraining batch would: no
-padding, no packed sequences. The patch is process-wide while capture runs,
+padding, no packed sequences (and skips the padding warning of models called
+without a mask). The patch is process-wide while capture runs,
 touches only `transformers.masking_utils` if it is already imported (capture
 never imports transformers), and is always restored. A model trained on padded
 batches builds one boolean (b, 1, s, s) mask per step in addition; its
@@ -43,8 +44,17 @@ def assume_unpadded_batches():
     saved = {name: getattr(masking, name) for name in patches if hasattr(masking, name)}
     for name in saved:
         setattr(masking, name, patches[name])
+    # BERT-family forwards called without an attention mask look for padding in the
+    # ids only to print a warning (`pad_token_id in input_ids[:, [-1, 0]]`, DeBERTa-v2):
+    # a value read, no effect on what runs.
+    model_cls = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    warn = getattr(model_cls, "warn_if_padding_and_no_attention_mask", None)
+    if warn is not None:
+        model_cls.warn_if_padding_and_no_attention_mask = lambda self, *args, **kwargs: None
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(masking, name, value)
+        if warn is not None:
+            model_cls.warn_if_padding_and_no_attention_mask = warn

@@ -80,10 +80,14 @@ def _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len, gr
     for _, _, paths, _ in facts:
         mods = [p for p in paths if p in modules]  # capture may fold loose parameters into a block
         is_block.append(len(mods) == 1 and mods[0].rpartition(".")[0] in stacks)
-    if not any(is_block):
-        raise PlanMismatchError(f"{type(model).__name__} has no repeated blocks to place layers from",
-                                hint="autopar places the repeated blocks of an nn.ModuleList/nn.Sequential")
-    first, last = is_block.index(True), len(is_block) - 1 - is_block[::-1].index(True)
+    if not any(is_block) and tp > 1:
+        # Data parallelism needs no blocks (ALBERT applies one shared layer N times);
+        # tensor parallelism splits the blocks of a stack.
+        raise PlanMismatchError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) for "
+                                f"tensor parallelism to split",
+                                hint="plan with tp=1, or hold the repeated blocks in an nn.ModuleList")
+    first, last = ((is_block.index(True), len(is_block) - 1 - is_block[::-1].index(True)) if any(is_block)
+                   else (len(is_block), -1))
     layers = []
     for i, ((name, kind, paths, degrees), block) in enumerate(zip(facts, is_block)):
         if block and tp > 1 and tp not in degrees:
@@ -136,11 +140,16 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
         c.offload = offload
         c.checkpoint = checkpoint if id(c) in block_ids else "none"
     n_stages = pp * (virtual_stages if schedule == "interleaved" else 1)
-    if stage_layers is None:
+    if stage_layers is None and not blocks and n_stages == 1:
+        counts = [len(layers)]  # no block stack: one stage holds every layer
+    elif stage_layers is None:
         per, extra = divmod(len(blocks), n_stages)
         counts = [per + (1 if i < extra else 0) for i in range(n_stages)]
         if counts[-1] == 0:
-            raise PlanMismatchError(f"{len(blocks)} blocks cannot fill {n_stages} pipeline stages")
+            raise PlanMismatchError(
+                f"{len(blocks)} blocks cannot fill {n_stages} pipeline stages" if blocks else
+                f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut pipeline "
+                f"stages between", hint="plan with pp=1, or hold the repeated blocks in an nn.ModuleList")
         first = layers.index(blocks[0])
         counts[0] += first
         counts[-1] += len(layers) - first - len(blocks)
