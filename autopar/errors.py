@@ -55,5 +55,10 @@ class InfeasibleError(AutoparError):
         self.fixes = fixes
 
 
+class ModelOutputError(AutoparError):
+    """The model returns nothing autopar can hand to loss_fn(logits, targets)
+    as the logits (autopar/lower/model_io.py `logits_of`)."""
+
+
 class PlanMismatchError(AutoparError):
     """A plan does not match the model, the world size or the schema."""

@@ -204,8 +204,9 @@ def test_model_outputs_and_losses():
     loss_fn.tokens_per_share = float(loss_fn.scored_tokens(labels))
     assert loss_fn.tokens_per_share == 2 * 7 - 4
     assert torch.allclose(loss_fn(out.logits, labels), model(x, labels=labels).loss, rtol=1e-6)
-    with pytest.raises(AutoparError, match="neither a tensor nor an object with a `.logits`"):
-        logits_of({"hidden": out.logits})
+    assert logits_of({"hidden": out.logits}) is out.logits  # a dict's only tensor
+    with pytest.raises(AutoparError, match="several tensors and none under the key 'logits'"):
+        logits_of({"hidden": out.logits, "scores": out.logits})
     with pytest.raises(AutoparError, match="needs loss_fn") as err:
         resolve_loss_fn(torch.nn.Linear(2, 2), None)
     assert "cross_entropy" in err.value.hint

@@ -28,6 +28,7 @@ def _plan_from_file(args):
     """The saved plan, checked against the model and the GPU count it is compiled for."""
     from autopar.commands.common import planning_options_given
     from autopar.plan_file import load_plan_file
+    from autopar.lower.model_io import check_output
     from autopar.lower.model_layers import resolve
     from autopar.model_file import load_model
 
@@ -52,7 +53,9 @@ def _plan_from_file(args):
             raise AutoparError(f"{args.plan} records its model as {args.model}, which is not a file from here",
                                hint=f"name the model file: autopar compile PATH/TO/model.py[:factory] --plan {args.plan}")
         print(f"autopar compile: model {args.model} (recorded in {args.plan})", file=sys.stderr)
-    resolve(load_model(args.model).model, plan)  # the same model as planned? (names and shapes)
+    loaded = load_model(args.model)
+    resolve(loaded.model, plan)  # the same model as planned? (names and shapes)
+    check_output(loaded.model, loaded.example_inputs)  # an output loss_fn cannot read: refused here
     return plan
 
 
@@ -67,11 +70,14 @@ def run(args) -> int:
             raise AutoparError("nothing to compile: give a model file or --plan plan.json",
                                hint="e.g. autopar compile examples/gpt.py:gpt_tiny --gpus 4 --device cpu -o build/")
         from autopar.commands.common import plan_from_args
+        from autopar.lower.model_io import check_output
         from autopar.lower.model_layers import model_signature
         from autopar.model_file import load_model
-        plan, _graph = plan_from_args(args)
+        plan, _graph = plan_from_args(args)  # bad flags fail first, before the model is built
+        loaded = load_model(args.model)
+        check_output(loaded.model, loaded.example_inputs)  # an output loss_fn cannot read: refused here
         # Record parameter names and shapes so train.py refuses a different model.
-        plan.model.setdefault("param_shapes", model_signature(load_model(args.model).model)["param_shapes"])
+        plan.model.setdefault("param_shapes", model_signature(loaded.model)["param_shapes"])
     check_runs_on_autopar(plan)  # a plan priced for another engine (autopar plan --engine) is not lowered
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise AutoparError(f"-o {args.output} is a file; compile writes a folder (train.py, plan.json, ...)",

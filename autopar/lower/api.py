@@ -7,6 +7,7 @@ import torch
 
 from autopar.engine import check_runs_on_autopar
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.lower.model_io import check_output
 from autopar.lower.parallel_model import ParallelModel, lower
 from autopar.plan import Plan, check_precision
 
@@ -60,7 +61,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     init_process_group). `example_inputs` is a tuple of positional tensors
     for one micro-batch at the training sequence length, or a callable
     batch_size -> tuple; `loss_fn(logits, targets)` returns a mean loss (the
-    model's output, or its `.logits` for Hugging Face outputs); None uses a
+    model's output, its `.logits`, or a dict's "logits": see
+    autopar/lower/model_io.py; any other output is refused here); None uses a
     Hugging Face causal LM's own loss. `init_fn(module)` initialises a
     meta-device model module by module (parameters and buffers; default for
     Hugging Face models: their `_init_weights`); real weights are kept.
@@ -75,6 +77,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     """
     if precision is not None:
         check_precision(precision)
+    check_output(model, example_inputs)  # an output loss_fn cannot read: refused before planning
     if plan is None:
         try:
             from autopar.solve import plan as make_plan

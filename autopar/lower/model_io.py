@@ -4,11 +4,22 @@ Models as people write them return a logits tensor (examples/gpt.py) or a
 Hugging Face `ModelOutput` (`LlamaForCausalLM(...)(input_ids).logits`). A
 pipeline stage can only hand tensors to the next stage and to the loss, so
 every stage returns *the logits tensor* and `loss_fn(logits, targets)` is
-called on it, whatever the model returns:
+called on it, whatever the model returns (`logits_of`):
 
   tensor              itself
-  object with logits  `.logits` (transformers' ModelOutput, any dataclass-like)
+  object with logits  `.logits` (transformers' ModelOutput, a dataclass or
+                      namedtuple with a `logits` field)
+  mapping, dataclass  its "logits" entry (field), else its only tensor:
+                      {"logits": t, "aux": ...} and {"out": t} give t
   tuple / list        its first element (transformers with return_dict=False)
+
+"logits" is the one name trusted because it is what the loss is called with
+(`loss_fn(logits, targets)`, transformers' outputs). Among several tensors
+under other names ("out", "pred", "y") autopar does not guess: training on
+the wrong one would run without any error. Such an output, or one with no
+tensor, is refused by `autopar.compile` and `autopar compile` before
+planning or lowering (`check_output`: one forward on fake tensors), with
+what the model returned and how to return the logits.
 
 Hugging Face models are also called with `use_cache=False`: with the
 default config they would build a KV cache on every training forward
@@ -21,13 +32,15 @@ refills the RoPE `inv_freq` buffers) unless the user passes `init_fn`.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ModelOutputError
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -78,19 +91,88 @@ def positional_inputs(model: nn.Module, example_inputs):
 
 
 def logits_of(out):
-    """The tensor a stage hands on: the model's output, or its logits."""
+    """The tensor a stage hands on: the model's output, or its logits (see the table above)."""
+    logits = _logits_or_none(out)
+    if logits is None:
+        raise _output_error(out)
+    return logits
+
+
+def _logits_or_none(out):
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    fields = _named_fields(out)
+    if fields is not None:
+        if isinstance(fields.get("logits"), torch.Tensor):
+            return fields["logits"]
+        tensors = [v for v in fields.values() if isinstance(v, torch.Tensor)]
+        return tensors[0] if len(tensors) == 1 else None
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise AutoparError(
-        f"the model returned {type(out).__name__}, which is neither a tensor nor an object with a "
-        f"`.logits` tensor",
-        hint="return the logits (or an output object with .logits); autopar computes the loss with "
-             "loss_fn(logits, targets)")
+    return None
+
+
+def _named_fields(out) -> dict | None:
+    """A mapping's items or a dataclass instance's fields; None for anything else
+    (a namedtuple is a tuple: its first element, unless it has a `logits` field)."""
+    if isinstance(out, Mapping):
+        return dict(out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+    return None
+
+
+def _output_error(out) -> ModelOutputError:
+    def kind(v):
+        return f"tensor{tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+    fields = _named_fields(out)
+    if fields is None:
+        first = f" starting with {kind(out[0])}" if isinstance(out, (tuple, list)) and out else ""
+        what = "None" if out is None else f"a value of type {type(out).__name__}{first}"
+        why = f"{what}, which is neither a tensor nor holds the logits"
+    else:
+        shown = ", ".join(f"{k!r}: {kind(v)}" for k, v in list(fields.items())[:8])
+        what = f"a {type(out).__name__} {{{shown}{', ...' if len(fields) > 8 else ''}}}"
+        several = sum(isinstance(v, torch.Tensor) for v in fields.values()) > 1
+        why = (f"{what}: several tensors and none under the key 'logits', so autopar cannot tell which one "
+               f"is the logits" if several else f"{what}, which holds no tensor")
+    return ModelOutputError(
+        f"the model returned {why}; autopar hands loss_fn(logits, targets) (and each pipeline stage the next) "
+        f"one tensor, the logits",
+        hint="return the logits tensor, or a dict / dataclass holding it under the key 'logits' (its other "
+             "entries are ignored)")
+
+
+def check_output(model: nn.Module, example_inputs) -> None:
+    """Refuse a model whose output `logits_of` cannot read before any plan,
+    process group or step: one forward of one sample on fake tensors (no
+    memory; weights are not touched), fed as lowering feeds it, so every
+    rank refuses alike. A forward fake tensors cannot run says nothing about
+    the output and is left to the lowering's own checks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.capture.dtype_fallback import Bf16ShapeFallback
+
+    if example_inputs is None:  # what capture traces when the caller gives none
+        from autopar.capture.auto_inputs import infer_example_inputs
+        example_inputs = infer_example_inputs(model)
+    param = next(model.parameters(), None)  # a meta-device model runs on meta inputs
+    try:
+        split = positional_inputs(model, example_inputs)
+        args = split(1)[0] if split is not None else example_inputs(1) if callable(example_inputs) \
+            else example_inputs
+        args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+        if param is not None:
+            args = tuple(a.to(param.device) if isinstance(a, torch.Tensor) else a for a in args)
+        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad():
+            out = model(*args, **forward_kwargs(model))
+    except Exception:  # noqa: BLE001 - not a verdict on the output
+        return
+    if _logits_or_none(out) is None:
+        raise _output_error(out)
 
 
 _NEEDS_LOSS_FN = "e.g. loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())"

@@ -295,11 +295,19 @@ class StageModule(nn.Module):
             out = stop.value
         finally:
             self._received = None
-        if extra and not self.is_last:
+        if self.is_last:
+            return out
+        # Sent to the next stage: gloo sends only contiguous tensors, and torch's
+        # stages receive into buffers of the sent strides. A channels-last or
+        # permuted activation (ConvNeXt's blocks) is copied, values unchanged.
+        # The gradient sent back is the receive buffer's `.grad`, which autograd
+        # lays out as the buffer (its layout contract): contiguous as well.
+        out = out.contiguous()
+        if extra:
             # The model's inputs after the first (an attention mask, position
             # ids) travel with the activation: later stages' glue code needs
             # them, and torch's stages pass tensors without gradients along.
-            return (out, *extra)
+            return (out, *(e.contiguous() if isinstance(e, torch.Tensor) else e for e in extra))
         return out
 
 

@@ -32,9 +32,11 @@ lowered (the lowering matrix, benchmarks/lowering_matrix, runs layouts for
 real). DTensor's own index arithmetic for strided shards runs on real
 tensors during the check (`_index_math_on_real_tensors`).
 
-The fake process group is the process's default group, so the check runs
-only in a process that has none yet (planning before `init_process_group`;
-`autopar plan`); otherwise `checked` is False with the reason.
+The fake process group never replaces a real one: the check runs alike in
+a process without a process group (`autopar plan`) and inside torchrun,
+where `autopar.compile(plan=None)` plans on rank 0 of a real gloo / nccl
+world, and gives the same answer (`fake_tp_mesh`). It issues no real
+collective: DTensor's run on fake tensors, whose collectives do nothing.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.errors import AutoparError, PlanMismatchError
+from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
 
 _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
 
@@ -58,19 +60,73 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
+_FAKE_GROUP = "autopar_fake_tp{}"
+
+
 @contextlib.contextmanager
 def fake_tp_mesh(size: int):
-    """A 1-D "tp" DeviceMesh of `size` ranks over torch's fake backend (this process is rank 0)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """A 1-D DeviceMesh of `size` ranks over torch's fake backend, this process at
+    coordinate 0, whatever process group it is in: the same mesh, so the same
+    answers, in a process without one and on any rank of a real world.
+
+    DTensor asks the default group for this process's rank, so a process
+    without one gets a fake world of one rank for the duration. The mesh's
+    group is a fake group beside the default one, registered under a fixed
+    name per size (DTensor's sharding caches keep the meshes of earlier checks
+    and find their group again by that name) and removed afterwards. Its
+    dimension is named so that it never equals a real mesh in those caches."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with _default_group_or_fake_one():
+        me = dist.get_rank()
+        ranks = [me] + [r for r in range(size + 1) if r != me][:size - 1]  # global ranks; this one first
+        with _fake_group(_FAKE_GROUP.format(size), ranks) as group:
+            yield DeviceMesh.from_group(group, "cpu", mesh_dim_names=("autopar_fake_tp",))
+
+
+@contextlib.contextmanager
+def _default_group_or_fake_one():
+    if dist.is_initialized():
+        yield
+        return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     hook = sys.excepthook  # init_process_group prefixes "[rank0]" to every later traceback
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
-        yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+        yield
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def _fake_group(name: str, ranks: list[int]):
+    """A process group of torch's fake backend (collectives do nothing), known to
+    c10d by `name` and as `ranks` (global rank -> group rank) as `dist.new_group`
+    records one, but made without it: new_group is a collective on the default
+    group, and planning runs on rank 0 alone."""
+    from torch._C._distributed_c10d import (FakeProcessGroup, ProcessGroup, _register_process_group,
+                                            _unregister_process_group)
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    group = ProcessGroup(FakeStore(), 0, len(ranks))
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
+                            FakeProcessGroup._create_internal(0, len(ranks)))
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    group._set_group_name(name)
+    world = c10d._world
+    tables = (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config)
+    _register_process_group(name, group)
+    for table, value in zip(tables, (("fake", None), name, {r: i for i, r in enumerate(ranks)}, "fake")):
+        table[group] = value
+    try:
+        yield group
+    finally:
+        for table in tables:
+            table.pop(group, None)
+        _unregister_process_group(name)
 
 
 def _empty_copy(block: nn.Module, device) -> nn.Module:
@@ -238,7 +294,7 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
                 stages.append(StageModule(model, layout, i, num_stages, dummy, returns, pre_outputs, probe_batch))
                 out = stages[-1](*x)
                 x = out if isinstance(out, tuple) else (out,)
-    except PlanMismatchError:
+    except (PlanMismatchError, ModelOutputError):  # not a pipeline's failure: the model's own
         raise
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return f"pipeline stage {i} of {num_stages} fails on its stand-ins: {_first_line(exc)}"
@@ -323,9 +379,8 @@ def limits(model: nn.Module, graph, example_inputs, tp_degrees=None) -> dict:
     described at the top of this file, for the tp degrees given (default:
     every degree the blocks allow; the planner passes those its cluster can
     use). Never raises: a check that cannot run says so under "checked"/"why"."""
-    if dist.is_available() and dist.is_initialized():
-        return {"checked": False, "why": "a process group already exists in this process, so no fake one "
-                                         "can be made: layouts are checked when the plan is lowered"}
+    if not dist.is_available():
+        return {"checked": False, "why": "this torch has no torch.distributed: layouts are checked when lowered"}
     try:
         return _limits(model, graph, example_inputs, tp_degrees)
     except AutoparError as exc:
