@@ -320,10 +320,17 @@ def check_stage_cuts(layout: ModelLayout, num_stages: int) -> None:
         if key < prev:
             raise PlanMismatchError(f"layer {l.choice.name!r} is out of order across pipeline stages")
         prev = key
-        if l.position == "pre" and l.stage != 0:
-            raise PlanMismatchError(f"embedding layer {l.choice.name!r} must be on the first pipeline stage")
-        if l.position == "post" and l.stage != num_stages - 1:
-            raise PlanMismatchError(f"head layer {l.choice.name!r} must be on the last pipeline stage")
+        if l.position != "block" and l.stage != (0 if l.position == "pre" else num_stages - 1):
+            # Lowering cuts stages only between the blocks of a stack (a ModuleList of
+            # layers); what runs before / after the stack stays with the first / last stage.
+            where = ("before" if l.position == "pre" else "after")
+            stacks = ", ".join(repr(s) for s in layout.stacks) or "none found"
+            raise PlanMismatchError(
+                f"layer {l.choice.name!r} is not a block of the stack lowering cuts pipeline stages between "
+                f"({stacks}): it runs {where} the stack, so it must be on the "
+                f"{'first' if l.position == 'pre' else 'last'} pipeline stage, and this plan puts it on stage "
+                f"{l.stage}",
+                hint="hold the repeated blocks in one nn.ModuleList, or plan without pipeline parallelism")
 
 
 def check_schedule(plan) -> None:

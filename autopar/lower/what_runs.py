@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.capture.hf_masks import assume_unpadded_batches
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
 
 _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
@@ -246,9 +247,15 @@ class _Collectives(TorchDispatchMode):
 
 
 def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwargs, outputs_of=None):
-    """(block plans, {index: (args, kwargs)} each block was called with, pre outputs) from one fake forward."""
+    """(block plans, {index: (args, kwargs)} each block was called with, pre outputs) from one fake forward.
+    A model built on the meta device (the CLI's, or one lowered before materialisation)
+    runs on meta copies of the inputs: fake tensors keep each tensor's device, and a
+    meta weight meeting a CPU input is a device mismatch, not a verdict on the layout."""
     from autopar.lower import tensor_parallel
 
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "meta":
+        example_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_args)
     seen, hooks = {}, []
 
     def keep(i):
@@ -259,8 +266,9 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
         hooks.append(b.register_forward_pre_hook(keep(i), with_kwargs=True))
     outputs = {}
     try:
-        plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
-                                             outputs=outputs)
+        with assume_unpadded_batches():  # Hugging Face's value checks, answered as capture answers them
+            plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
+                                                 outputs=outputs)
     finally:
         for h in hooks:
             h.remove()
@@ -286,7 +294,8 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad(), \
+                assume_unpadded_batches():
             def dummy(batch):
                 return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in example_args)
             x = tuple(t.to(device) for t in example_args)
@@ -408,9 +417,20 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     out = {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": []}
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}
-    if not blocks:
-        out["pipeline"] = "the model has no block stack to cut between"
-        return out
+    degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")
+                      for d in (l.tp_degrees or ()) if d > 1})
+    if tp_degrees is not None:
+        degrees = [d for d in degrees if d in set(tp_degrees)]
+    off_stack = _split_off_stack(graph, layout)
+    if not blocks or off_stack:
+        # Lowering splits attention / MLP pairs only inside the blocks of a stack; a layer
+        # priced as split elsewhere would run whole (or only its embedding split).
+        why = (f"layer {off_stack!r} is not a block of a stack (an nn.ModuleList of layers), and lowering "
+               f"splits attention / MLP Linears only there" if off_stack else "the model has no block stack")
+        out["tp"] = {str(d): why for d in degrees}
+        if not blocks:
+            out["pipeline"] = "the model has no block stack to cut between"
+            return out
     stand_ins = pipeline_parallel.stand_in_modules(model, layout)
     plans, inputs, pre_outputs = record_blocks(model, blocks, args, forward_kwargs(model), stand_ins)
     try:
@@ -421,18 +441,15 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                                               pre_outputs)
         if layout.num_blocks >= 2:  # two stages, cut as a plan would cut them
             two = resolve(model, plan_for_model(model, pp=2, num_micro_batches=2, graph=graph))
+            pipeline_parallel.check_stage_cuts(two, 2)  # a layer lowering cannot cut between
             out["pipeline"] = pipeline_failure(model, two, 2, args, {i: p.returns for i, p in plans.items()},
                                                pre_outputs, 1)
     except PlanMismatchError as exc:
         out["pipeline"] = exc.message
-    degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")
-                      for d in (l.tp_degrees or ()) if d > 1})
-    if tp_degrees is not None:
-        degrees = [d for d in degrees if d in set(tp_degrees)]
     out["tp_checked"] = degrees  # others (advice for another GPU count) are checked when lowered
     for tp in degrees:
         for sp, key in ((False, "tp"), (True, "sequence_parallel")):
-            if sp and out["tp"].get(str(tp)):
+            if out["tp"].get(str(tp)):
                 continue  # not offered at all
             issued: dict = {}
             failures, undecided = block_failures(model, blocks, args, forward_kwargs(model), tp, sp,
@@ -448,6 +465,18 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                 out["unverified"] += [f"{what}: {u}" for u in undecided]
                 out[key][str(tp)] = f"cannot be shown to run split over {what} on fake tensors: {undecided[0]}"
     return out
+
+
+def _split_off_stack(graph, layout) -> str | None:
+    """The first layer the planner would split into column/row pairs (a block or MLP
+    kind with tp degrees) that lowering does not see as a block of a stack."""
+    kinds = {l.name: l for l in graph.layers}
+    for l in layout.layers:
+        g = kinds.get(l.choice.name)
+        if (l.position != "block" and g is not None and g.kind not in ("embedding", "head", "norm")
+                and set(g.tp_degrees or ()) - {1}):
+            return l.choice.name
+    return None
 
 
 def _keep_collectives(out: dict, tp: str, variant: str, issued: dict, plans, inputs, layout) -> None:
