@@ -8,6 +8,11 @@ loss and parameter), or refused on both ranks with the real cause:
   ALBERT       one shared layer applied N times: no block stack, so data parallelism
                and ZeRO-3 run (one stage of every layer) and tp / pp are refused
                naming that
+  x-transformers style
+               layers as ModuleLists [norms, attention / MLP, residual] that the
+               decoder walks itself (never called: no block forward to cut at, so
+               the decoder is one layer, and FSDP2 shards the containers' children),
+               autocast switched off by the input's device (on meta at capture)
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from dist_utils import run_world
 
@@ -32,7 +39,62 @@ def build(arch: str):
         return T.DebertaV2ForMaskedLM(T.DebertaV2Config(**small))
     if arch == "albert":
         return T.AlbertForMaskedLM(T.AlbertConfig(embedding_size=16, **small))
+    if arch == "xstyle":
+        return XStyleLM()
     raise KeyError(arch)
+
+
+class _XAttention(nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (f(x).view(b, s, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        with torch.autocast(x.device.type, enabled=False):  # as x-transformers' rotary embedding
+            q = q.float() * 1.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(out.transpose(1, 2).reshape(b, s, d))
+
+
+class _XFeedForward(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return self.ff(x)
+
+
+class _XResidual(nn.Module):
+    def forward(self, out, residual):
+        return out + residual
+
+
+class XStyleLM(nn.Module):
+    """x-transformers' TransformerWrapper(Decoder) shape: self.layers[i] = ModuleList([norms, block, residual])."""
+
+    def __init__(self, d=32, depth=4):
+        super().__init__()
+        self.token_emb = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.ModuleList([nn.LayerNorm(d)]), _XAttention(d) if i % 2 == 0 else _XFeedForward(d),
+                           _XResidual()]) for i in range(depth))
+        self.final_norm = nn.LayerNorm(d)
+        self.to_logits = nn.Linear(d, VOCAB)
+
+    def forward(self, idx):
+        x = self.token_emb(idx)
+        for norms, block, residual in self.layers:
+            x = residual(block(norms[0](x)), x)
+        return self.to_logits(self.final_norm(x))
+
+
+def _ce(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def _world(rank, world, cells):
@@ -47,8 +109,9 @@ def _world(rank, world, cells):
         ref = copy.deepcopy(model)
         opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         ref_losses = []
+        loss_fn = _ce if arch == "xstyle" else None
         for x in batches:
-            loss = ref(x, labels=x).loss
+            loss = _ce(ref(x), x) if loss_fn else ref(x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -57,7 +120,7 @@ def _world(rank, world, cells):
         try:
             mb = BATCH // layout.get("dp", 1) // layout.get("num_micro_batches", 1)
             plan = plan_for_model(model, example_inputs=inputs, micro_batch_size=mb, **layout)
-            pm = autopar.compile(model, plan=plan, example_inputs=inputs, optimizer=torch.optim.SGD,
+            pm = autopar.compile(model, plan=plan, example_inputs=inputs, loss_fn=loss_fn, optimizer=torch.optim.SGD,
                                  optimizer_kwargs=dict(lr=0.1, momentum=0.9))
             losses = [pm.train_step(x, x) for x in batches]
         except AutoparError as exc:
@@ -82,6 +145,9 @@ CELLS = [
     ("albert_zero3", "albert", dict(dp=2, zero=3)),
     ("albert_tp", "albert", dict(tp=2)),
     ("albert_pp", "albert", dict(pp=2, num_micro_batches=2)),
+    ("xstyle_dp", "xstyle", dict(dp=2)),
+    ("xstyle_zero3", "xstyle", dict(dp=2, zero=3)),
+    ("xstyle_pp", "xstyle", dict(pp=2, num_micro_batches=2)),
 ]
 
 
@@ -91,10 +157,27 @@ def test_deberta_and_albert_train_as_one_process_or_are_refused_with_the_cause()
     for name, *_ in CELLS:
         assert results[0][name].get("refused") == results[1][name].get("refused"), name
     r = results[0]
-    for name in ("deberta_dp", "deberta_tp", "deberta_pp", "albert_dp", "albert_zero3"):
+    for name in ("deberta_dp", "deberta_tp", "deberta_pp", "albert_dp", "albert_zero3", "xstyle_dp", "xstyle_zero3"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # tp splits DeBERTa's blocks, not only its embeddings
     assert any(".encoder.layer.0." in k for k in r["deberta_tp"]["tp_sharded"]), r["deberta_tp"]["tp_sharded"]
     assert "no repeated blocks" in r["albert_tp"]["refused"] and "tensor parallelism" in r["albert_tp"]["refused"]
     assert "no repeated blocks" in r["albert_pp"]["refused"] and "pipeline" in r["albert_pp"]["refused"]
+    assert "pipeline stages" in r["xstyle_pp"]["refused"]
+
+
+def test_x_transformers_style_layers_capture_as_one_priced_layer_and_the_planner_plans_dp():
+    """Capture on meta with an autocast region; the never-called layer containers are not
+    blocks (before, every op landed in the embedding layer and the blocks were priced at 0)."""
+    import autopar
+    model = XStyleLM()
+    inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
+    graph = autopar.capture(model, inputs, loss_fn=_ce)
+    flops = {l.name: l.eval("fwd_flops", 2, SEQ) for l in graph.layers}
+    # each attention / MLP is its own priced layer, and no layer holds another's work
+    assert flops["layers.0.1"] > 0 and flops["layers.1.1"] > 0 and flops["layers.2.1"] == flops["layers.0.1"]
+    assert flops.get("token_emb", 0) < min(flops["layers.0.1"], flops["layers.1.1"])
+    plan = autopar.plan(model, autopar.ClusterSpec(gpus=2, device="cpu"), example_inputs=inputs,
+                        global_batch_size=4, precision="fp32")
+    assert (plan.mesh.pp, plan.mesh.tp) == (1, 1)

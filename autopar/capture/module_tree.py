@@ -29,6 +29,11 @@ def _composite(module: nn.Module) -> bool:
     return _has_params(module) and next(module.children(), None) is not None
 
 
+def _never_called(module: nn.Module) -> bool:
+    """A ModuleList / ModuleDict without a forward of its own: a namespace its parent walks."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
 def _is_container(module: nn.Module) -> bool:
     """A ModuleList/Sequential holding composite modules, or a ModuleDict of
     blocks (torchtitan: `self.layers = nn.ModuleDict({"0": TransformerBlock(), ...})`).
@@ -62,14 +67,28 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         container = model.get_submodule(path)
         if not any(_composite(c) and counts[type(c)] >= 2 for c in container.children()):
             continue
+        if any(_never_called(c) for c in container.children() if _has_params(c)):
+            # x-transformers' layers: each a ModuleList [norms, attention / MLP, residual]
+            # the decoder walks itself. Nothing calls such a block, so it has no forward
+            # to cut at: no stack here (the decoder stays one layer, priced whole).
+            continue
         for name, child in container.named_children():
             if _has_params(child):
                 blocks.append((f"{path}.{name}" if path else name, child))
     if blocks:
         return blocks
-    # No repeated structure: each parameterised child of the root is a layer.
-    blocks = [(name, child) for name, child in model.named_children() if _has_params(child)]
-    return blocks or [("", model)]
+    # No repeated structure: each parameterised child of the root is a layer (inside
+    # a container the root walks itself, each of its parameterised children).
+    return list(_called_children(model, "")) or [("", model)]
+
+
+def _called_children(module: nn.Module, prefix: str):
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if _never_called(child):
+            yield from _called_children(child, path)
+        elif _has_params(child):
+            yield path, child
 
 
 # A block's own position in the stack. Hugging Face stores it on every

@@ -33,6 +33,7 @@ from autopar.capture import ops as opinfo
 from autopar.capture.dtype_fallback import shapes_in_bf16
 from autopar.capture.gpu_kernels import gpu_kernels
 from autopar.capture.hf_masks import assume_unpadded_batches
+from autopar.capture.meta_autocast import autocast_is_a_no_op_on_meta
 from autopar.capture.no_checkpointing import checkpointing_off
 from autopar.errors import CaptureError
 
@@ -483,7 +484,8 @@ class Tracer:
         try:
             with checkpointing_off() as checkpointing, \
                     torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
-                    gpu_kernels(), assume_unpadded_batches(), _Recorder(self), torch.enable_grad():
+                    gpu_kernels(), assume_unpadded_batches(), autocast_is_a_no_op_on_meta(), _Recorder(self), \
+                    torch.enable_grad():
                 output = self.model(*args, **kwargs)
                 post = self.n_layers - 1
                 if self.loss_fn is not None:

@@ -130,6 +130,19 @@ def fp32_modules(model: nn.Module, keep: list[str] | None = None) -> dict[str, b
     return out
 
 
+def _callable_modules(modules) -> list[nn.Module]:
+    """The modules holding parameters, a container that is never called (an
+    nn.ModuleList layer, as x-transformers holds [norm, attention, residual])
+    replaced by its children: FSDP2 hooks forwards, and refuses such containers."""
+    out = []
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            out += _callable_modules(m.children())
+        elif any(True for _ in m.parameters()):
+            out.append(m)
+    return out
+
+
 def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh, precision: str,
                tied_local: set[str], grads: str = "fp32") -> None:
     """Shard one stage module: one FSDP unit per layer, the stage as root unit."""
@@ -157,8 +170,7 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
         off = offload_policy(l.choice.offload)
         # One unit per layer, also when the layer is several modules (a head's final norm
         # and output Linear): one all-gather for them, as torchtitan groups [norm, output].
-        modules = [model.get_submodule(p) for p in l.paths if p not in own_units]
-        modules = [m for m in modules if any(True for _ in m.parameters())]
+        modules = _callable_modules(model.get_submodule(p) for p in l.paths if p not in own_units)
         if modules:
             fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=l.choice.zero >= 3,
                         **kwargs, **({"offload_policy": off} if off else {}))

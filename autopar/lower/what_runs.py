@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.capture.hf_masks import assume_unpadded_batches
+from autopar.capture.meta_autocast import autocast_is_a_no_op_on_meta
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
 
 _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
@@ -266,7 +267,8 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
         hooks.append(b.register_forward_pre_hook(keep(i), with_kwargs=True))
     outputs = {}
     try:
-        with assume_unpadded_batches():  # Hugging Face's value checks, answered as capture answers them
+        # Hugging Face's value checks and autocast on meta, answered as capture answers them
+        with assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
             plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
                                                  outputs=outputs)
     finally:
@@ -295,7 +297,7 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     device = param.device if param is not None else torch.device("cpu")
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad(), \
-                assume_unpadded_batches():
+                assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
             def dummy(batch):
                 return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in example_args)
             x = tuple(t.to(device) for t in example_args)
@@ -439,7 +441,10 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
         pipeline_parallel.check_block_outputs(plans, {i: l.paths[0] for l in layout.layers
                                                       if l.position == "block" for i in [l.block_index]},
                                               pre_outputs)
-        if layout.num_blocks >= 2:  # two stages, cut as a plan would cut them
+        if layout.num_blocks < 2:
+            out["pipeline"] = (f"the block stack {layout.stacks[0] if layout.stacks else ''!r} holds "
+                               f"{layout.num_blocks} block: no two pipeline stages to cut between")
+        else:  # two stages, cut as a plan would cut them
             two = resolve(model, plan_for_model(model, pp=2, num_micro_batches=2, graph=graph))
             pipeline_parallel.check_stage_cuts(two, 2)  # a layer lowering cannot cut between
             out["pipeline"] = pipeline_failure(model, two, 2, args, {i: p.returns for i, p in plans.items()},
