@@ -8,6 +8,10 @@ loss and parameter), or refused on both ranks with the real cause:
   ALBERT       one shared layer applied N times: no block stack, so data parallelism
                and ZeRO-3 run (one stage of every layer) and tp / pp are refused
                naming that
+  DBRX         fused experts (one (experts x ffn, hidden) weight per projection) and
+               transformers' eager loop over the experts that were hit (capture
+               prices it as balanced routing); tp / pp are cut from a fake-tensor
+               forward its value-sized nonzero cannot run: refused, never a crash
   x-transformers style
                layers as ModuleLists [norms, attention / MLP, residual] that the
                decoder walks itself (never called: no block forward to cut at, so
@@ -39,6 +43,11 @@ def build(arch: str):
         return T.DebertaV2ForMaskedLM(T.DebertaV2Config(**small))
     if arch == "albert":
         return T.AlbertForMaskedLM(T.AlbertConfig(embedding_size=16, **small))
+    if arch == "dbrx":
+        return T.DbrxForCausalLM(T.DbrxConfig(
+            d_model=32, n_heads=4, n_layers=4, max_seq_len=64, vocab_size=VOCAB,
+            ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}))
     if arch == "xstyle":
         return XStyleLM()
     raise KeyError(arch)
@@ -145,6 +154,9 @@ CELLS = [
     ("albert_zero3", "albert", dict(dp=2, zero=3)),
     ("albert_tp", "albert", dict(tp=2)),
     ("albert_pp", "albert", dict(pp=2, num_micro_batches=2)),
+    ("dbrx_dp", "dbrx", dict(dp=2)),
+    ("dbrx_zero3", "dbrx", dict(dp=2, zero=3)),
+    ("dbrx_tp", "dbrx", dict(tp=2)),
     ("xstyle_dp", "xstyle", dict(dp=2)),
     ("xstyle_zero3", "xstyle", dict(dp=2, zero=3)),
     ("xstyle_pp", "xstyle", dict(pp=2, num_micro_batches=2)),
@@ -157,7 +169,8 @@ def test_deberta_and_albert_train_as_one_process_or_are_refused_with_the_cause()
     for name, *_ in CELLS:
         assert results[0][name].get("refused") == results[1][name].get("refused"), name
     r = results[0]
-    for name in ("deberta_dp", "deberta_tp", "deberta_pp", "albert_dp", "albert_zero3", "xstyle_dp", "xstyle_zero3"):
+    for name in ("deberta_dp", "deberta_tp", "deberta_pp", "albert_dp", "albert_zero3", "dbrx_dp", "dbrx_zero3",
+                 "xstyle_dp", "xstyle_zero3"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # tp splits DeBERTa's blocks, not only its embeddings
@@ -165,6 +178,25 @@ def test_deberta_and_albert_train_as_one_process_or_are_refused_with_the_cause()
     assert "no repeated blocks" in r["albert_tp"]["refused"] and "tensor parallelism" in r["albert_tp"]["refused"]
     assert "no repeated blocks" in r["albert_pp"]["refused"] and "pipeline" in r["albert_pp"]["refused"]
     assert "pipeline stages" in r["xstyle_pp"]["refused"]
+    assert "cannot run on fake tensors" in r["dbrx_tp"]["refused"] and "nonzero" in r["dbrx_tp"]["refused"]
+
+
+def test_dbrx_captures_its_expert_loop_as_balanced_routing_and_plans_only_data_parallel():
+    import autopar
+    model = build("dbrx")
+    inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
+    graph = autopar.capture(model, inputs)
+    block = next(l for l in graph.layers if l.kind == "moe_block")
+    b, s = 2, SEQ
+    # q (32) + k, v (2 kv heads x 8) projections, output projection, attention, router,
+    # and the experts: rows x top-2 assignments, each three 32 x 64 GEMMs
+    rows = b * s
+    expected = (2 * rows * 32 * 64 + 2 * rows * 32 * 32 + 4 * b * 4 * s * s * 8 + 2 * rows * 32 * 4
+                + rows * 2 * 3 * 2 * 32 * 64)
+    assert block.eval("fwd_flops", b, s) == expected
+    plan = autopar.plan(model, autopar.ClusterSpec(gpus=4, device="cpu"), example_inputs=inputs,
+                        global_batch_size=8, precision="fp32")
+    assert (plan.mesh.pp, plan.mesh.tp) == (1, 1)
 
 
 def test_x_transformers_style_layers_capture_as_one_priced_layer_and_the_planner_plans_dp():

@@ -183,6 +183,8 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         packet = func._overloadpacket
         if packet in _DATA_DEPENDENT:
+            if tracer.expert_index(packet, args):
+                return 0
             raise _CaptureAbort(tracer.data_dependent_error(func))
         if packet is aten.nonzero or packet is aten.argwhere:
             out = tracer.balanced_nonzero(func, args[0])
@@ -413,8 +415,20 @@ class Tracer:
                      "(a boolean mask multiplied in, torch.where(cond, a, b), or a fixed capacity) "
                      "or use it only inside a top-k routed MoE layer, where balanced routing is assumed"))
         experts, k, rows = routing
-        count = min(mask.numel(), (rows * k) // experts)
+        # A mask over the experts (which were hit; DBRX's one_hot has experts + 1 classes)
+        # holds every expert, one over the tokens the balanced share of the assignments.
+        count = min(mask.numel(), experts if mask.numel() <= experts + 1 else (rows * k) // experts)
         return torch.empty((count, mask.dim()), dtype=torch.long, device="meta")
+
+    def expert_index(self, packet, args) -> bool:
+        """An integer read back inside a top-k routed layer: the loop over the
+        experts that were hit (DBRX's `for e in hit: mask[e[0]]`) indexes an
+        expert with it. Experts are alike in shape and the token lists are
+        sized as balanced routing, so answering expert 0 prices every
+        iteration as any expert would."""
+        return (packet is aten._local_scalar_dense and bool(self.trace.topk.get(self.pointer))
+                and isinstance(args[0], torch.Tensor) and args[0].numel() == 1
+                and not args[0].dtype.is_floating_point and args[0].dtype is not torch.bool)
 
     def _where(self) -> str:
         return self.module_stack[-1] if self.module_stack and self.module_stack[-1] else "<root>"

@@ -383,9 +383,19 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if pp > 1 or (tp > 1 and split_blocks):
         block_paths = {l.block_index: l.paths[0] for l in layout.layers if l.position == "block"}
         stand_ins = pipeline_parallel.stand_in_modules(model, layout) if pp > 1 else {}
-        block_plans, block_inputs, pre_outputs = what_runs.record_blocks(
-            model, {i: model.get_submodule(p) for i, p in block_paths.items()},
-            _example_args(example_inputs, plan.micro_batch_size), forward_kwargs(model), stand_ins)
+        try:
+            block_plans, block_inputs, pre_outputs = what_runs.record_blocks(
+                model, {i: model.get_submodule(p) for i, p in block_paths.items()},
+                _example_args(example_inputs, plan.micro_batch_size), forward_kwargs(model), stand_ins)
+        except AutoparError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every rank fails alike, before any collective
+            # Pipelines and tp are cut from one forward on fake tensors; a model that
+            # cannot run there (a value-sized op such as an expert loop's nonzero) cannot be cut.
+            raise PlanMismatchError(
+                f"the model's forward cannot run on fake tensors, which tensor and pipeline parallelism are "
+                f"cut from: {what_runs.first_line(exc)}",
+                hint="plan with data parallelism / ZeRO only (`autopar plan` offers only those for this model)")
         if pp > 1:
             pipeline_parallel.check_block_outputs(block_plans, block_paths, pre_outputs)
             why = what_runs.pipeline_failure(model, layout, n_stages,

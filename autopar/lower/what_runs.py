@@ -62,6 +62,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
+first_line = _first_line  # public: the lowering words its own refusals alike
+
+
 _FAKE_GROUP = "autopar_fake_tp{}"
 
 
