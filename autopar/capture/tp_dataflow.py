@@ -30,6 +30,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autopar.capture import ops as opinfo
+from autopar.capture.tracer import _dim_args
+
 # _grouped_mm: MoE experts stored as one (experts, out, in) weight (transformers' grouped_mm experts).
 _LINEAR_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm"}
 # Norms reduce over the last dim: fed a tensor sharded there, they need it whole.
@@ -211,3 +218,116 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
     flow.sharded = {idx: isinstance(st, frozenset) and bool(st & valid) for idx, st in state.items()}
     flow.replicated = {idx for idx, regions in gathered.items() if regions & valid}
     return flow
+
+
+def split_groups(flow: TPFlow) -> list[tuple[list[int], list]]:
+    """The tensor-parallel pairs of a layer: [(column GEMM idxs, row GEMM records)].
+
+    Valid column regions that end in a common row GEMM form one group (q, k
+    and v all reach the out-projection; gate and up reach down): the
+    Linears of one group are split together or not at all."""
+    parent = {c: c for c in flow.valid if c in flow.cols}
+
+    def root(c):
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+    ends = []
+    for r in flow.rows:
+        regions = sorted(_union(flow.regions.get(i) for i in r.inputs) & parent.keys())
+        for c in regions[1:]:
+            parent[root(c)] = root(regions[0])
+        ends.append((r, regions[0] if regions else None))
+    groups: dict = {}
+    for c in sorted(parent):
+        groups.setdefault(root(c), ([], []))[0].append(c)
+    for r, c in ends:
+        if c is not None:
+            groups[root(c)][1].append(r)
+    return list(groups.values())
+
+
+@dataclass
+class FlowOp:
+    """The fields of capture's OpRecord that `tp_flow` reads, plus the module that ran the op."""
+
+    idx: int
+    op: str
+    kind: str
+    inputs: tuple
+    uses_param: bool
+    out_is_int: bool
+    in_shapes: tuple
+    in_dtypes: tuple
+    out_shapes: tuple
+    dims: dict | None
+    module: object = None  # the innermost module whose forward dispatched it
+
+
+class ModuleFlow(TorchDispatchMode):
+    """The forward records of some modules (the blocks of a model), as capture's
+    tracer makes them, for `tp_flow`: the lowering reads its tensor-parallel
+    pairs off the same dataflow the cost model prices (the records keep the
+    innermost module of each op, so a GEMM is traced back to its Linear).
+    Enter it inside FakeTensorMode; `ops[key]` holds each module's first call."""
+
+    def __init__(self, modules: dict):
+        super().__init__()
+        self.ops: dict = {}
+        self._current, self._stack, self._producer, self._keep, self._hooks = None, [], {}, [], []
+        self._count = 0
+        self._params = {key: {p.untyped_storage()._cdata for p in m.parameters()} for key, m in modules.items()}
+        self._buffers = {key: {b.untyped_storage()._cdata for b in m.buffers()} for key, m in modules.items()}
+        for key, top in modules.items():
+            for m in top.modules():
+                self._hooks.append(m.register_forward_pre_hook(self._enter(key if m is top else None)))
+                self._hooks.append(m.register_forward_hook(self._leave(m is top), always_call=True))
+
+    def _enter(self, key):
+        def hook(module, args):
+            if key is not None and self._current is None and key not in self.ops:
+                self._current, self.ops[key] = key, []
+            self._stack.append(module)
+        return hook
+
+    def _leave(self, top: bool):
+        def hook(module, args, out):
+            self._stack.pop()
+            if top and not self._stack:
+                self._current = None
+        return hook
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._keep = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self._current is None or not outs:
+            return out
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # As the tracer's records: a parameter or buffer is no input of the dataflow, and a
+        # tensor made outside the recorded forwards (the block's input) is one, full (-1).
+        held = {id(t): t.untyped_storage()._cdata for t in ins if id(t) not in self._producer}
+        params, buffers = self._params[self._current], self._buffers[self._current]
+        idx = self._count
+        self._count += 1
+        packet = func._overloadpacket
+        self.ops[self._current].append(FlowOp(
+            idx=idx, op=str(packet), kind=opinfo.op_kind(packet),
+            inputs=tuple(self._producer.get(id(t), -1) for t in ins
+                         if held.get(id(t)) not in params and held.get(id(t)) not in buffers),
+            uses_param=any(h in params for h in held.values()),
+            out_is_int=not (outs[0].is_floating_point() or outs[0].is_complex()),
+            in_shapes=tuple(tuple(t.shape) for t in ins),
+            in_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in ins),
+            out_shapes=tuple(tuple(t.shape) for t in outs), dims=_dim_args(func, args, kwargs),
+            module=self._stack[-1] if self._stack else None))
+        for t in outs:
+            self._producer[id(t)] = idx
+        self._keep.extend(outs)  # no id is reused while the records stand
+        return out

@@ -32,6 +32,7 @@ refills the RoPE `inv_freq` buffers) unless the user passes `init_fn`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -39,6 +40,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autopar.errors import AutoparError, ModelOutputError
 
@@ -146,6 +148,23 @@ def _output_error(out) -> ModelOutputError:
              "entries are ignored)")
 
 
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module):
+    """Restore the model's real buffers after a probe forward on fake tensors (enter it
+    before FakeTensorMode, so that the copies are real):
+    an in-place update in forward (BatchNorm's running statistics and
+    `num_batches_tracked += 1`) writes through to the real tensor a fake op
+    was given, and a probe must leave the model as it found it."""
+    saved = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"
+             and not isinstance(b, FakeTensor)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
 def check_output(model: nn.Module, example_inputs) -> None:
     """Refuse a model whose output `logits_of` cannot read before any plan,
     process group or step: one forward of one sample on fake tensors (no
@@ -167,7 +186,8 @@ def check_output(model: nn.Module, example_inputs) -> None:
         args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
         if param is not None:
             args = tuple(a.to(param.device) if isinstance(a, torch.Tensor) else a for a in args)
-        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad():
+        with buffers_kept(model), FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), \
+                torch.no_grad():
             out = model(*args, **forward_kwargs(model))
     except Exception:  # noqa: BLE001 - not a verdict on the output
         return

@@ -10,15 +10,26 @@ means what the author meant, and DTensor inserts whatever communication the
 op needs (a split across a sharded dimension costs an all-gather, which the
 cost model charges). Only the sub-module's output leaves as a plain tensor.
 
-Which Linear is column- and which row-parallel is read from the data flow of
+Which Linear is column- and which row-parallel is read from the dataflow of
 one traced forward (FakeTensorMode, no memory, no weights touched), not from
-names: in a sub-module of a block, a Linear that consumes one of the
-sub-module's tensor arguments (positional or keyword: Hugging Face calls
-`self_attn(hidden_states=...)`) is column-parallel, the last other Linear,
-producing the shape of the sub-module's output (the first element when it
-returns `(output, weights)`), is row-parallel. Sub-modules that fit neither
-stay replicated. transformers' Conv1D counts as a Linear with a transposed
-weight (tp_styles.py).
+names or from where the Linears sit: the block's ops are recorded as capture
+records them and read by capture's own `tp_flow` (autopar/capture/
+tp_dataflow.py), the analysis the cost model prices. A GEMM whose input is
+full is column-parallel, one fed a sharded (or gathered) region is
+row-parallel; each GEMM is traced back to the Linear whose forward ran it
+(transformers' Conv1D counts as a Linear with a transposed weight,
+tp_styles.py). A group of regions that meet in a row GEMM is split only when
+every GEMM of it is a Linear's own, and each of those Linears plays that one
+role (nn.MultiheadAttention's packed in_proj_weight is no Linear: its
+attention stays whole).
+
+Where a group lies inside one direct child of the block (an attention or MLP
+module) whose tensor argument the column Linears read, the child is the
+region's door (`SubModulePlan`: under sequence parallelism it gathers once
+on entry). Otherwise (Megatron-style blocks holding qkv, proj, fc1, fc2
+themselves; an MLP spread over two children) the Linears are listed on the
+block (`BlockPlan.colwise` / `rowwise`) and each column Linear's input is made
+whole where it is read, once per tensor (`tp_styles.SharedInput`).
 
 Layer styles (`LayerChoice.tp_style`):
   vocab            embeddings split over the vocabulary (RowwiseParallel on
@@ -42,7 +53,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import PlanMismatchError
-from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, TransposedColwiseParallel,
+from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, SharedInput, TransposedColwiseParallel,
                                      TransposedRowwiseParallel, is_linear, replicate_parameters)
 
 _SDPA_REGISTERED = False
@@ -52,8 +63,8 @@ def register_cpu_attention_sharding() -> None:
     """DTensor ships sharding rules for the CUDA attention kernels only; on CPU
     SDPA lowers to `_scaled_dot_product_flash_attention_for_cpu`. Attention is
     independent per batch row and per head, so dims 0 and 1 of (b, heads, s, d)
-    may be sharded, like the CUDA rules say; an attention mask (padding)
-    follows q on a sharded dim it spans and is replicated where it broadcasts."""
+    may be sharded, like the CUDA rules say; an attention mask must already be
+    split like q where it spans q's sharded dim (see `mask_placement`)."""
     global _SDPA_REGISTERED
     if _SDPA_REGISTERED:
         return
@@ -62,29 +73,44 @@ def register_cpu_attention_sharding() -> None:
 
     def mask_placement(attn_mask, query, d):
         # The keyword-only attn_mask needs a placement too (DTensor counts
-        # keyword tensors among the inputs): split with q where it has q's
-        # extent on that dim, replicated where it broadcasts (size 1).
+        # keyword tensors among the inputs), but DTensor reshards positional
+        # arguments only: the mask is used as the ranks hold it. So a rule
+        # (q split on dim d, or whole for None) fits only a mask already
+        # split with q where it has q's extent on d and whole where it
+        # broadcasts there; None drops the rule. T5's per-head position bias
+        # is a whole tensor: its attention runs on gathered q, k, v.
         if attn_mask is None:
             return []
-        return [Shard(d) if d is not None and attn_mask.shape[d] == query.shape[d] and attn_mask.shape[d] > 1
-                else Replicate()]
+        need = (Shard(d) if d is not None and attn_mask.shape[d] == query.shape[d] and attn_mask.shape[d] > 1
+                else Replicate())
+        return [need] if all(p == need for p in attn_mask.placements) else None
+
+    def rules(query, attn_mask, n_out, n_in, n_scalars):
+        found = []
+        for d in (None, 0, 1):
+            mask = mask_placement(attn_mask, query, d)
+            if mask is not None:
+                p = Replicate() if d is None else Shard(d)
+                found.append(([p] * n_out, [p] * n_in + [None] * n_scalars + mask))
+        return found
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def _fwd(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-        rules = [([Replicate(), Replicate()],
-                  [Replicate(), Replicate(), Replicate(), None, None] + mask_placement(attn_mask, query, None))]
-        for d in (0, 1):
-            rules.append(([Shard(d), Shard(d)],
-                          [Shard(d), Shard(d), Shard(d), None, None] + mask_placement(attn_mask, query, d)))
-        return rules
+        return rules(query, attn_mask, 2, 3, 2)
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
     def _bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
-        rules = [([Replicate()] * 3, [Replicate()] * 6 + [None, None] + mask_placement(attn_mask, query, None))]
-        for d in (0, 1):
-            rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None] + mask_placement(attn_mask, query, d)))
-        return rules
+        return rules(query, attn_mask, 3, 6, 2)
 
+    # DTensor caches each op's sharding by its positional arguments only: the
+    # mask must enter that key, or a decision made for a call without a
+    # per-head mask (another model in this process) is reused for one with it.
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+        DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
+            static_kwargkey=["attn_mask"], needs_pytree=True)
     _SDPA_REGISTERED = True
 
 
@@ -111,6 +137,12 @@ class BlockPlan:
     # structure, None after the activation).
     returns: object = "tensor"
     main_argument: int | str = 0  # where the activation is passed: a position, or a keyword
+    # Pairs no single child holds (paths in the block): column- and row-parallel Linears;
+    # `rowwise_whole`: row Linears whose output is not shaped like the activation (it
+    # leaves whole, never as a sequence shard).
+    colwise: list[str] = field(default_factory=list)
+    rowwise: list[str] = field(default_factory=list)
+    rowwise_whole: list[str] = field(default_factory=list)
 
 
 def _first_tensor(value):
@@ -124,46 +156,39 @@ def _first_tensor(value):
 def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple,
                  model_kwargs: dict | None = None, outputs_of: dict[str, nn.Module] | None = None,
                  outputs: dict | None = None) -> dict[int, BlockPlan]:
-    """One forward under FakeTensorMode, hooks recording which tensor object flows where.
-
-    In each direct child of a block: Linears (or transposed Conv1D linears)
-    whose input *is* one of the child's tensor arguments are column-parallel;
-    the last other Linear called, when its output has the shape of the
-    child's output, is row-parallel (its output may still pass a dropout or
-    a bias before it leaves). Children with no such pair stay replicated.
-    The same forward fills `outputs[path]` for each module of `outputs_of`:
-    (shape, dtype) of the tensor it returns, else what it returns (pipeline
-    stand-ins replace those modules on later stages)."""
+    """One forward under FakeTensorMode: each block's ops recorded for `tp_flow`
+    (see the top of this file), hooks recording which tensor object each
+    child and Linear of a block was given and returned. The same forward
+    fills `outputs[path]` for each module of `outputs_of`: (shape, dtype) of
+    the tensor it returns, else what it returns (pipeline stand-ins replace
+    those modules on later stages)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autopar.capture.dtype_fallback import Bf16ShapeFallback
+    from autopar.capture.tp_dataflow import ModuleFlow
 
     seen: dict[int, dict] = {}
-    order = [0]
     hooks = []
-
     reads = _Reads()
 
     def record(key):
         def hook(mod, args, kwargs, out):
-            order[0] += 1
-            seen[key] = {"args": args, "kwargs": kwargs, "out": out, "order": order[0], "ops_before": reads.n}
+            seen[key] = {"args": args, "kwargs": kwargs, "out": out, "ops_before": reads.n}
         return hook
 
     for bi, block in blocks.items():
         hooks.append(block.register_forward_hook(record(id(block)), with_kwargs=True))
-        for cname, child in block.named_children():
+        for child in list(block.children()) + [m for m in block.modules() if is_linear(m)]:
             hooks.append(child.register_forward_hook(record(id(child)), with_kwargs=True))
-            for lname, lin in child.named_modules():
-                if is_linear(lin):
-                    hooks.append(lin.register_forward_hook(record(id(lin)), with_kwargs=True))
     for path, m in (outputs_of or {}).items():
         hooks.append(m.register_forward_hook(record(path), with_kwargs=True))
+    flow = ModuleFlow(blocks)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), reads, torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), reads, flow, torch.no_grad():
             final = model(*example_args, **(model_kwargs or {}))
         reads.see(final)
     finally:
+        flow.remove()
         for h in hooks:
             h.remove()
 
@@ -177,46 +202,105 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
         rec = seen.get(id(block))
         if rec is None:
             raise PlanMismatchError(f"block {bi} was not called by the model's forward")
-        subs, norms = [], []
-        for cname, child in block.named_children():
-            linears = [(n, m) for n, m in child.named_modules() if is_linear(m)]
-            if not linears:
-                if any(True for _ in child.parameters()):
-                    norms.append(cname)
-                continue
-            crec = seen.get(id(child))
-            if crec is None:
-                continue
-            inputs = {i: a for i, a in enumerate(crec["args"]) if isinstance(a, torch.Tensor)}
-            inputs.update({k: v for k, v in crec["kwargs"].items() if isinstance(v, torch.Tensor)})
-            out = _first_tensor(crec["out"])
-            if not inputs or out is None:
-                continue
-            sub = SubModulePlan(name=cname, arg_is_tensor=[isinstance(a, torch.Tensor) for a in crec["args"]])
-            last = None
-            for lname, lin in linears:
-                lrec = seen.get(id(lin))
-                if lrec is None or not lrec["args"]:
-                    continue
-                key = next((k for k, v in inputs.items() if v is lrec["args"][0]), None)
-                if key is not None:
-                    sub.colwise.append(lname)
-                    sub.main_input = key if sub.main_input is None else sub.main_input
-                elif last is None or lrec["order"] > last[1]:
-                    last = (lname, lrec["order"], lrec["out"])
-            if last is not None and isinstance(last[2], torch.Tensor) and last[2].shape == out.shape:
-                sub.rowwise = last[0]
-            if sub.colwise and sub.rowwise:
-                subs.append(sub)
         # The block's activation: its first positional tensor argument (Hugging
         # Face layers take `hidden_states` first), else a `hidden_states` keyword.
         where = next((i for i, a in enumerate(rec["args"]) if isinstance(a, torch.Tensor)), "hidden_states")
         main = rec["args"][where] if isinstance(where, int) else rec["kwargs"].get(where)
-        returns = _returns(rec["out"], reads.read_after(rec["ops_before"]))
-        plans[bi] = BlockPlan(arg_is_tensor=[isinstance(a, torch.Tensor) for a in rec["args"]], subs=subs,
-                              norms=norms, activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
-                              returns=returns, main_argument=where)
+        plans[bi] = BlockPlan(
+            arg_is_tensor=[isinstance(a, torch.Tensor) for a in rec["args"]], subs=[],
+            norms=[n for n, c in block.named_children()
+                   if not any(is_linear(m) for m in c.modules()) and any(True for _ in c.parameters())],
+            activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
+            returns=_returns(rec["out"], reads.read_after(rec["ops_before"])), main_argument=where)
+        _place_pairs(block, plans[bi], _linear_groups(block, flow.ops.get(bi, [])), seen)
     return plans
+
+
+def _linear_groups(block: nn.Module, ops: list) -> list[tuple[list[str], list[str]]]:
+    """The block's tensor-parallel groups as (column Linears, row Linears), paths
+    in the block, from capture's dataflow analysis of its recorded ops. A group
+    is kept only when each of its GEMMs ran in a Linear's own forward and each
+    of those Linears has that one role in every call (a Linear called twice,
+    once as a column and once elsewhere, would be split for one and wrong
+    for the other: its group stays whole)."""
+    from autopar.capture.tp_dataflow import split_groups, tp_flow
+
+    flow = tp_flow(ops, is_head=False)
+    path = {id(m): n for n, m in block.named_modules() if is_linear(m)}
+    gemms = [r for r in ops if id(r.module) in path and r.kind == "gemm"]
+    role = {}  # GEMM idx -> (group, "col" | "row")
+    groups = split_groups(flow)
+    for g, (cols, rows) in enumerate(groups):
+        role.update({c: (g, "col") for c in cols})
+        role.update({r.idx: (g, "row") for r in rows})
+    roles_of: dict[str, set] = {}
+    for r in gemms:
+        roles_of.setdefault(path[id(r.module)], set()).add(role.get(r.idx))
+    by_idx = {r.idx: r for r in ops}
+    out = []
+    for cols, rows in groups:
+        records = [by_idx[c] for c in cols] + rows
+        names = [path.get(id(r.module)) for r in records]
+        if None in names or any(len(roles_of[n]) != 1 for n in names):
+            continue
+        out.append((list(dict.fromkeys(names[:len(cols)])), list(dict.fromkeys(names[len(cols):]))))
+    return out
+
+
+def _place_pairs(block: nn.Module, plan: BlockPlan, groups: list, seen: dict) -> None:
+    """Each group as a sub-module plan where one direct child holds it all, the
+    child was called with the tensors its column Linears read and returns
+    the shape of its row Linear's output (its door: the old, per-child form);
+    else its Linears go on the block's own lists."""
+    order = {n: i for i, (n, _) in enumerate(block.named_modules())}
+    by_child: dict[str, list] = {}
+    for cols, rows in groups:
+        tops = {n.split(".")[0] for n in cols + rows}
+        if len(tops) == 1 and all("." in n for n in cols + rows) and len(rows) == 1:
+            by_child.setdefault(tops.pop(), []).append((cols, rows))
+    subs = {}
+    for name, found in by_child.items():
+        sub = _sub_module_plan(block, name, found[0], seen) if len(found) == 1 else None
+        if sub is not None:
+            subs[name] = sub
+    for cols, rows in groups:
+        if any(n.split(".")[0] in subs for n in cols + rows):
+            continue
+        plan.colwise += cols
+        for n in rows:
+            plan.rowwise.append(n)
+            out = _first_tensor(seen.get(id(block.get_submodule(n)), {}).get("out"))
+            if out is None or tuple(out.shape) != plan.activation_shape:
+                plan.rowwise_whole.append(n)
+    plan.subs = [subs[n] for n, _ in block.named_children() if n in subs]
+    for names in (plan.colwise, plan.rowwise, plan.rowwise_whole):
+        names.sort(key=order.__getitem__)
+
+
+def _sub_module_plan(block: nn.Module, name: str, group: tuple, seen: dict) -> SubModulePlan | None:
+    """The group (cols, [row]) as the child `name`'s plan, or None when the child is no door to it."""
+    cols, (row,) = group
+    child = block.get_submodule(name)
+    crec = seen.get(id(child))
+    if crec is None:
+        return None
+    inputs = {i: a for i, a in enumerate(crec["args"]) if isinstance(a, torch.Tensor)}
+    inputs.update({k: v for k, v in crec["kwargs"].items() if isinstance(v, torch.Tensor)})
+    out = _first_tensor(crec["out"])
+    row_out = _first_tensor(seen.get(id(block.get_submodule(row)), {}).get("out"))
+    if out is None or row_out is None or row_out.shape != out.shape:
+        return None
+    order = {n: i for i, (n, _) in enumerate(child.named_modules())}
+    local = sorted((n.split(".", 1)[1] for n in cols), key=order.__getitem__)
+    keys = []
+    for n in local:
+        lrec = seen.get(id(child.get_submodule(n)))
+        key = next((k for k, v in inputs.items() if lrec and lrec["args"] and v is lrec["args"][0]), None)
+        if key is None:
+            return None  # a column Linear reads something the child made: no door
+        keys.append(key)
+    return SubModulePlan(name=name, colwise=local, rowwise=row.split(".", 1)[1],
+                         arg_is_tensor=[isinstance(a, torch.Tensor) for a in crec["args"]], main_input=keys[0])
 
 
 class _Reads(TorchDispatchMode):
@@ -289,7 +373,10 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
     the planned communication happens. Sequence parallelism: the block's
     activation is a sequence shard (dim 1) outside attention / MLP, which
     gather it on entry and reduce-scatter on exit; consecutive blocks hand
-    each other shards, the first scatters and the last gathers."""
+    each other shards, the first scatters and the last gathers. Pairs the
+    block holds itself (`plan.colwise` / `rowwise`) have no door: their
+    column Linears' input is gathered where it is read (`SharedInput`), their
+    row Linears hand back the activation's layout."""
     sp = sequence_parallel
     hidden = Shard(1) if sp else Replicate()
     styles: dict[str, object] = {}
@@ -299,16 +386,29 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
         for name in sub.colwise:
             styles[prefix + name] = TransposedColwiseParallel(use_local_output=False)
         styles[prefix + sub.rowwise] = TransposedRowwiseParallel(output_layouts=hidden, use_local_output=False)
+    for name in plan.colwise:
+        styles[name] = TransposedColwiseParallel(use_local_output=False)
+    for name in plan.rowwise:
+        out = Replicate() if name in plan.rowwise_whole else hidden
+        styles[name] = TransposedRowwiseParallel(output_layouts=out, use_local_output=False)
     if sp:
         # Children autopar does not split (attention it cannot divide by
         # heads, such as nn.MultiheadAttention's packed in_proj, or Linears
-        # called directly by the block) may mix sequence positions: they get
-        # the whole sequence and run replicated. Norms stay on shards.
-        split = {sub.name for sub in plan.subs} | set(plan.norms)
+        # no pair holds) may mix sequence positions: they get the whole
+        # sequence and run replicated. Norms stay on shards.
+        split = ({sub.name for sub in plan.subs} | set(plan.norms)
+                 | {n.split(".")[0] for n in plan.colwise + plan.rowwise})
         for name, child in block.named_children():
             if name not in split and any(True for _ in child.parameters()):
                 styles[name] = ModuleInputs(None, gather_all=True)
     parallelize_module(block, tp_mesh, styles)
+    if plan.colwise:
+        # No child takes these Linears' input at its door: each input is made
+        # whole where it is read, once per tensor per forward of the block.
+        cache: dict = {}
+        parallelize_module(block, tp_mesh, {name: SharedInput(cache) for name in plan.colwise})
+        block.register_forward_pre_hook(lambda *_: cache.clear())
+        block.register_forward_hook(lambda *_: cache.clear(), always_call=True)
     replicate_parameters(block, tp_mesh)
     parallelize_module(block, tp_mesh, ModuleInputs(plan.main_argument, Replicate() if first or not sp else hidden,
                                                     hidden))

@@ -95,6 +95,13 @@ def _sum_gradient_here(t: DTensor) -> DTensor:
     return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False)
 
 
+def _enter(value: torch.Tensor, mesh, layout, desired) -> DTensor:
+    """An activation entering a column-parallel region: `value` in `desired`
+    (see `_as_dtensor`), its gradient summed here when it was already whole."""
+    t = _as_dtensor(value, mesh, layout, desired)
+    return _sum_gradient_here(t) if t is value and t.placements == (Replicate(),) else t
+
+
 def _needs_autograd_wrap(t) -> bool:
     # Plain tensors that need no gradient may stay plain inside a TP region:
     # autopar runs TP regions under DTensor's implicit replication, which
@@ -135,8 +142,7 @@ class ModuleInputs(ParallelStyle):
 
         def convert(key, value):
             if key == self.main and isinstance(value, torch.Tensor):
-                t = _as_dtensor(value, device_mesh, self.main_layout, self.desired)
-                return _sum_gradient_here(t) if t is value and t.placements == (Replicate(),) else t
+                return _enter(value, device_mesh, self.main_layout, self.desired)
             return other(value)
 
         def hook(_, args, kwargs):
@@ -144,6 +150,32 @@ class ModuleInputs(ParallelStyle):
                     {k: convert(k, v) for k, v in kwargs.items()})
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class SharedInput(ParallelStyle):
+    """The input of a column-parallel Linear that no sub-module takes at its
+    door (a Megatron-style block calling qkv, fc1 itself; see ModuleInputs):
+    made whole where it is read. Linears reading one tensor (q, k and v of
+    one normed activation; gate and up) share one conversion through `cache`
+    (the block's, emptied around each of its forwards): one all-gather of
+    a sequence shard, one all-reduce of a whole activation's gradient, not
+    one per Linear. A plain tensor here is one the block made itself: whole.
+    Runs before the Linear's own input hook (ColwiseParallel's)."""
+
+    def __init__(self, cache: dict):
+        super().__init__()
+        self.cache = cache
+
+    def _apply(self, module, device_mesh):
+        def hook(_, args):
+            x = args[0]
+            hit = self.cache.get(id(x))
+            if hit is None or hit[0] is not x:
+                hit = self.cache[id(x)] = (x, _enter(x, device_mesh, Replicate(), Replicate()))
+            return (hit[1], *args[1:])
+
+        module.register_forward_pre_hook(hook, prepend=True)
         return module
 
 

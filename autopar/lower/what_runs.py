@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.capture.hf_masks import assume_unpadded_batches
 from autopar.capture.meta_autocast import autocast_is_a_no_op_on_meta
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
+from autopar.lower.model_io import buffers_kept
 
 _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
 
@@ -271,7 +272,7 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
     outputs = {}
     try:
         # Hugging Face's value checks and autocast on meta, answered as capture answers them
-        with assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
+        with buffers_kept(model), assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
             plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
                                                  outputs=outputs)
     finally:
@@ -299,8 +300,8 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), torch.no_grad(), \
-                assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
+        with buffers_kept(model), FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), \
+                torch.no_grad(), assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
             def dummy(batch):
                 return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in example_args)
             x = tuple(t.to(device) for t in example_args)
@@ -345,8 +346,11 @@ def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args:
             sig = _signature(block)
             if sig not in by_sig:
                 issued: list = []
-                by_sig[sig] = (*_try(block, plans[i], inputs.get(i), mesh, sequence_parallel, issued), issued)
-            status, why, issued = by_sig[sig]
+                by_sig[sig] = (*_try(block, plans[i], inputs.get(i), mesh, sequence_parallel, issued,
+                                     drop_failing=allow_replicated), issued, i)
+            status, why, issued, first = by_sig[sig]
+            if not plans[first].colwise:  # dropped by _try: alike for every block of the signature
+                plans[i].colwise, plans[i].rowwise, plans[i].rowwise_whole = [], [], []
             if status == "runs" and collectives is not None:
                 collectives[i] = issued
             if status == "fails" or status == "replicated" and not allow_replicated:
@@ -365,9 +369,15 @@ def _local_sequence_shard(args, kwargs, where, mesh):
     return args, kwargs
 
 
-def _try(block, block_plan, inputs, mesh, sequence_parallel, collectives: list | None = None):
-    if inputs is None:
-        return "fails", "the block is not called by the model's forward"
+def _try(block, block_plan, inputs, mesh, sequence_parallel, collectives: list | None = None,
+         drop_failing: bool = False):
+    """(status, why) of one block split as `block_plan` says: "runs", "replicated"
+    (it runs, but splits no weight), "undecided" or "fails". When pairs no
+    child holds (`block_plan.colwise`) cannot run split (T5's attention output,
+    gathered for its per-head bias, then viewed) but the block runs without
+    them, it is "replicated" if nothing else splits; with `drop_failing`
+    (lowering a hand-made plan) they are dropped from the plan, in place,
+    and the block is lowered as it runs."""
     try:
         # Under sequence parallelism the first/last blocks of a stack and the
         # ones inside it take different paths (scatter/gather vs shards in and out);
@@ -377,15 +387,29 @@ def _try(block, block_plan, inputs, mesh, sequence_parallel, collectives: list |
                  for ends in ((True, False) if sequence_parallel else (True,))]
         if not any(split):
             # It runs, but every tp rank computes the whole block: not what a
-            # tensor-parallel plan prices (T5's blocks nest their attention one
-            # ModuleList deeper; nn.TransformerEncoderLayer's packed in_proj).
-            return "replicated", (f"{type(block).__name__} has no column/row-parallel Linear pair among its "
-                                  f"direct children: it would run whole on every tp rank")
+            # tensor-parallel plan prices (nn.MultiheadAttention's packed
+            # in_proj is no Linear; a block with no Linears at all).
+            return "replicated", (f"{type(block).__name__}'s forward has no column/row-parallel pair of Linears "
+                                  f"(a Linear's output reaching another Linear): it would run whole on every "
+                                  f"tp rank")
         return "runs", None
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         if type(exc).__name__ in _UNDECIDABLE or "cannot be called on meta" in str(exc):
             return "undecided", f"{type(block).__name__}: a value-dependent step ({type(exc).__name__})"
-        return "fails", _first_line(exc)
+        why = _first_line(exc)
+    if block_plan.colwise:
+        import dataclasses
+        if collectives is not None:
+            collectives.clear()
+        bare = dataclasses.replace(block_plan, colwise=[], rowwise=[], rowwise_whole=[])
+        status, again = _try(block, bare, inputs, mesh, sequence_parallel, collectives)
+        dropped = ", ".join(block_plan.colwise + block_plan.rowwise)
+        if status == "replicated" or status == "runs" and drop_failing:
+            if drop_failing:
+                block_plan.colwise, block_plan.rowwise, block_plan.rowwise_whole = [], [], []
+            return status, again and (f"{type(block).__name__}: its Linears {dropped} cannot run split ({why}); "
+                                      f"without them it would run whole on every tp rank")
+    return "fails", why
 
 
 def limits(model: nn.Module, graph, example_inputs, tp_degrees=None) -> dict:

@@ -398,6 +398,8 @@ ARCHS.update({
     "torch_encoder": torch_encoder,
     "torch_transformer": torch_transformer,
     "user_model": user_model,
+    # Megatron-style blocks calling qkv, proj, fc1, fc2 themselves (no attention / MLP module)
+    "ex_gpt_flat": _example("gpt_flat", "gpt_flat_tiny"),
     "llama_seq15": llama_seq15,
     # explicit-loss twins (not counted among the architectures)
     # every position scored: the lowering alone
@@ -416,7 +418,8 @@ FAMILY = {
     "mixtral": "MoE causal LM", "qwen2_moe": "MoE causal LM",
     "bert": "encoder (MLM)", "roberta": "encoder (MLM)", "electra": "encoder (MLM)", "distilbert": "encoder (MLM)",
     "t5": "encoder-decoder", "bart": "encoder-decoder", "vit": "vision", "torch_encoder": "torch nn",
-    "torch_transformer": "torch nn", "user_model": "user code", "llama_seq15": "odd sequence",
+    "torch_transformer": "torch nn", "user_model": "user code", "ex_gpt_flat": "user code",
+    "llama_seq15": "odd sequence",
     "bert_ce": "explicit-loss twin", "bert_ce_ignore": "explicit-loss twin", "t5_ce": "explicit-loss twin", "vit_ce": "explicit-loss twin",
 }
 
