@@ -446,11 +446,26 @@ MISSING = _missing()
 for _n in MISSING:
     ARCHS.pop(_n, None)
 
+# Issue 29's architectures (a module of their own; it reads the helpers above).
+import archs_issue29 as _more  # noqa: E402
+
+ARCHS.update(_more.ARCHS)
+FAMILY.update(_more.FAMILY)
+try:
+    _tf_classes = _tf()
+    MISSING += [n for n, names in _more.NEEDS.items() if not all(hasattr(_tf_classes, x) for x in names)]
+except ImportError:
+    MISSING += list(_more.NEEDS)
+for _n in MISSING:
+    ARCHS.pop(_n, None)
+
 
 def output_tensor(out):
-    """What a user reads from the model's output: the tensor, or `.logits`."""
+    """What a user reads from the model's output: the tensor, `.logits`, or `["logits"]`."""
     if isinstance(out, torch.Tensor):
         return out
+    if isinstance(out, dict):
+        return out["logits"]  # a user's dict output (archs_issue29.DictLM)
     return out.logits if hasattr(out, "logits") else out[0]
 
 
