@@ -445,12 +445,14 @@ def _missing() -> list[str]:
 MISSING = _missing()
 for _n in MISSING:
     ARCHS.pop(_n, None)
+ORDER = [n for n in ORDER if n in ARCHS]
 
 # Issue 29's architectures (a module of their own; it reads the helpers above).
 import archs_issue29 as _more  # noqa: E402
 
 ARCHS.update(_more.ARCHS)
 FAMILY.update(_more.FAMILY)
+ORDER += list(_more.ARCHS)
 try:
     _tf_classes = _tf()
     MISSING += [n for n, names in _more.NEEDS.items() if not all(hasattr(_tf_classes, x) for x in names)]
@@ -458,6 +460,7 @@ except ImportError:
     MISSING += list(_more.NEEDS)
 for _n in MISSING:
     ARCHS.pop(_n, None)
+ORDER = [n for n in ORDER if n in ARCHS]
 
 
 def output_tensor(out):

@@ -307,13 +307,19 @@ def make_batches(arch_name: str):
     return out
 
 
-def reference(arch_name: str, batches):
-    """One process, no autopar: the user's training loop."""
+def reference(arch_name: str, batches, perturb: float = 0.0):
+    """One process, no autopar: the user's training loop. `perturb`: every weight
+    first multiplied by (1 + perturb * noise), a rounding-sized nudge (see `sensitivity`)."""
     import torch
 
     from archs import ARCHS, reference_loss
     spec = ARCHS[arch_name]()
     model = spec.model
+    if perturb:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + perturb * torch.randn(p.shape, generator=g))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for x, y in batches:
@@ -325,6 +331,20 @@ def reference(arch_name: str, batches):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+PERTURB = 1e-7  # about fp32's rounding (2^-24 = 6e-8)
+
+
+def sensitivity(ref, perturbed) -> float:
+    """How far one process lands from itself when its weights are nudged by a
+    rounding error: the worst parameter's relative difference after the same
+    steps. A well-conditioned model stays near 1e-6; ResNet's BatchNorm over
+    8 samples (2 x 2 pixels in its last stage) lands 0.2 away, so no
+    distributed run can be held to 1e-5 there. Parameters are judged against
+    max(TOL, 2 x this); losses always against TOL."""
+    return max((p.float() - perturbed[1][k].float()).abs().max().item() / max(p.abs().max().item(), PARAM_FLOOR)
+               for k, p in ref[1].items())
+
+
 def _rel(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
@@ -332,7 +352,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def compare(out0: dict, per_rank: list[dict], ref) -> dict:
-    ref_losses, ref_params = ref
+    ref_losses, ref_params = ref[:2]
     rec = {"losses": out0["losses"], "ref_losses": ref_losses}
     rec["loss_rel"] = max(_rel(a, b) for a, b in zip(out0["losses"], ref_losses))
     rec["ranks_agree"] = all(r["losses"] == out0["losses"] for r in per_rank)
@@ -354,7 +374,9 @@ def compare(out0: dict, per_rank: list[dict], ref) -> dict:
     rec.update(param_rel=worst, worst_param=worst_name, worst_param_abs=worst_abs)
     if missing or extra:
         rec["param_names"] = {"missing": missing[:5], "extra": extra[:5]}
-    ok = rec["loss_rel"] <= TOL and worst <= TOL and rec["ranks_agree"] and not missing and not extra
+    param_tol = max(TOL, 2 * ref[2]) if len(ref) > 2 else TOL
+    rec["param_tol"] = param_tol
+    ok = rec["loss_rel"] <= TOL and worst <= param_tol and rec["ranks_agree"] and not missing and not extra
     rec["status"] = "pass" if ok else "mismatch"
     return rec
 
@@ -511,6 +533,7 @@ def run_arch(arch_name, layouts, cell_timeout, log_dir, progress):
     torch.manual_seed(0)
     batches = make_batches(arch_name)
     ref = reference(arch_name, batches)
+    ref = (*ref, sensitivity(ref, reference(arch_name, batches, PERTURB)))
     out = {}
     if not all(math.isfinite(x) for x in ref[0]):
         for l in layouts:
@@ -788,7 +811,11 @@ def write_report(data: dict, out_dir: str, name: str) -> tuple[str, str]:
              "Each cell: tiny random model (hidden 64, 4 blocks, fp32, dropout 0), 3 SGD steps (lr 0.5, momentum "
              "0.9) on 3 global batches of 8, loss at every step and every parameter vs one process training the "
              f"same model (the model's own loss where it computes one from `labels`). Tolerance {TOL:g} relative "
-             f"(parameters: max|p - ref| / max(max|ref|, {PARAM_FLOOR:g})).", "",
+             f"(parameters: max|p - ref| / max(max|ref|, {PARAM_FLOOR:g}), held to max({TOL:g}, 2 x the "
+             f"architecture's own sensitivity: one process against itself with every weight nudged by "
+             f"{PERTURB:g} relative; the architectures where that exceeds {TOL:g}: "
+             + (", ".join(sorted({f"{c['arch']} ({c['param_tol']:.2g})" for c in cells
+                                  if c.get("param_tol", TOL) > TOL})) or "none") + ").", "",
              "Legend: `ok` pass · `R` refused before running, same reason on every rank · `**M**` mismatch · "
              "`**C**` crash (exception) · `**A**` abort (a rank died) · `**H**` hang (timeout) · `-` not run · "
              "`ok*` passed under tp > 1, but no block parameter was sharded over tp (the blocks ran replicated)", "",
