@@ -27,6 +27,8 @@ channels per BatchNorm in forward, two in backward, latency-bound and exposed).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -34,6 +36,10 @@ import torch.nn as nn
 from autopar.errors import PlanMismatchError
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
+# torch 2.13 marks torch.distributed.nn's all_reduce deprecated in favour of the functional
+# collectives, which have no differentiable all_reduce: it is the one whose backward we need.
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",
+                        category=FutureWarning)
 
 
 def batch_norms(model: nn.Module) -> list[str]:
@@ -114,7 +120,7 @@ def _global_batch_norm(bn, x: torch.Tensor) -> torch.Tensor:
     if bn.affine:
         y = y * bn.weight.float().view(shape) + bn.bias.float().view(shape)
     if bn.track_running_stats:
-        _update_running(bn, mean.detach(), var.detach(), float(n))
+        _update_running(bn, mean.detach(), var.detach(), float(n.detach()))
     return y.to(x.dtype)
 
 
