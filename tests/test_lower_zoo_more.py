@@ -212,3 +212,8 @@ def test_x_transformers_style_layers_capture_as_one_priced_layer_and_the_planner
     plan = autopar.plan(model, autopar.ClusterSpec(gpus=2, device="cpu"), example_inputs=inputs,
                         global_batch_size=4, precision="fp32")
     assert (plan.mesh.pp, plan.mesh.tp) == (1, 1)
+    # a hand plan asking for tp names what is missing, not a divisibility it never had
+    from autopar.errors import PlanMismatchError
+    from autopar.lower.manual_plan import plan_for_model
+    with pytest.raises(PlanMismatchError, match="nothing in it tensor parallelism splits"):
+        plan_for_model(model, example_inputs=inputs, tp=2)

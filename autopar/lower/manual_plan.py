@@ -91,10 +91,12 @@ def _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len, gr
     layers = []
     for i, ((name, kind, paths, degrees), block) in enumerate(zip(facts, is_block)):
         if block and tp > 1 and tp not in degrees:
-            raise PlanMismatchError(
-                f"layer {name!r} cannot be split over tp={tp} (its heads, kv heads or ffn size do not "
-                f"divide): it allows tp in {', '.join(map(str, degrees))}",
-                hint="choose a tp degree every block allows, or let `autopar plan` choose")
+            why = (f"its heads, kv heads or ffn size do not divide: it allows tp in {', '.join(map(str, degrees))}"
+                   if set(degrees) - {1} else
+                   f"capture found nothing in it tensor parallelism splits (no attention heads, no column / row "
+                   f"Linear pair; kind {kind!r})")
+            raise PlanMismatchError(f"layer {name!r} cannot be split over tp={tp}: {why}",
+                                    hint="choose a tp degree every block allows, or let `autopar plan` choose")
         if block:
             style = ("sequence" if sequence_parallel else "colwise_rowwise") if tp > 1 else "replicate"
         elif first < i < last:
