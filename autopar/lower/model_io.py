@@ -165,29 +165,55 @@ def buffers_kept(model: nn.Module):
                 b.copy_(value)
 
 
+@contextlib.contextmanager
+def probe_forward(model: nn.Module, fake: bool = True):
+    """What every forward that only reads shapes (the output check, the block and
+    pipeline probes) runs under: the model's buffers restored afterwards, no
+    autograd, Hugging Face's value checks and autocast on meta answered as
+    capture answers them, and with `fake` FakeTensorMode (real weights are
+    never read) with capture's bf16 shape fallback. `fake=False` for a caller
+    that enters its own FakeTensorMode (tensor_parallel.probe_blocks)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.capture.dtype_fallback import Bf16ShapeFallback
+    from autopar.capture.hf_masks import assume_unpadded_batches
+    from autopar.capture.meta_autocast import autocast_is_a_no_op_on_meta
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(buffers_kept(model))  # outermost: its copies must be real tensors
+        if fake:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(Bf16ShapeFallback())
+        for ctx in (torch.no_grad(), assume_unpadded_batches(), autocast_is_a_no_op_on_meta()):
+            stack.enter_context(ctx)
+        yield
+
+
+def on_model_device(model: nn.Module, args: tuple) -> tuple:
+    """`args` on the device of the model's weights: fake tensors keep each tensor's
+    device, and a meta-built model (the CLI's, or one lowered before materialisation)
+    meeting CPU inputs is a device mismatch, not a verdict on the model."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return tuple(args)
+    return tuple(a.to(param.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def check_output(model: nn.Module, example_inputs) -> None:
     """Refuse a model whose output `logits_of` cannot read before any plan,
     process group or step: one forward of one sample on fake tensors (no
     memory; weights are not touched), fed as lowering feeds it, so every
     rank refuses alike. A forward fake tensors cannot run says nothing about
     the output and is left to the lowering's own checks."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autopar.capture.dtype_fallback import Bf16ShapeFallback
-
     if example_inputs is None:  # what capture traces when the caller gives none
         from autopar.capture.auto_inputs import infer_example_inputs
         example_inputs = infer_example_inputs(model)
-    param = next(model.parameters(), None)  # a meta-device model runs on meta inputs
     try:
         split = positional_inputs(model, example_inputs)
         args = split(1)[0] if split is not None else example_inputs(1) if callable(example_inputs) \
             else example_inputs
-        args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-        if param is not None:
-            args = tuple(a.to(param.device) if isinstance(a, torch.Tensor) else a for a in args)
-        with buffers_kept(model), FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), \
-                torch.no_grad():
+        args = on_model_device(model, args if isinstance(args, (tuple, list)) else (args,))
+        with probe_forward(model):
             out = model(*args, **forward_kwargs(model))
     except Exception:  # noqa: BLE001 - not a verdict on the output
         return

@@ -105,10 +105,11 @@ def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
     for stage in sorted(plan.stages, key=lambda s: s.index):
         for choice in stage.layers:
             paths = list(choice.module_paths) or [choice.name]
-            if paths == [choice.name] == [choice.kind == "other" and "output"]:
-                # capture's layer of what runs after every module (the loss alone), named
-                # by its default: nothing to place (every parameter is still checked below)
-                paths = [] if choice.name not in modules and choice.name not in params else paths
+            if (paths == ["output"] and choice.name == "output" and choice.kind == "other"
+                    and "output" not in modules and "output" not in params):
+                # capture's layer of what runs after every module (the loss alone), under
+                # its default name: nothing to place (every parameter is still checked below)
+                paths = []
             for p in paths:
                 if p not in modules and p not in params:
                     raise PlanMismatchError(

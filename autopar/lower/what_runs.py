@@ -50,10 +50,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.capture.hf_masks import assume_unpadded_batches
-from autopar.capture.meta_autocast import autocast_is_a_no_op_on_meta
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
-from autopar.lower.model_io import buffers_kept
+from autopar.lower.model_io import on_model_device, probe_forward
 
 _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
 
@@ -258,9 +256,7 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
     meta weight meeting a CPU input is a device mismatch, not a verdict on the layout."""
     from autopar.lower import tensor_parallel
 
-    param = next(model.parameters(), None)
-    if param is not None and param.device.type == "meta":
-        example_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_args)
+    example_args = on_model_device(model, example_args)
     seen, hooks = {}, []
 
     def keep(i):
@@ -271,8 +267,7 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
         hooks.append(b.register_forward_pre_hook(keep(i), with_kwargs=True))
     outputs = {}
     try:
-        # Hugging Face's value checks and autocast on meta, answered as capture answers them
-        with buffers_kept(model), assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
+        with probe_forward(model, fake=False):  # probe_blocks enters its own FakeTensorMode
             plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
                                                  outputs=outputs)
     finally:
@@ -289,9 +284,6 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     to stage i + 1. Glue code that reads something a stand-in cannot give
     (an attribute, a second output) fails here, on every rank alike, instead
     of on one rank while the others wait in the schedule. None: it runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autopar.capture.dtype_fallback import Bf16ShapeFallback
     from autopar.lower.pipeline_parallel import StageModule
 
     stages, i = [], 0
@@ -300,11 +292,10 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     try:
-        with buffers_kept(model), FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), \
-                torch.no_grad(), assume_unpadded_batches(), autocast_is_a_no_op_on_meta():
+        with probe_forward(model):
             def dummy(batch):
                 return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in example_args)
-            x = tuple(t.to(device) for t in example_args)
+            x = on_model_device(model, example_args)
             for i in range(num_stages):
                 stages.append(StageModule(model, layout, i, num_stages, dummy, returns, pre_outputs, probe_batch))
                 out = stages[-1](*x)
