@@ -109,8 +109,10 @@ def _global_batch_norm(bn, x: torch.Tensor) -> torch.Tensor:
 
     dims = [0] + list(range(2, x.dim()))
     shape = [1, -1] + [1] * (x.dim() - 2)
-    xf = x.float()
-    count = torch.full((1,), x.numel() / x.shape[1], dtype=torch.float32, device=x.device)
+    # Statistics in fp32 at least (bf16 / fp16 activations), never below the input (fp64 stays fp64).
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    count = torch.full((1,), x.numel() / x.shape[1], dtype=acc, device=x.device)
     summed = all_reduce(torch.cat([xf.sum(dims), count]), op=dist.ReduceOp.SUM, group=bn.dp_group)
     n = summed[-1]
     mean = summed[:-1] / n
@@ -118,7 +120,7 @@ def _global_batch_norm(bn, x: torch.Tensor) -> torch.Tensor:
     var = all_reduce(centred.square().sum(dims), op=dist.ReduceOp.SUM, group=bn.dp_group) / n
     y = centred * torch.rsqrt(var + bn.eps).view(shape)
     if bn.affine:
-        y = y * bn.weight.float().view(shape) + bn.bias.float().view(shape)
+        y = y * bn.weight.to(acc).view(shape) + bn.bias.to(acc).view(shape)
     if bn.track_running_stats:
         _update_running(bn, mean.detach(), var.detach(), float(n.detach()))
     return y.to(x.dtype)
