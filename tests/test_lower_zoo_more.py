@@ -156,6 +156,7 @@ CELLS = [
     ("dbrx_dp", "dbrx", dict(dp=2)),
     ("dbrx_zero3", "dbrx", dict(dp=2, zero=3)),
     ("dbrx_tp", "dbrx", dict(tp=2)),
+    ("dbrx_pp", "dbrx", dict(pp=2, num_micro_batches=2)),
     ("xstyle_dp", "xstyle", dict(dp=2)),
     ("xstyle_zero3", "xstyle", dict(dp=2, zero=3)),
     ("xstyle_pp", "xstyle", dict(pp=2, num_micro_batches=2)),
@@ -169,7 +170,7 @@ def test_deberta_and_albert_train_as_one_process_or_are_refused_with_the_cause()
         assert results[0][name].get("refused") == results[1][name].get("refused"), name
     r = results[0]
     for name in ("deberta_dp", "deberta_tp", "deberta_pp", "albert_dp", "albert_zero3", "dbrx_dp", "dbrx_zero3",
-                 "xstyle_dp", "xstyle_zero3"):
+                 "dbrx_pp", "xstyle_dp", "xstyle_zero3"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # tp splits DeBERTa's blocks, not only its embeddings
@@ -177,10 +178,11 @@ def test_deberta_and_albert_train_as_one_process_or_are_refused_with_the_cause()
     assert "no repeated blocks" in r["albert_tp"]["refused"] and "tensor parallelism" in r["albert_tp"]["refused"]
     assert "no repeated blocks" in r["albert_pp"]["refused"] and "pipeline" in r["albert_pp"]["refused"]
     assert "pipeline stages" in r["xstyle_pp"]["refused"]
-    assert "cannot run on fake tensors" in r["dbrx_tp"]["refused"] and "nonzero" in r["dbrx_tp"]["refused"]
+    # the expert loop's nonzero: the probes answer it (pp runs), DTensor's sharding cannot
+    assert "Sharding propagation failed for aten.nonzero" in r["dbrx_tp"]["refused"], r["dbrx_tp"]
 
 
-def test_dbrx_captures_its_expert_loop_as_balanced_routing_and_plans_only_data_parallel():
+def test_dbrx_captures_its_expert_loop_as_balanced_routing_and_plans_no_tensor_parallelism():
     import autopar
     model = build("dbrx")
     inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
@@ -195,7 +197,7 @@ def test_dbrx_captures_its_expert_loop_as_balanced_routing_and_plans_only_data_p
     assert block.eval("fwd_flops", b, s) == expected
     plan = autopar.plan(model, autopar.ClusterSpec(gpus=4, device="cpu"), example_inputs=inputs,
                         global_batch_size=8, precision="fp32")
-    assert (plan.mesh.pp, plan.mesh.tp) == (1, 1)
+    assert plan.mesh.tp == 1
 
 
 def test_x_transformers_style_layers_capture_as_one_priced_layer_and_the_planner_plans_dp():

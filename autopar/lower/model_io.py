@@ -171,18 +171,21 @@ def probe_forward(model: nn.Module, fake: bool = True):
     pipeline probes) runs under: the model's buffers restored afterwards, no
     autograd, Hugging Face's value checks and autocast on meta answered as
     capture answers them, and with `fake` FakeTensorMode (real weights are
-    never read) with capture's bf16 shape fallback. `fake=False` for a caller
+    never read) with capture's bf16 shape fallback and answers for value-sized
+    ops (an eager expert loop's nonzero: capture/value_answers.py). `fake=False` for a caller
     that enters its own FakeTensorMode (tensor_parallel.probe_blocks)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autopar.capture.dtype_fallback import Bf16ShapeFallback
     from autopar.capture.hf_masks import assume_unpadded_batches
     from autopar.capture.meta_autocast import autocast_is_a_no_op_on_meta
+    from autopar.capture.value_answers import ValueAnswers
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(buffers_kept(model))  # outermost: its copies must be real tensors
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(ValueAnswers())
             stack.enter_context(Bf16ShapeFallback())
         for ctx in (torch.no_grad(), assume_unpadded_batches(), autocast_is_a_no_op_on_meta()):
             stack.enter_context(ctx)

@@ -155,17 +155,19 @@ def _first_tensor(value):
 
 def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple,
                  model_kwargs: dict | None = None, outputs_of: dict[str, nn.Module] | None = None,
-                 outputs: dict | None = None) -> dict[int, BlockPlan]:
+                 outputs: dict | None = None, answers=None) -> dict[int, BlockPlan]:
     """One forward under FakeTensorMode: each block's ops recorded for `tp_flow`
     (see the top of this file), hooks recording which tensor object each
     child and Linear of a block was given and returned. The same forward
     fills `outputs[path]` for each module of `outputs_of`: (shape, dtype) of
     the tensor it returns, else what it returns (pipeline stand-ins replace
-    those modules on later stages)."""
+    those modules on later stages). `answers`: the values fake tensors lack
+    (capture/value_answers.py), counted there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autopar.capture.dtype_fallback import Bf16ShapeFallback
     from autopar.capture.tp_dataflow import ModuleFlow
+    from autopar.capture.value_answers import ValueAnswers
 
     seen: dict[int, dict] = {}
     hooks = []
@@ -184,7 +186,8 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
         hooks.append(m.register_forward_hook(record(path), with_kwargs=True))
     flow = ModuleFlow(blocks)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), Bf16ShapeFallback(), reads, flow, torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), answers or ValueAnswers(), Bf16ShapeFallback(), reads, flow, \
+                torch.no_grad():
             final = model(*example_args, **(model_kwargs or {}))
         reads.see(final)
     finally:

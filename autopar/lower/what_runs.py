@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.capture.value_answers import ValueAnswers
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
 from autopar.lower.model_io import on_model_device, probe_forward
 
@@ -57,7 +58,10 @@ _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if len(text) > 1 and len(text[0]) < 40:
+        # DTensor's "aten.nonzero.default" then "Sharding propagation failed for ...": the why is on line 2
+        text = [f"{text[0]}: {text[1]}"]
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
@@ -265,15 +269,39 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
         return hook
     for i, b in blocks.items():
         hooks.append(b.register_forward_pre_hook(keep(i), with_kwargs=True))
-    outputs = {}
-    try:
+    def probe(share):
+        outputs, answers = {}, ValueAnswers(share)
         with probe_forward(model, fake=False):  # probe_blocks enters its own FakeTensorMode
             plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
-                                                 outputs=outputs)
+                                                 outputs=outputs, answers=answers)
+        return plans, outputs, answers.answered
+    try:
+        plans, outputs, answered = probe(0.5)
+        if answered:
+            # Value-sized ops were answered (an expert loop's nonzero): what the
+            # probe records must not depend on the answer, or it describes no real step.
+            again, outputs_again, _ = probe(0.25)
+            _same_shapes(plans, outputs, again, outputs_again)
     finally:
         for h in hooks:
             h.remove()
     return plans, seen, outputs
+
+
+def _same_shapes(plans, outputs, again, outputs_again) -> None:
+    for i, p in plans.items():
+        if (p.activation_shape, p.returns) != (again[i].activation_shape, again[i].returns):
+            raise PlanMismatchError(
+                f"block {i}'s activation or outputs are sized by tensor values (nonzero / boolean-mask "
+                f"indexing: {p.activation_shape} or {again[i].activation_shape}), which a pipeline or tp "
+                f"split cannot plan for",
+                hint="plan with data parallelism / ZeRO only, or give the layer fixed shapes (a capacity)")
+    for path, out in outputs.items():
+        if outputs_again.get(path) != out:
+            raise PlanMismatchError(
+                f"module {path!r} returns a tensor sized by tensor values (nonzero / boolean-mask indexing: "
+                f"{out} or {outputs_again.get(path)}), which pipeline stages cannot be cut around",
+                hint="plan with data parallelism / ZeRO only, or give the layer fixed shapes (a capacity)")
 
 
 def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tuple, returns: dict,
