@@ -113,6 +113,32 @@ def reference(model_name: str, optim: str, attention_mask: bool = False):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def sgd_reference(model, batches, loss=lambda m, x: m(x, labels=x).loss):
+    """A copy of `model` trained in one process on `batches` with SGD (lr 0.1,
+    momentum 0.9, as the architecture worlds train): (trained copy, losses)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x in batches:
+        value = loss(ref, x)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(value.item())
+    return ref, losses
+
+
+def train_planned(model, example_inputs, batches, layout: dict, micro_batch_size: int, loss_fn=None):
+    """(ParallelModel, losses): `model` lowered on a hand plan of `layout` and
+    trained on `batches` (targets = inputs) like `sgd_reference`."""
+    import autopar
+    from autopar.lower.manual_plan import plan_for_model
+    plan = plan_for_model(model, example_inputs=example_inputs, micro_batch_size=micro_batch_size, **layout)
+    pm = autopar.compile(model, plan=plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                         optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+    return pm, [pm.train_step(x, x) for x in batches]
+
+
 def compare(params, ref_params) -> float:
     """Largest per-tensor relative difference max|p - ref| / max|ref|."""
     assert set(params) == set(ref_params), (sorted(params), sorted(ref_params))

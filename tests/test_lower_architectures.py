@@ -24,10 +24,9 @@ What each model exercises:
   gpt2 pp x tp         tied embedding and head on different pipeline ranks,
                        both vocab-split: their gradients are summed shard by
                        shard (4 ranks)
-  mixtral (MoE)        pipelines run; tensor parallelism in fp32 is refused on
-                       every rank before any step (its grouped_mm cannot be
-                       sharded in fp32: found by a fake-tensor run of the split
-                       block over the real tp mesh)
+  mixtral (MoE)        pipelines run; under tensor parallelism the experts'
+                       3-D weights are split on their ffn dim and run on local
+                       tensors (tp_experts.py; more in test_lower_moe_tp.py)
   odd sequence         sequence parallelism over a sequence tp does not
                        divide: refused on both ranks
 """
@@ -201,17 +200,15 @@ def test_architectures_train_as_one_process_or_are_refused_on_every_rank():
     r = results[0]
     for name in ("qwen3_tp", "qwen3_tp_sp", "olmo2_tp_sp", "encoder_tp", "encoder_tp_sp",
                  "encoder_pre_norm_tp_sp", "bert_dp", "bert_pp", "bert_tp", "user_loss_ignore_dp",
-                 "tuple_blocks_pp", "mixtral_pp"):
+                 "tuple_blocks_pp", "mixtral_tp", "mixtral_pp"):
         assert "refused" not in r[name], (name, r[name])
         assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
     # q/k norms run replicated inside head-split attention
     assert "model.model.layers.0.self_attn.q_proj.weight" in r["qwen3_tp_sp"]["tp_sharded"]  # stage.model.<user path>
     assert "model.bert.embeddings.word_embeddings.weight" in r["bert_tp"]["tp_sharded"]  # = the decoder's weight
     assert "needs tp to divide the sequence" in r["qwen3_tp_sp_odd_sequence"]["refused"]
-    # MoE experts (transformers' grouped_mm, whose meta kernel DTensor's sharding propagation runs is
-    # bf16-only) cannot run split in fp32: refused on every rank before any step, found by running the
-    # block on fake tensors over the real tp mesh
-    assert "block 'model.layers.0' cannot run split over tp=2" in r["mixtral_tp"]["refused"]
+    # MoE experts (transformers' grouped_mm on 3-D weights) split over tp
+    assert "model.model.layers.0.mlp.experts.down_proj" in r["mixtral_tp"]["tp_sharded"]
     assert "sequence of 9" in r["qwen3_tp_sp_odd_sequence"]["refused"]
 
 

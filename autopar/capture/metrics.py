@@ -238,6 +238,8 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.has_weight_gemm = bool(cols) or bool(rows)
     m.has_norm = any(r.kind == "norm" for r in fwd)
     m.attrs = _attrs(trace, layer, fwd, cols, valid, flow.regions)
+    if flow.expert_ffn:  # tp splits each expert's ffn (autopar/lower/tp_experts.py): tp must divide it
+        m.attrs["expert_ffn_hidden"] = flow.expert_ffn
     # Every op the layer dispatches, views included: each costs host time (the
     # framework's dispatch, DTensor's sharding propagation under tp) whatever its size.
     m.attrs["host_ops_fwd"], m.attrs["host_ops_bwd"] = len(fwd), len(bwd)
@@ -351,7 +353,7 @@ def divisors_up_to(n: int, limit: int = 1024) -> tuple:
 def tp_degrees(attrs: dict, kind: str) -> tuple:
     if kind in ("transformer_block", "moe_block") and attrs.get("heads"):
         g = attrs["heads"]
-        for key in ("kv_heads", "ffn_hidden"):
+        for key in ("kv_heads", "ffn_hidden", "expert_ffn_hidden"):
             if attrs.get(key):
                 g = math.gcd(g, attrs[key])
         return divisors_up_to(g)

@@ -24,6 +24,13 @@ head_dim) first (Llama's separate wq/wk/wv, Megatron's view-then-split)
 keeps the shard on the head dim, and a later split of head_dim is harmless.
 A weight GEMM fed a tensor gathered from a region is still that region's
 row-parallel GEMM: its input is sliced locally, no communication.
+
+MoE experts stored as 3-D parameters (transformers' `gate_up_proj` of shape
+(experts, 2 x ffn, hidden), run by `_grouped_mm` or by `linear` on
+`param[e]`) fuse gate and up: `gate, up = x @ W.chunk(2, -1)`. The lowering
+(autopar/lower/tp_experts.py) shards such a weight *strided*, so each rank
+holds its slice of every piece (`_StridedShard(split_factor=pieces)`): an
+equal cut of the column GEMM's own output keeps every piece sharded, no gather.
 """
 from __future__ import annotations
 
@@ -80,10 +87,19 @@ class TPFlow:
     gathers: list = field(default_factory=list)
     replicated: set = field(default_factory=set)
     sliced: set = field(default_factory=set)
+    experts: set = field(default_factory=set)  # column GEMMs of MoE experts' 3-D weights
 
     @property
     def gather_bytes(self) -> int:
         return sum(nbytes for regions, nbytes in self.gathers if regions & self.valid)
+
+    @property
+    def expert_ffn(self) -> int | None:
+        """The experts' intermediate size (the split dim of their weights): the width the
+        row GEMMs fed by their column GEMMs read. None for a layer without split experts."""
+        widths = [r.in_shapes[0][-1] for r in self.rows
+                  if _union(self.regions.get(i) for i in r.inputs) & self.experts & self.valid]
+        return min(widths) if widths else None
 
 
 def _union(sets) -> frozenset:
@@ -108,6 +124,15 @@ def _is_real_cut(r, dim: int) -> bool:
         return True
     full = r.in_shapes[0][dim]
     return any(len(o) == len(r.in_shapes[0]) and o[dim] < full for o in r.out_shapes)
+
+
+def _equal_pieces(r, dim: int) -> bool:
+    """A cut into two or more pieces of one size along `dim` (chunk(2), an even split)."""
+    if r.op in _DROPS_DIM or len(r.out_shapes) < 2:
+        return False
+    n = len(r.in_shapes[0])
+    return (all(len(o) == n for o in r.out_shapes) and len({o[dim] for o in r.out_shapes}) == 1
+            and r.out_shapes[0][dim] * len(r.out_shapes) == r.in_shapes[0][dim])
 
 
 def _reshaped_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
@@ -162,6 +187,8 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
     shard_dim: dict = {}  # idx -> sharded dim of a sharded output (negative), None if unknown
     gathered: dict = {}  # idx -> regions a full (replicated) tensor was gathered from
     gathered_inputs = set()
+    expert_weights = set()  # "param" records read off a 3-D (experts) parameter
+    strided = flow.experts  # column GEMMs of experts' weights: an equal cut of their output stays sharded
     for r in fwd:
         act = [state.get(i) for i in r.inputs]
         from_gather = _union(gathered.get(i) for i in r.inputs)
@@ -169,6 +196,8 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
             st = None
         elif r.uses_param and not r.inputs:
             st = "param"
+            if r.in_shapes and len(r.in_shapes[0]) == 3:
+                expert_weights.add(r.idx)
         elif r.op in _LINEAR_GEMMS and (r.uses_param or "param" in act):
             sharded = _union(act)
             if sharded or from_gather:
@@ -183,11 +212,15 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                 cols[r.idx] = r
                 st = frozenset([r.idx])
                 shard_dim[r.idx] = -1
+                if r.op == "aten._grouped_mm" or any(i in expert_weights for i in r.inputs):
+                    strided.add(r.idx)
             from_gather = frozenset()
         elif r.out_is_int:
             st = None
         elif act and all(s == "param" for s in act):
             st = "param"
+            if any(i in expert_weights for i in r.inputs):
+                expert_weights.add(r.idx)
         else:
             st = _union(act) or None
             if st:
@@ -200,6 +233,8 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                     # stays replicated (its region never reaches a row GEMM) and the
                     # GEMM after it starts a new column region (the vocab projection).
                     st = None
+                elif cut is not None and cut == sd and src in strided and _equal_pieces(r, cut):
+                    shard_dim[r.idx] = sd  # the experts' fused gate/up: each piece stays sharded
                 elif cut is not None and sd is not None and cut == sd and _is_real_cut(r, cut):
                     # DTensor all-gathers the input before cutting it (once per tensor).
                     if src not in gathered_inputs:
@@ -263,6 +298,7 @@ class FlowOp:
     out_shapes: tuple
     dims: dict | None
     module: object = None  # the innermost module whose forward dispatched it
+    param_names: tuple = ()  # the parameters it reads itself (names in the recorded module), as OpRecord's
 
 
 class ModuleFlow(TorchDispatchMode):
@@ -277,7 +313,8 @@ class ModuleFlow(TorchDispatchMode):
         self.ops: dict = {}
         self._current, self._stack, self._producer, self._keep, self._hooks = None, [], {}, [], []
         self._count = 0
-        self._params = {key: {p.untyped_storage()._cdata for p in m.parameters()} for key, m in modules.items()}
+        self._params = {key: {p.untyped_storage()._cdata: n for n, p in m.named_parameters()}
+                        for key, m in modules.items()}
         self._buffers = {key: {b.untyped_storage()._cdata for b in m.buffers()} for key, m in modules.items()}
         for key, top in modules.items():
             for m in top.modules():
@@ -326,7 +363,8 @@ class ModuleFlow(TorchDispatchMode):
             in_shapes=tuple(tuple(t.shape) for t in ins),
             in_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in ins),
             out_shapes=tuple(tuple(t.shape) for t in outs), dims=_dim_args(func, args, kwargs),
-            module=self._stack[-1] if self._stack else None))
+            module=self._stack[-1] if self._stack else None,
+            param_names=tuple(dict.fromkeys(params[h] for h in held.values() if h in params))))
         for t in outs:
             self._producer[id(t)] = idx
         self._keep.extend(outs)  # no id is reused while the records stand

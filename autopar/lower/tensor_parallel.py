@@ -143,6 +143,8 @@ class BlockPlan:
     colwise: list[str] = field(default_factory=list)
     rowwise: list[str] = field(default_factory=list)
     rowwise_whole: list[str] = field(default_factory=list)
+    # MoE experts stored as 3-D parameters: split on their ffn dim, run on local tensors (tp_experts.py)
+    experts: list = field(default_factory=list)
 
 
 def _first_tensor(value):
@@ -216,6 +218,7 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
             activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
             returns=_returns(rec["out"], reads.read_after(rec["ops_before"])), main_argument=where)
         _place_pairs(block, plans[bi], _linear_groups(block, flow.ops.get(bi, [])), seen)
+        _place_experts(block, plans[bi], flow.ops.get(bi, []))
     return plans
 
 
@@ -278,6 +281,17 @@ def _place_pairs(block: nn.Module, plan: BlockPlan, groups: list, seen: dict) ->
     plan.subs = [subs[n] for n, _ in block.named_children() if n in subs]
     for names in (plan.colwise, plan.rowwise, plan.rowwise_whole):
         names.sort(key=order.__getitem__)
+
+
+def _place_experts(block: nn.Module, plan: BlockPlan, ops: list) -> None:
+    """The block's experts modules (tp_experts.find_experts). A child holding them
+    is no norm: under sequence parallelism it takes the whole sequence (every
+    rank's experts see every token)."""
+    from autopar.lower.tp_experts import find_experts
+
+    plan.experts = find_experts(block, ops)
+    tops = {e.path.split(".")[0] for e in plan.experts}
+    plan.norms = [n for n in plan.norms if n not in tops]
 
 
 def _sub_module_plan(block: nn.Module, name: str, group: tuple, seen: dict) -> SubModulePlan | None:
@@ -401,8 +415,9 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
         # sequence and run replicated. Norms stay on shards.
         split = ({sub.name for sub in plan.subs} | set(plan.norms)
                  | {n.split(".")[0] for n in plan.colwise + plan.rowwise})
+        experts = {e.path.split(".")[0] for e in plan.experts}
         for name, child in block.named_children():
-            if name not in split and any(True for _ in child.parameters()):
+            if (name not in split or name in experts) and any(True for _ in child.parameters()):
                 styles[name] = ModuleInputs(None, gather_all=True)
     parallelize_module(block, tp_mesh, styles)
     if plan.colwise:
@@ -412,6 +427,9 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
         parallelize_module(block, tp_mesh, {name: SharedInput(cache) for name in plan.colwise})
         block.register_forward_pre_hook(lambda *_: cache.clear())
         block.register_forward_hook(lambda *_: cache.clear(), always_call=True)
+    if plan.experts:
+        from autopar.lower.tp_experts import parallelize_experts
+        parallelize_experts(block, plan.experts, tp_mesh)
     replicate_parameters(block, tp_mesh)
     parallelize_module(block, tp_mesh, ModuleInputs(plan.main_argument, Replicate() if first or not sp else hidden,
                                                     hidden))
