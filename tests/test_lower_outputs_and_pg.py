@@ -143,3 +143,14 @@ def test_planning_inside_a_gloo_world_checks_the_lowering_as_a_fresh_process():
         assert r["all_reduce"] == 3.0  # the real group still works
         assert r["compiled_mesh"] == fresh["mesh"] and r["compiled_limits"] == fresh["plan_limits"]
         assert r["loss"] > 0
+
+
+def test_sequence_parallelism_of_image_blocks_is_refused_naming_the_channels_dim():
+    """A ConvNeXt block's activation is (N, C, H, W): dim 1 is channels, not a sequence.
+    The planner's check says so with compile's own words (tensor_parallel.
+    check_sequence_split; the depthwise conv's channel count error was the reason before)."""
+    model, example, loss_fn, *_ = ow.build("convnext")
+    graph = autopar.capture(model, example, loss_fn=loss_fn)
+    found = limits(model, graph, example, tp_degrees=[2])
+    assert "4-D" in found["sequence_parallel"]["2"] and "channels" in found["sequence_parallel"]["2"], found
+    assert not found["tp"].get("2"), found  # tp alone still runs

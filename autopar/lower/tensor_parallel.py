@@ -365,6 +365,11 @@ def check_sequence_split(path: str, plan: BlockPlan, tp: int) -> None:
     along dim 1; torch's collectives need equal pieces (an uneven split
     aborts a rank inside gloo/NCCL), so refuse it here, on every rank alike."""
     shape = plan.activation_shape
+    if len(shape) > 3:
+        raise PlanMismatchError(
+            f"block {path!r}: sequence parallelism shards the sequence dim (dim 1) of a (batch, sequence, "
+            f"hidden) activation; the block's is {len(shape)}-D {list(shape)} (an image's channels are dim 1)",
+            hint="plan without sequence parallelism (--no-sequence-parallel / sequence_parallel=False)")
     if len(shape) < 3 or shape[1] % tp:
         what = f"sequence of {shape[1]}" if len(shape) >= 3 else f"activation of shape {list(shape)}"
         raise PlanMismatchError(

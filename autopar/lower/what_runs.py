@@ -502,6 +502,9 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
         for sp, key in ((False, "tp"), (True, "sequence_parallel")):
             if out["tp"].get(str(tp)):
                 continue  # not offered at all
+            if sp and (why := _sequence_split_refusal(layout, plans, tp)):
+                out[key][str(tp)] = why
+                continue
             issued: dict = {}
             failures, undecided = block_failures(model, blocks, args, forward_kwargs(model), tp, sp,
                                                  recorded=(plans, inputs), collectives=issued)
@@ -516,6 +519,18 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                 out["unverified"] += [f"{what}: {u}" for u in undecided]
                 out[key][str(tp)] = f"cannot be shown to run split over {what} on fake tensors: {undecided[0]}"
     return out
+
+
+def _sequence_split_refusal(layout, plans, tp: int) -> str | None:
+    """What compile's own check (tensor_parallel.check_sequence_split) says of the first block it refuses."""
+    from autopar.lower import tensor_parallel
+    for l in layout.layers:
+        if l.position == "block" and l.block_index in plans:
+            try:
+                tensor_parallel.check_sequence_split(l.paths[0], plans[l.block_index], tp)
+            except PlanMismatchError as exc:
+                return exc.message
+    return None
 
 
 def _split_off_stack(graph, layout) -> str | None:

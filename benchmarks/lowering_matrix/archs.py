@@ -463,6 +463,24 @@ for _n in MISSING:
 ORDER = [n for n in ORDER if n in ARCHS]
 
 
+def _load_outside(paths: str) -> None:
+    """Architectures kept outside this repository (run.py --archs-file, passed to every
+    rank in AUTOPAR_MATRIX_ARCHS): each file defines ARCHS {name: () -> Arch}, and FAMILY."""
+    import importlib.util
+    for path in filter(None, paths.split(os.pathsep)):
+        spec = importlib.util.spec_from_file_location(f"outside_archs_{len(ORDER)}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # its sibling imports
+        spec.loader.exec_module(mod)
+        ARCHS.update(mod.ARCHS)
+        FAMILY.update({n: "outside" for n in mod.ARCHS})
+        FAMILY.update(getattr(mod, "FAMILY", {}))
+        ORDER.extend(n for n in mod.ARCHS if n not in ORDER)
+
+
+_load_outside(os.environ.get("AUTOPAR_MATRIX_ARCHS", ""))
+
+
 def output_tensor(out):
     """What a user reads from the model's output: the tensor, `.logits`, or `["logits"]`."""
     if isinstance(out, torch.Tensor):

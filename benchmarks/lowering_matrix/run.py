@@ -906,9 +906,16 @@ def main(argv=None):
         arch_name, world, pins = json.loads(argv[1])
         print(json.dumps(plan_only(arch_name, world, pins)))
         return 0
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # `--arch` is no `--archs-file`
+    pre.add_argument("--archs-file")
+    outside = pre.parse_known_args(argv)[0].archs_file
+    if outside:  # before archs is imported, here and (through the environment) on every rank
+        os.environ["AUTOPAR_MATRIX_ARCHS"] = os.path.abspath(outside)
     from archs import ARCHS, FAMILY, MISSING, ORDER
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--archs-file", help="a Python file defining ARCHS {name: () -> archs.Arch} (and FAMILY): "
+                                         "architectures kept outside this repository, run beside the matrix's")
     ap.add_argument("--arch", help="comma-separated architectures (default: all): " + ",".join(ARCHS))
     ap.add_argument("--layout", help="comma-separated layouts (default: all): " + ",".join(LAYOUTS))
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
