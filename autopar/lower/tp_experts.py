@@ -75,8 +75,8 @@ def find_experts(block: nn.Module, ops: list) -> list[ExpertsPlan]:
         if r.op not in _LINEAR_GEMMS or id(r.module) not in owners:
             continue
         source = _weight_source(r, by_idx, flow.state)
-        if source is None:
-            continue
+        if source is None or block.get_parameter(source[0]).dim() != 3:
+            continue  # no weight, or not an experts' one (a router's matrix held beside them)
         path = owners[id(r.module)]
         plan = plans.setdefault(path, ExpertsPlan(path))
         name, swaps = source

@@ -186,8 +186,10 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, e
 
     In the block's own dtypes and without capture's bf16 stand-in for
     meta kernels that refuse fp32: DTensor's sharding propagation runs those
-    same meta kernels in the real step (transformers' MoE `_grouped_mm` in
-    fp32 fails there, so it must fail here)."""
+    same meta kernels in the real step (a `_grouped_mm` on fp32 DTensors
+    fails there, so it must fail here). MoE experts the lowering splits run
+    on local tensors instead, as in the real step; only their local run is
+    in bf16 here (tp_experts._low: values are not read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_flatten
 
