@@ -223,7 +223,7 @@ class ParallelModel:
         user's names, sharded as this plan holds them (DTensor shards or whole
         tensors): what torch.distributed.checkpoint saves and reshards on load
         under any other plan (autopar.train.snapshot)."""
-        return {**state_dict.model_tensors(self), **state_dict.optimizer_tensors(self)}
+        return state_dict.for_dcp({**state_dict.model_tensors(self), **state_dict.optimizer_tensors(self)})[0]
 
     def full_state_dict(self, buffers: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the user's names (tied weights once), and the

@@ -62,6 +62,38 @@ def all_model_names(pm) -> set[str]:
     return {MODEL + n for n in list(pm._holders) + list(pm._buffers)}
 
 
+def _plain_placements(t) -> list | None:
+    """Placements DCP can write for `t`, or None when its own are fine. DCP writes one
+    contiguous chunk per rank; a `_StridedShard` that alone splits its dim (MoE experts'
+    gate_up under tp, lower/tp_experts.py: each rank holds its slice of gate and of up)
+    leaves a rank several pieces, which DCP refuses as overlapping chunks. FSDP2's own
+    strided shards (a dim split by tp and dp together) are one chunk: kept."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(t, DTensor):
+        return None
+    dims = [getattr(p, "dim", None) for p in t.placements]
+    lone = [type(p).__name__ == "_StridedShard" and dims.count(p.dim) == 1 for p in t.placements]
+    return [Shard(p.dim) if alone else p for p, alone in zip(t.placements, lone)] if any(lone) else None
+
+
+def for_dcp(state: dict) -> tuple[dict, object]:
+    """`state` as DCP saves and loads it (see `_plain_placements`): such tensors
+    resharded plainly (`Shard(dim)`, one redistribution each), and a function
+    that copies stand-ins DCP loaded into back into the tensors of `state`."""
+    out, back = dict(state), []
+    for name, t in state.items():
+        plain = _plain_placements(t)
+        if plain is not None:
+            out[name] = t.detach().redistribute(t.device_mesh, plain)
+            back.append((t, out[name]))
+
+    def restore():
+        with torch.no_grad():
+            for t, stand_in in back:
+                t.to_local().copy_(stand_in.redistribute(t.device_mesh, t.placements).to_local())
+    return out, restore
+
+
 def _stepping_optimizer(opt):
     """The optimizer that holds state: ZeroRedundancyOptimizer keeps its rank's in `.optim`."""
     return getattr(opt, "optim", opt) if type(opt).__name__ == "ZeroRedundancyOptimizer" else opt

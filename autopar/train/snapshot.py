@@ -231,7 +231,9 @@ def load(pm, path: str) -> dict:
     if same_ranks:  # each rank continues its own random stream (dropout masks as uninterrupted)
         rng = {k: torch.empty_like(v) for k, v in _rng_states().items() if k in saved}
         state.update(rng)
+    state, restore = lsd.for_dcp(state)
     dcp.load(state, storage_reader=reader)
+    restore()
     install()
     for k, v in rng.items():
         if ".cpu." in k:
