@@ -180,3 +180,40 @@ def test_snapshot_of_split_experts_loads_on_other_plans(tmp_path):
     for rank in run_world(_snapshot_world, 2, str(tmp_path / "ckpt"), timeout=240):
         for name, r in rank.items():
             assert r["weights"] == 0.0 and r["next_loss"] < 1e-5, (name, r)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_lowering_check_runs_the_split_experts_and_counts_their_reduction(arch, sp):
+    """The planner's check (what_runs: the split block on fake tensors over a fake
+    tp group) passes through the experts' local run and sees the one reduction of
+    their partial sums: an all-reduce, or a reduce-scatter into sequence shards."""
+    from autopar.lower.what_runs import block_failures
+
+    model = build(arch)
+    blocks = dict(enumerate(model.model.layers))
+    issued: dict = {}
+    failures, undecided = block_failures(model, blocks, _inputs(2), {"use_cache": False}, 2, sp, collectives=issued)
+    assert (failures, undecided) == ({}, [])
+    forward = [kind for kind, _, phase in issued[0] if phase == "fwd"]
+    if sp:  # attention and experts: each gathers its input and reduce-scatters its output
+        assert forward.count("reduce_scatter") == 2 and forward.count("all_gather") == 2, forward
+    else:  # attention, experts (and Qwen2-MoE's shared expert, reduced on its own)
+        assert forward == ["all_reduce"] * (2 if arch == "mixtral" else 3), forward
+
+
+def test_experts_it_cannot_split_are_refused_with_the_reason():
+    """GPT-OSS's experts add biases (the down projection's after the GEMM, which a
+    partial sum would count tp times): refused naming them, not run replicated."""
+    import transformers as T
+
+    from autopar.lower.what_runs import block_failures
+    torch.manual_seed(0)
+    model = T.GptOssForCausalLM(T.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        layer_types=["full_attention"] * 2))
+    failures, _ = block_failures(model, dict(enumerate(model.model.layers)), _inputs(2), {"use_cache": False}, 2,
+                                 False)
+    assert "experts 'mlp.experts' cannot be split over tp: its parameters gate_up_proj_bias, down_proj_bias" \
+        in failures[0]
