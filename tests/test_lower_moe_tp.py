@@ -217,3 +217,37 @@ def test_experts_it_cannot_split_are_refused_with_the_reason():
                                  False)
     assert "experts 'mlp.experts' cannot be split over tp: its parameters gate_up_proj_bias, down_proj_bias" \
         in failures[0]
+
+
+class _Experts(torch.nn.Module):
+    """Experts as 3-D weights, called per expert with `linear` on `param[e]`;
+    `residual` adds the input to the down projection's output inside the module."""
+
+    def __init__(self, residual: bool):
+        super().__init__()
+        self.residual = residual
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 64, 32) * 0.1)
+        self.down_proj = torch.nn.Parameter(torch.randn(2, 32, 32) * 0.1)
+
+    def forward(self, x):
+        out = 0
+        for e in range(2):
+            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down_proj[e])
+        return out + x if self.residual else out
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_experts_found_from_their_dataflow_and_refused_where_a_partial_sum_would_be_wrong(residual):
+    """Not transformers' class: any module whose 3-D weights feed a column and a row
+    GEMM (here `linear` on `param[e]`). Whatever reads the down projection's output
+    inside it must keep a partial sum a partial sum; adding the whole input is refused."""
+    from autopar.lower.what_runs import record_blocks
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), _Experts(residual))
+    plans = record_blocks(model, {0: model[1]}, (torch.randn(4, 32),), {})[0]
+    (experts,) = plans[0].experts
+    if residual:
+        assert "joins a whole tensor to the down projection's output" in experts.why
+    else:
+        assert (experts.column, experts.row, experts.why) == ({"gate_up_proj": (1, 2)}, {"down_proj": 2}, None)

@@ -51,6 +51,9 @@ _LINEAR_AFTER_ROW = {"aten.mul", "aten.div", "aten.index", "aten.view", "aten._u
                      "aten.expand", "aten.permute", "aten.transpose", "aten.t", "aten.add", "aten.add_",
                      "aten.neg", "aten.cat", "aten.stack", "aten.slice", "aten.select", "aten.alias"}
 _ZEROS = {"aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.zero_"}
+# ... of which these join tensors: each other one must be a partial sum too, or zeros.
+_JOINS = {"aten.add", "aten.add_", "aten.index_add", "aten.index_add_", "aten.index_put", "aten.index_put_",
+          "aten.cat", "aten.stack"}
 
 
 @dataclass
@@ -198,9 +201,8 @@ def _partial_stays_linear(ops: list, mine: set, rows: set) -> str | None:
         if r.op not in _LINEAR_AFTER_ROW:
             return f"{r.op} reads the down projection's output before its sum over tp ranks"
         floats = [i for i in r.inputs if i not in by_idx or not by_idx[i].out_is_int]
-        if r.op.startswith("aten.add") and (r.uses_param or any(i not in derived and i not in zeros
-                                                                for i in floats)):
-            return "a tensor is added to the down projection's output before its sum over tp ranks"
+        if r.op in _JOINS and (r.uses_param or any(i not in derived and i not in zeros for i in floats)):
+            return f"{r.op} joins a whole tensor to the down projection's output before its sum over tp ranks"
         if r.op in ("aten.mul", "aten.div") and len(hit) > 1:
             return f"{r.op} of two partial sums"
         derived.add(r.idx)
