@@ -318,7 +318,7 @@ def test_memory_bound_calibration_writes_results_to_cold_buffers():
     before), never the buffer it just freed, which is still in the core's cache."""
     import torch
 
-    from autopar.calibrate import _copies, _cycling
+    from autopar.calibrate.timing import _copies, _cycling
 
     keep = _copies(4 * 2**20, torch.device("cpu"))
     assert keep == 32  # 128 MiB of 4 MiB results: beyond the caches a step overflows
@@ -494,9 +494,9 @@ def test_calibrate_work_time_on_a_cpu_is_the_call_less_its_dispatch():
             return 1e-3
 
     timer = FixedTimer(cal.Settings(device="cpu"), torch.device("cpu"))
-    assert cal._work_seconds(timer, lambda: None, 2e-4) == pytest.approx(8e-4)
-    assert cal._work_seconds(timer, lambda: None, 5e-3) == pytest.approx(1e-4)
-    assert cal._work_rate(8.0, timer, lambda: None, 2e-4) == pytest.approx(1e4)
+    assert cal.timing._work_seconds(timer, lambda: None, 2e-4) == pytest.approx(8e-4)
+    assert cal.timing._work_seconds(timer, lambda: None, 5e-3) == pytest.approx(1e-4)
+    assert cal.timing._work_rate(8.0, timer, lambda: None, 2e-4) == pytest.approx(1e4)
 
 
 def _cuda():

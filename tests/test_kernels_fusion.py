@@ -382,7 +382,7 @@ class _NotQuiteRMSNorm(nn.Module):
 
 
 def test_rmsnorm_lookalike_is_not_fused():
-    from autopar.kernels.fusion import _rmsnorm_probe
+    from autopar.kernels.fx_ops import rmsnorm_probe as _rmsnorm_probe
 
     model, _ = llama_tiny()
     assert _rmsnorm_probe(model.layers[0].ffn_norm)

@@ -2,7 +2,7 @@
 attention, per-op host time, collectives) and write a measured profile that
 `autopar plan / report / compile --profile profile.json` price plans with.
 
-See autopar/calibrate.py for what is timed and cost_models/measured.py for how
+See autopar/calibrate/ (its __init__) for what is timed and cost_models/measured.py for how
 the cost model reads it.
 """
 from __future__ import annotations

@@ -39,88 +39,23 @@ lives outside the model; the lowering's loss path calls
 
 `fusion_bytes(fusion, rows, ...)` gives the HBM bytes each chain moves
 unfused (eager) and fused, for the cost model.
+
+Each pattern's matching and rewriting is its own module in
+autopar/kernels/patterns/; recognising ops is autopar/kernels/fx_ops.py.
 """
 from __future__ import annotations
 
-import operator
-from typing import Any, Iterable
+from typing import Iterable
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autopar.errors import AutoparError
-from autopar.kernels import fused_modules as fm
+from autopar.kernels import patterns
+from autopar.kernels.fx_ops import is_norm
 
 PATTERNS = ("bias_gelu", "bias_silu", "swiglu", "add_layernorm", "add_rmsnorm", "scaled_softmax",
             "dropout_add", "linear_cross_entropy")
-
-# -- recognising ops ------------------------------------------------------------
-_ADD = {operator.add, torch.add}
-_MUL = {operator.mul, torch.mul}
-_GELU = {F.gelu}
-_SILU = {F.silu}
-_SOFTMAX = {F.softmax, torch.softmax}
-_DROPOUT = {F.dropout}
-
-
-def _is_fn(n: fx.Node, fns: set, method: str | None = None) -> bool:
-    if n.op == "call_function" and n.target in fns:
-        return True
-    return method is not None and n.op == "call_method" and n.target == method
-
-
-def _module(n: fx.Node, modules: dict) -> nn.Module | None:
-    return modules.get(n.target) if n.op == "call_module" else None
-
-
-def is_rmsnorm(m: nn.Module) -> bool:
-    """torch's RMSNorm, or a user RMSNorm (Llama / HF style: a 1-D `weight` and an eps).
-    A user class is only trusted after `_rmsnorm_probe` agrees numerically."""
-    # _parameters, not getattr: while fx traces, module attribute access
-    # returns proxies for parameters.
-    w = m._parameters.get("weight")
-    if isinstance(m, nn.RMSNorm):
-        return w is not None
-    return ("rmsnorm" in type(m).__name__.lower() and isinstance(w, nn.Parameter) and w.dim() == 1
-            and any(isinstance(getattr(m, a, None), float) for a in ("eps", "variance_epsilon", "epsilon")))
-
-
-def _rmsnorm_probe(m: nn.Module) -> bool:
-    """Does this module compute weight * x / sqrt(mean(x^2) + eps)? Run on two
-    random rows, one scaled down so eps matters, with a random weight put in
-    for the call (a freshly initialised all-ones weight could not show that
-    the module multiplies by it), then the real weight is restored."""
-    from autopar.kernels.add_norm import add_rmsnorm_reference
-
-    if isinstance(m, nn.RMSNorm):
-        return True
-    w = m.weight
-    if w.is_meta or type(w.data) is not torch.Tensor:
-        return True  # nothing to run on; the name and attributes matched
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, w.shape[0], generator=g) * torch.tensor([[1.0], [1e-3]])
-    x = x.to(device=w.device, dtype=w.dtype)
-    probe_w = (1 + 0.5 * torch.randn(w.shape[0], generator=g)).to(device=w.device, dtype=w.dtype)
-    saved = w.detach().clone()
-    tol = 1e-3 if w.dtype == torch.float32 else 3e-2
-    try:
-        with torch.no_grad():
-            w.copy_(probe_w)
-            want, _ = add_rmsnorm_reference(x, None, w, fm.norm_eps(m))
-            got = m(x)
-    except Exception:
-        return False
-    finally:
-        with torch.no_grad():
-            w.copy_(saved)
-    return (isinstance(got, torch.Tensor) and got.shape == want.shape
-            and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())))
-
-
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.LayerNorm) or is_rmsnorm(m)
 
 
 class _Tracer(fx.Tracer):
@@ -136,7 +71,7 @@ class _Tracer(fx.Tracer):
         self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if _is_norm(m):
+        if is_norm(m):
             return True
         if self.open_paths is not None and qualname not in self.open_paths:
             return True
@@ -163,15 +98,6 @@ def _scope(n: fx.Node) -> str:
     if not stack:
         return ""
     return list(stack.keys())[-1].split("@")[0]
-
-
-def _other(n: fx.Node, a: Any) -> Any:
-    x, y = n.args[0], n.args[1]
-    return y if x is a else x
-
-
-def _only_user(n: fx.Node, user: fx.Node) -> bool:
-    return list(n.users) == [user]
 
 
 # -- matching -------------------------------------------------------------------
@@ -216,104 +142,8 @@ def _match_chains(graph: fx.Graph, modules: dict) -> list[dict]:
     found: list[dict] = []
     used: set[fx.Node] = set()
     nodes = list(graph.nodes)
-
-    for n in nodes:  # residual add -> norm
-        m = _module(n, modules)
-        if m is None or not _is_norm(m) or len(n.args) != 1 or n.kwargs:
-            continue
-        a = n.args[0]
-        if not (isinstance(a, fx.Node) and _is_fn(a, _ADD, "add") and len(a.args) == 2 and not a.kwargs
-                and all(isinstance(v, fx.Node) for v in a.args)):
-            continue
-        if isinstance(m, nn.LayerNorm):
-            if len(m.normalized_shape) != 1:
-                continue
-            pattern, width, params = "add_layernorm", m.normalized_shape[0], {"eps": m.eps}
-        else:
-            if not _rmsnorm_probe(m):
-                continue
-            pattern, width, params = "add_rmsnorm", m.weight.shape[0], {"eps": fm.norm_eps(m)}
-        found.append(dict(pattern=pattern, anchor=n.target, nodes=[a, n], ops=["add", n.target], width=width,
-                          params=params, modules=[n.target]))
-        used.update([a, n])
-
-    for n in nodes:  # silu(a) * b
-        if n in used or not _is_fn(n, _MUL, "mul") or len(n.args) != 2 or n.kwargs:
-            continue
-        for s in n.args:
-            if (isinstance(s, fx.Node) and s not in used and (_is_fn(s, _SILU, "silu") or isinstance(_module(s, modules), nn.SiLU))
-                    and _only_user(s, n) and isinstance(_other(n, s), fx.Node) and not s.kwargs.get("inplace")):
-                src = s.args[0]
-                anchor = src.target if isinstance(src, fx.Node) and src.op == "call_module" else None
-                lin = _module(src, modules) if isinstance(src, fx.Node) else None
-                width = lin.out_features if isinstance(lin, nn.Linear) else None
-                found.append(dict(pattern="swiglu", anchor=anchor, nodes=[s, n], ops=["silu", "mul"], width=width,
-                                  params={}, modules=[]))
-                used.update([s, n])
-                break
-
-    for n in nodes:  # Linear(bias) -> gelu / silu
-        if n in used:
-            continue
-        act_mod = _module(n, modules)
-        if _is_fn(n, _GELU, "gelu") or isinstance(act_mod, nn.GELU):
-            approx = act_mod.approximate if act_mod is not None else n.kwargs.get("approximate", "none")
-            pattern, act = "bias_gelu", ("gelu_tanh" if approx == "tanh" else "gelu")
-        elif (_is_fn(n, _SILU, "silu") or isinstance(act_mod, nn.SiLU)) and not n.kwargs.get("inplace"):
-            pattern, act = "bias_silu", "silu"
-        else:
-            continue
-        if len(n.args) != 1:
-            continue
-        src = n.args[0]
-        lin = _module(src, modules) if isinstance(src, fx.Node) else None
-        if type(lin) not in (nn.Linear,) and not isinstance(lin, fm._FusedBiasActLinearMixin) or lin.bias is None:
-            continue
-        if not _only_user(src, n) or src in used:
-            continue
-        found.append(dict(pattern=pattern, anchor=src.target, nodes=[src, n], ops=[src.target, act],
-                          width=lin.out_features, params={"act": act}, modules=[src.target]))
-        used.update([src, n])
-
-    for n in nodes:  # scale (+ causal mask) -> softmax
-        if n in used or not _is_fn(n, _SOFTMAX, "softmax"):
-            continue
-        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-        if dim != -1:
-            continue
-        src = n.args[0]
-        mask = None
-        chain = [n]
-        if isinstance(src, fx.Node) and _is_fn(src, {torch.masked_fill}, "masked_fill") and _only_user(src, n):
-            fill = src.args[2] if len(src.args) > 2 else src.kwargs.get("value")
-            if fill != float("-inf"):
-                continue
-            mask, chain, src = src.args[1], [src] + chain, src.args[0]
-        if not (isinstance(src, fx.Node) and _only_user(src, chain[0]) and len(src.args) == 2
-                and (_is_fn(src, _MUL, "mul") or _is_fn(src, {operator.truediv, torch.div}, "div"))):
-            continue
-        x, c = src.args
-        if not (isinstance(x, fx.Node) and isinstance(c, (int, float))):
-            continue
-        scale = float(c) if not _is_fn(src, {operator.truediv, torch.div}, "div") else 1.0 / float(c)
-        found.append(dict(pattern="scaled_softmax", anchor=None, nodes=[src] + chain,
-                          ops=[s.name for s in [src] + chain], width=None,
-                          params={"scale": scale, "masked": mask is not None}, modules=[], mask=mask))
-        used.update([src] + chain)
-
-    for n in nodes:  # dropout(x) + y
-        if n in used or not _is_fn(n, _ADD, "add") or len(n.args) != 2 or n.kwargs:
-            continue
-        for d in n.args:
-            dm = _module(d, modules) if isinstance(d, fx.Node) else None
-            if (isinstance(dm, nn.Dropout) and d not in used and _only_user(d, n)
-                    and isinstance(_other(n, d), fx.Node) and not dm.inplace):
-                src = _module(d.args[0], modules) if isinstance(d.args[0], fx.Node) else None
-                width = src.out_features if isinstance(src, nn.Linear) else None
-                found.append(dict(pattern="dropout_add", anchor=None, nodes=[d, n], ops=[d.target, "add"],
-                                  width=width, params={"p": dm.p}, modules=[d.target]))
-                used.update([d, n])
-                break
+    for pattern in patterns.IN_ORDER:
+        found += pattern.match(nodes, modules, used)
     return found
 
 
@@ -444,100 +274,8 @@ def _open_paths(records: list[dict], target: str) -> set[str]:
     return paths
 
 
-def _static_causal(mask: Any, block: nn.Module) -> bool:
-    """True if `mask` is provably the causal mask from the graph alone: a
-    buffer (optionally compared `== 0` / `logical_not`-ed), sliced to its
-    top-left corner, whose square tail dims are upper-triangular above the
-    diagonal. Then the fused softmax needs no per-call check of the mask."""
-    if not isinstance(mask, fx.Node):
-        return False
-    negate = False
-    node = mask
-    if _is_fn(node, {operator.eq, torch.eq}, "eq") and len(node.args) == 2 and node.args[1] == 0:
-        negate, node = True, node.args[0]
-    elif _is_fn(node, {torch.logical_not, operator.invert}, "logical_not"):
-        negate, node = True, node.args[0]
-    if _is_fn(node, {operator.getitem}) and isinstance(node.args[1], tuple):
-        idx = node.args[1]
-        if not all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in idx):
-            return False
-        node = node.args[0]
-    if node.op != "get_attr":
-        return False
-    try:
-        buf = block.get_buffer(node.target)
-    except AttributeError:
-        return False
-    if buf.is_meta or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2] or any(d != 1 for d in buf.shape[:-2]):
-        return False
-    m = buf.reshape(buf.shape[-2:])
-    m = (m == 0) if negate else m
-    if m.dtype != torch.bool:
-        return False
-    n = m.shape[-1]
-    return bool(torch.equal(m.cpu(), torch.ones(n, n, dtype=torch.bool).triu(1)))
-
-
-def _erase_if_unused(node: Any, graph: fx.Graph) -> None:
-    # Only the chain that built the mask, and only nodes nobody else reads:
-    # a general dead-code pass could drop in-place ops of the user's code.
-    while isinstance(node, fx.Node) and not node.users and node.op in ("call_function", "call_method", "get_attr"):
-        parent = node.args[0] if node.args else None
-        graph.erase_node(node)
-        node = parent
-
-
 def _rewrite(graph: fx.Graph, modules: dict, match: dict, block: nn.Module | None = None) -> None:
-    pattern, nodes = match["pattern"], match["nodes"]
-    if pattern in ("add_layernorm", "add_rmsnorm"):
-        add, norm = nodes
-        fm.swap_class(modules[norm.target], pattern)
-        with graph.inserting_after(norm):
-            # residual as a keyword: hooks that prepare a module's inputs (TP's
-            # SequenceParallel) rewrite the positional ones and drop the rest
-            fused = graph.call_module(norm.target, (add.args[0],), {"residual": add.args[1]})
-        with graph.inserting_after(fused):
-            out = graph.call_function(operator.getitem, (fused, 0))
-        with graph.inserting_after(out):
-            h = graph.call_function(operator.getitem, (fused, 1))
-        norm.replace_all_uses_with(out)
-        add.replace_all_uses_with(h)
-        graph.erase_node(norm)
-        graph.erase_node(add)
-    elif pattern in ("bias_gelu", "bias_silu"):
-        lin, act = nodes
-        fm.swap_class(modules[lin.target], "bias_act", fused_act=match["params"]["act"])
-        act.replace_all_uses_with(lin)
-        graph.erase_node(act)
-    elif pattern == "swiglu":
-        silu, mul = nodes
-        with graph.inserting_before(mul):
-            fused = graph.call_function(fm.swiglu_fn, (silu.args[0], _other(mul, silu)))
-        mul.replace_all_uses_with(fused)
-        graph.erase_node(mul)
-        graph.erase_node(silu)
-    elif pattern == "scaled_softmax":
-        scale_node, last = nodes[0], nodes[-1]
-        x = scale_node.args[0]
-        with graph.inserting_before(last):
-            if match["params"]["masked"] and block is not None and _static_causal(match["mask"], block):
-                fused = graph.call_function(fm.fused_causal_softmax, (x, match["params"]["scale"]))
-            elif match["params"]["masked"]:
-                fused = graph.call_function(fm.fused_masked_softmax, (x, match["mask"], match["params"]["scale"]))
-            else:
-                fused = graph.call_function(fm.fused_scaled_softmax, (x, match["params"]["scale"]))
-        last.replace_all_uses_with(fused)
-        for old in reversed(nodes):
-            graph.erase_node(old)
-        _erase_if_unused(match.get("mask"), graph)  # the mask computation, when proven and now unused
-    elif pattern == "dropout_add":
-        drop, add = nodes
-        fm.swap_class(modules[drop.target], "dropout_add")
-        with graph.inserting_before(add):
-            fused = graph.call_module(drop.target, (drop.args[0], _other(add, drop)))
-        add.replace_all_uses_with(fused)
-        graph.erase_node(add)
-        graph.erase_node(drop)
+    patterns.BY_PATTERN[match["pattern"]].rewrite(graph, modules, match, block)
 
 
 def _keep_non_persistent(old: nn.Module, new: nn.Module) -> None:
