@@ -292,6 +292,23 @@ def _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_input
     return tensor_parallel.loss_parallel_works(loss_fn, tp_mesh, (1, *tokens.shape[1:], vocab))
 
 
+def _read_by_weight(model, tp_layers, holders, example_inputs, plan) -> tuple[frozenset, list[str]]:
+    """(ids of modules to keep whole, paths of the head Linears that are never called).
+    A vocab-split layer's Linear the model never calls (it reads the weight) stays
+    whole, and so does every module holding a weight tied to it (its embedding)."""
+    linears = {f"{p}.{n}" if n else p: m for l in tp_layers if l.position in ("pre", "post") for p in l.paths
+               for n, m in model.get_submodule(p).named_modules() if is_linear(m)}
+    if not linears:
+        return frozenset(), []
+    uncalled = sorted(what_runs.never_called(model, linears, _example_args(example_inputs, plan.micro_batch_size),
+                                             forward_kwargs(model)))
+    whole = {id(linears[p]) for p in uncalled}
+    for hs in holders.values():
+        if any(id(m) in whole for m, _ in hs):
+            whole.update(id(m) for m, _ in hs)
+    return frozenset(whole), uncalled
+
+
 def _param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
     canonical: dict[int, str] = {}
     holders: dict[str, list] = {}
@@ -430,6 +447,14 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                     hint="plan with `autopar plan` / autopar.plan (it offers only layouts that run), or without "
                          f"{'sequence parallelism' if sp else 'tensor parallelism'} for this model")
 
+    # Head Linears the model reads by weight stay whole. Decided from every stage's
+    # layers on every rank (a tied embedding on another stage must agree), on the
+    # whole model, before pipeline stages replace other stages' modules.
+    whole, read_by_weight = frozenset(), []
+    if tp > 1:
+        whole, read_by_weight = _read_by_weight(model, [l for l in layout.layers if l.choice.tp_style != "replicate"],
+                                                holders, example_inputs, plan)
+
     # BatchNorm over the global batch (after the fake-tensor probes above: they run no collective)
     if plan.mesh.dp > 1:
         batch_norm.synchronise(model, mesh["dp"].get_group(), device)
@@ -444,7 +469,10 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     tp_mesh = mesh["tp"]
     use_loss_parallel = False
     if tp > 1:
-        use_loss_parallel = _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_inputs, plan)
+        unverified += [f"{p}: the model reads its weight instead of calling it, so it runs whole (tp splits "
+                       f"only Linears that are called)" for p in read_by_weight]
+        use_loss_parallel = not whole and _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn,
+                                                             example_inputs, plan)
         for l in tp_layers:
             if l.position == "block":
                 first, last = layout.first_last(l)
@@ -455,7 +483,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
             else:
                 for p in l.paths:
                     tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position,
-                                                      loss_parallel=use_loss_parallel)
+                                                      loss_parallel=use_loss_parallel, whole=whole)
 
     # Tied weights: re-tie the ends that share this rank (parallelize_module
     # swaps in new Parameter objects); ends on other pp ranks sync gradients.

@@ -448,10 +448,15 @@ def tp_region():
     return implicit_replication()
 
 
-def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str, loss_parallel: bool = False) -> None:
+def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str, loss_parallel: bool = False,
+                      whole: frozenset = frozenset()) -> None:
     """Embeddings split over the vocabulary (pre layers), head Linears column-wise
-    (post layers): logits gathered, or left vocab-sharded for `loss_parallel`."""
+    (post layers): logits gathered, or left vocab-sharded for `loss_parallel`.
+    Modules in `whole` (ids: Linears the model reads by weight, and what is
+    tied to them) stay whole."""
     for name, m in module.named_modules():
+        if id(m) in whole:
+            continue
         if position == "pre" and isinstance(m, nn.Embedding):
             parallelize_module(m, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         elif position == "post" and is_linear(m):  # nn.Linear, or a transposed Conv1D head

@@ -306,6 +306,26 @@ def _same_shapes(plans, outputs, again, outputs_again) -> None:
                 hint="plan with data parallelism / ZeRO only, or give the layer fixed shapes (a capacity)")
 
 
+def never_called(model: nn.Module, modules: dict[str, nn.Module], example_args: tuple, model_kwargs: dict) -> set:
+    """The paths of `modules` whose forward one fake forward of the model never
+    runs: a head that reads its Linear's weight (MobileBERT's
+    `x.matmul(cat([decoder.weight.t(), dense.weight]))`) instead of calling it.
+    Splitting such a Linear column-wise would hand the matmul a DTensor the
+    user's code does not expect (a crash in the first backward)."""
+    called, hooks = set(), []
+    for path, m in modules.items():
+        hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: called.add(path)))
+    try:
+        with probe_forward(model):
+            model(*on_model_device(model, example_args), **model_kwargs)
+    except Exception:  # noqa: BLE001 - unknown: split as planned (the lowering's other checks judge the model)
+        return set()
+    finally:
+        for h in hooks:
+            h.remove()
+    return set(modules) - called
+
+
 def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tuple, returns: dict,
                      pre_outputs: dict, probe_batch: int) -> str | None:
     """Every stage's forward, chained as the schedule chains them, on fake

@@ -1,0 +1,104 @@
+"""A head that reads its Linear's weight instead of calling it (issue 29).
+
+MobileBERT's MLM head computes `x.matmul(cat([decoder.weight.t(), dense.weight]))`
+with `decoder.weight` tied to the word embeddings. Splitting that Linear over
+the vocabulary handed the user's matmul a DTensor and crashed the first
+backward ("the local_tensor argument only accepts torch.Tensor"). A Linear
+the model never calls, and every module tied to its weight, now stays whole
+under tp (on every pipeline stage alike), named in the model's notes.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dist_utils import run_world
+
+VOCAB, HIDDEN, SEQ, STEPS = 32, 16, 6, 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 64), nn.Linear(64, HIDDEN)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Head(nn.Module):
+    """MobileBERT's shape: the decoder Linear is read by weight, never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x):
+        return x.matmul(self.decoder.weight.t()) + self.decoder.bias
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = Head()
+        self.head.decoder.weight = self.embed.weight  # tied
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _world(rank, world, layouts):
+    from autopar.lower import compile as ap_compile
+    from autopar.lower.manual_plan import plan_for_model
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, VOCAB, (4, SEQ), generator=g), torch.randint(0, VOCAB, (4, SEQ), generator=g))
+               for _ in range(STEPS)]
+    out = {}
+    for name, layout in layouts:
+        torch.manual_seed(0)
+        model = LM()
+        ref = copy.deepcopy(model)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        ref_losses = []
+        for x, y in batches:
+            loss = _loss(ref(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(loss.item())
+        inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
+        plan = plan_for_model(model, example_inputs=inputs, **layout)
+        pm = ap_compile(model, plan=plan, example_inputs=inputs, loss_fn=_loss, optimizer=torch.optim.SGD,
+                        optimizer_kwargs=dict(lr=0.5))
+        losses = [pm.train_step((x,), y) for x, y in batches]
+        state = pm.full_state_dict()
+        out[name] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                     "param_err": max(float((state[k] - p.detach()).abs().max() / p.detach().abs().max())
+                                      for k, p in ref.named_parameters()),
+                     "notes": list(pm.notes)}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_head_read_by_weight_stays_whole_under_tp_and_pp_x_tp():
+    layouts = [("tp", dict(tp=2, micro_batch_size=4)), ("pp_tp", dict(pp=2, tp=2, num_micro_batches=2, micro_batch_size=2))]
+    tp_only = run_world(_world, 2, layouts[:1], timeout=280)
+    pp_tp = run_world(_world, 4, layouts[1:], timeout=280)
+    for name, results in (("tp", tp_only), ("pp_tp", pp_tp)):
+        for r in results:
+            assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
+            assert any("head.decoder" in n and "reads its weight" in n for n in r[name]["notes"]), r[name]["notes"]
