@@ -93,3 +93,21 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                 p.kill()
                 p.join(timeout=5)
     return [out[r] for r in range(world_size)]
+
+
+def one_process_sgd(model, batches, loss_fn, lr: float) -> tuple[list[float], object]:
+    """The reference a lowered run is held to: a copy of `model` trained by plain
+    SGD on `batches` in this process; (losses, the trained copy)."""
+    import copy
+
+    import torch
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, ref

@@ -9,14 +9,12 @@ under tp (on every pipeline stage alike), named in the model's notes.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_world
+from dist_utils import one_process_sgd, run_world
 
 VOCAB, HIDDEN, SEQ, STEPS = 32, 16, 6, 3
 
@@ -70,15 +68,7 @@ def _world(rank, world, layouts):
     for name, layout in layouts:
         torch.manual_seed(0)
         model = LM()
-        ref = copy.deepcopy(model)
-        opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-        ref_losses = []
-        for x, y in batches:
-            loss = _loss(ref(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_losses.append(loss.item())
+        ref_losses, ref = one_process_sgd(model, batches, _loss, lr=0.5)
         inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
         plan = plan_for_model(model, example_inputs=inputs, **layout)
         pm = ap_compile(model, plan=plan, example_inputs=inputs, loss_fn=_loss, optimizer=torch.optim.SGD,

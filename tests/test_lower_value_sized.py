@@ -9,15 +9,13 @@ tokens) gives the probe two different shapes under two answers and is refused.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dist_utils import run_world
+from dist_utils import one_process_sgd, run_world
 
 HIDDEN, EXPERTS, VOCAB, SEQ, STEPS = 16, 4, 32, 6, 3
 
@@ -113,15 +111,7 @@ def _world(rank, world, layouts):
     for name, block, layout in layouts:
         torch.manual_seed(0)
         model = LM(block)
-        ref = copy.deepcopy(model)
-        opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-        ref_losses = []
-        for x, y in batches:
-            loss = _loss(ref(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_losses.append(loss.item())
+        ref_losses, ref = one_process_sgd(model, batches, _loss, lr=0.5)
         inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
         try:
             plan = plan_for_model(model, example_inputs=inputs, **layout)
