@@ -1,4 +1,8 @@
-"""Hardware profiles: devices, links, and the ClusterSpec that joins them.
+"""Hardware: the ClusterSpec that joins devices and links into a cluster.
+
+The device and link profiles themselves are cost_models/devices.py's (and
+importable from here); a measured profile (`autopar calibrate`, cost_models/
+measured.py) replaces a cluster's device and links (`ClusterSpec.with_profile`).
 
 Profiles are data, shipped as YAML in `cost_models/profiles/` (devices.yaml,
 links.yaml, clusters.yaml) with the source of every figure next to it. A user
