@@ -64,6 +64,19 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
+def keep_buffer_values(model: torch.nn.Module) -> None:
+    """Move a model's real buffers to meta, each carrying the value its constructor
+    computed (`.autopar_value`): the model is then all meta for the lowering's probes
+    (meta / fake tensors), and autopar.lower.materialize puts the values back. The stage modules'
+    shallow views of the model share these tensors."""
+    for sub in model.modules():
+        for n, b in list(sub.named_buffers(recurse=False)):
+            if not b.is_meta:
+                meta = b.to("meta")
+                meta.autopar_value = b
+                sub._buffers[n] = meta
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -149,8 +162,6 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
     if not isinstance(built, torch.nn.Module):
         raise ModelFileError(f"{path}:{factory_name}() returned {type(built).__name__}, not an nn.Module")
     if device == "meta-params":
-        from autopar.lower.materialize import keep_buffer_values
-
         keep_buffer_values(built)
     inputs_fn = inputs_fn or getattr(module, "example_inputs", None)
     note = None

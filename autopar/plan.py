@@ -16,18 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.errors import PlanMismatchError
-
-SCHEMA_VERSION = 1
-
-# Without a pipeline (pp = 1) the micro-batches run one after another and
-# accumulate gradients: that schedule has one name, `accumulate`, everywhere
-# (Plan, JSON, terminal, report). Plans saved before it said "1f1b" or "gpipe".
-ACCUMULATE = "accumulate"
-SCHEDULES = ("gpipe", "1f1b", "interleaved", ACCUMULATE)
-PRECISIONS = ("bf16", "fp16", "fp32")  # training compute dtype
-CHECKPOINTS = ("none", "selective", "full")
-OFFLOADS = ("none", "optimizer", "params")  # "params" offloads optimizer state too
-TP_STYLES = ("replicate", "colwise_rowwise", "vocab", "sequence")
+from autopar.plan_schema import (ACCUMULATE, CHECKPOINTS, OFFLOADS, PRECISIONS,  # noqa: F401 - the plan's words
+                                 SCHEDULES, SCHEMA_VERSION, TP_STYLES, type_problem)
 
 
 def check_precision(precision) -> str:
@@ -184,9 +174,7 @@ class Plan:
         unknown = set(d) - known
         if unknown:
             raise PlanMismatchError(f"plan has unknown fields: {', '.join(sorted(unknown))}")
-        from autopar.plan_file import type_problem  # field by field, before a value of the wrong type is used
-
-        problem = type_problem(d)
+        problem = type_problem(d)  # field by field, before a value of the wrong type is used
         if problem:
             raise PlanMismatchError(f"not a valid autopar plan: {problem}",
                                     hint="was it edited by hand? regenerate it with `autopar plan ... --json`")

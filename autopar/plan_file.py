@@ -11,18 +11,18 @@ those stages read and names the first bad one with its JSON path.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 from autopar.errors import AutoparError, PlanMismatchError
+from autopar.plan import Plan
+from autopar.plan_schema import (CHECKPOINTS, OFFLOADS, PRECISIONS, SCHEDULES, TP_STYLES, is_number,
+                                 is_positive_int, type_problem)
 
 REGENERATE = "regenerate it with `autopar plan MODEL --gpus N --json > plan.json`"
 
 
 def load_plan_file(path: str):
     """The Plan saved at `path`, checked (PlanMismatchError naming the field otherwise)."""
-    from autopar.plan import Plan
-
     if not os.path.isfile(path):
         raise PlanMismatchError(f"plan file not found: {path}",
                                 hint="save one with `autopar plan MODEL --gpus N --json > plan.json`")
@@ -53,125 +53,8 @@ def load_plan_file(path: str):
     return plan
 
 
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-# -- types, field by field ------------------------------------------------------------------------
-# What each field of a plan's JSON must hold, so a hand edit ("tp": "2", "stages": 3)
-# is named with its JSON path instead of failing as a TypeError deep in the report or
-# the lowering. A schema is a kind ("str", "number", ...) or (kind, schema of the
-# contents): for "object" a dict of fields, for "list" the schema of every entry.
-# Objects backed by a dataclass (mesh, predicted, a layer) also refuse unknown fields;
-# the rest (model, cluster, solver, ...) are free-form around the fields named here.
-_KINDS = {
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "str?": ("a string or null", lambda v: v is None or isinstance(v, str)),
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "number": ("a number", lambda v: _number(v)),  # noqa: PLW0108 - _number is defined below
-    "number?": ("a number or null", lambda v: v is None or _number(v)),
-    "int": ("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "posint": ("a positive integer", _positive_int),
-    "posint?": ("a positive integer or null", lambda v: v is None or _positive_int(v)),
-    "object": ("an object", lambda v: isinstance(v, dict)),
-    "list": ("a list", lambda v: isinstance(v, list)),
-    "strlist": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-    "any": ("anything", lambda v: True),
-}
-_MESH = ("object", {"pp": "posint", "dp": "posint", "tp": "posint"}, "closed")
-_NUMBERS = ("object", "number")  # every value a number
-_COMM = ("object", {"axis": "str", "collective": "str", "tier": "str", "bytes": "number", "time_s": "number",
-                    "exposed_s": "number"})
-_TIMES = ("object", {"critical_pp_rank": "int", "*_s": "number"})
-_PREDICTED = ("object", {"step_time_s": "number", "tokens_per_s": "number?", "samples_per_s": "number",
-                         "tflops_per_gpu": "number", "mfu": "number", "peak_memory_bytes": ("list", "number"),
-                         "memory_breakdown": ("list", _NUMBERS), "time_breakdown": _TIMES,
-                         "comm": ("list", _COMM)}, "closed")
-_LAYER = ("object", {"name": "str", "kind": "str", "module_paths": "strlist", "zero": "int",
-                     "reshard_after_forward": "bool", "checkpoint": "str", "offload": "str", "tp_style": "str"},
-          "closed", ("name",))
-_STAGE = ("object", {"index": "int", "pp_rank": "int", "layers": ("list", _LAYER),
-                     "predicted": ("object", {"*_s": "number", "*_bytes": "number",
-                                              "activation_bytes_per_micro_batch": "number", "layers": "strlist"})},
-          "open", ("index", "pp_rank"))
-_ALTERNATIVE = ("object", {"mesh": _MESH, "schedule": "str", "virtual_stages": "posint", "micro_batch_size": "posint",
-                           "num_micro_batches": "posint", "sequence_parallel": "bool", "status": "str", "why": "str",
-                           "predicted": ("object", {"*_s": "number", "tflops_per_gpu": "number", "mfu": "number",
-                                                    "tokens_per_s": "number?",
-                                                    "peak_memory_bytes": ("list", "number")})})
-PLAN_SCHEMA = ("object", {
-    "schema_version": "int",
-    "model": ("object", {"name": "str?", "source": "str?", "total_params": "number", "num_layers": "int",
-                         "seq_len": "posint?"}),
-    "cluster": ("object", {"nodes": "posint", "gpus_per_node": "posint", "device": "str", "name": "str?",
-                           "intra_node_link": "str", "inter_node_link": "str", "host_link": "str",
-                           "host_memory_gib": "number", "host_memory_bandwidth_gbs": "number",
-                           "world_size": "posint", "devices": "object", "links": "object"}),
-    "global_batch_size": "posint", "seq_len": "posint?", "precision": "str", "mesh": _MESH,
-    "sequence_parallel": "bool", "schedule": "str", "virtual_stages": "posint", "micro_batch_size": "posint",
-    "num_micro_batches": "posint", "stages": ("list", _STAGE), "predicted": _PREDICTED,
-    "alternatives": ("list", _ALTERNATIVE), "fusions": ("list", "object"), "solver": "object",
-    "assumptions": "object",
-    "constraints": ("object", {"tp": "posint", "pp": "posint", "dp": "posint", "micro_batch": "posint",
-                               "zero": "int", "checkpoint": "str", "offload": "str", "schedule": "str",
-                               "virtual_stages": "posint", "sequence_parallel": "bool"}),
-})
-
-
-def type_problem(value, schema=PLAN_SCHEMA, path: str = "") -> str | None:
-    """The first value of `value` (a plan's JSON object) of the wrong type, as
-    'path must be ..., got ...', or None. Fields absent are not checked here."""
-    kind, inner = (schema, None) if isinstance(schema, str) else (schema[0], schema[1])
-    what, ok = _KINDS[kind]
-    if not ok(value):
-        return f"{path or 'the plan'} must be {what}, got {_shown(value)}"
-    if inner is None:
-        return None
-    if kind == "list":
-        for i, item in enumerate(value):
-            problem = type_problem(item, inner, f"{path}[{i}]")
-            if problem:
-                return problem
-        return None
-    closed = len(schema) > 2 and schema[2] == "closed"
-    required = schema[3] if len(schema) > 3 else ()
-    for key in required:
-        if key not in value:
-            return f"{path} is missing field '{key}'"
-    for key, item in value.items():
-        sub = _field_schema(inner, str(key))
-        where = f"{path}.{key}" if path else str(key)
-        if sub is None:
-            if closed:
-                return f"{path} has an unknown field '{key}'"
-            continue
-        problem = type_problem(item, sub, where)
-        if problem:
-            return problem
-    return None
-
-
-def _field_schema(inner, key: str):
-    if isinstance(inner, str) or isinstance(inner, tuple):  # every value alike
-        return inner
-    if key in inner:
-        return inner[key]
-    return next((v for k, v in inner.items() if k.startswith("*") and key.endswith(k[1:])), None)
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{type(value).__name__} {text[:50]}..."
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def plan_problem(plan) -> str | None:
     """The first inconsistency in `plan` as 'field: what is wrong', or None."""
-    from autopar.plan import CHECKPOINTS, OFFLOADS, PRECISIONS, SCHEDULES, TP_STYLES
-
     try:  # a Plan built in Python (not from JSON) can hold anything: check it as its JSON
         problem = type_problem(plan.to_dict())
     except Exception:  # noqa: BLE001 - not even convertible: name what is not a Plan
@@ -180,10 +63,10 @@ def plan_problem(plan) -> str | None:
         return problem
     m = plan.mesh
     for axis in ("pp", "dp", "tp"):
-        if not _positive_int(getattr(m, axis)):
+        if not is_positive_int(getattr(m, axis)):
             return f"mesh.{axis} must be a positive integer, got {getattr(m, axis)!r}"
     for key in ("global_batch_size", "micro_batch_size", "num_micro_batches", "virtual_stages"):
-        if not _positive_int(getattr(plan, key)):
+        if not is_positive_int(getattr(plan, key)):
             return f"{key} must be a positive integer, got {getattr(plan, key)!r}"
     if plan.schedule not in SCHEDULES:
         return f"schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}"
@@ -237,7 +120,7 @@ def _cluster_problem(cluster, world: int) -> str | None:
     nodes, gpn = cluster.get("nodes"), cluster.get("gpus_per_node")
     if nodes is None and gpn is None:
         return None  # a plan made from a bare mesh: nothing to compare
-    if not _positive_int(nodes) or not _positive_int(gpn):
+    if not is_positive_int(nodes) or not is_positive_int(gpn):
         return f"cluster.nodes and cluster.gpus_per_node must be positive integers, got {nodes!r} and {gpn!r}"
     if nodes * gpn != world:
         return (f"the mesh pp x dp x tp = {world} GPUs but cluster says {nodes} nodes x {gpn} = {nodes * gpn} "
@@ -249,11 +132,11 @@ def _predicted_problem(p, pp: int) -> str | None:
     for key in ("step_time_s", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu"):
         if key == "tokens_per_s" and p.tokens_per_s is None:
             continue  # not a token model: throughput is samples/s only
-        if not _number(getattr(p, key)) or getattr(p, key) < 0:
+        if not is_number(getattr(p, key)) or getattr(p, key) < 0:
             return f"predicted.{key} must be a non-negative number, got {getattr(p, key)!r}"
-    if not _number(p.step_time_s) or p.step_time_s <= 0:
+    if not is_number(p.step_time_s) or p.step_time_s <= 0:
         return f"predicted.step_time_s must be positive, got {p.step_time_s!r}"
-    if not isinstance(p.peak_memory_bytes, list) or not all(_number(x) for x in p.peak_memory_bytes):
+    if not isinstance(p.peak_memory_bytes, list) or not all(is_number(x) for x in p.peak_memory_bytes):
         return "predicted.peak_memory_bytes must be a list of numbers (one per pp rank)"
     if p.peak_memory_bytes and len(p.peak_memory_bytes) != pp:
         return f"predicted.peak_memory_bytes has {len(p.peak_memory_bytes)} entries for {pp} pp ranks"

@@ -20,9 +20,9 @@ from cost_models.errors import CostModelError, ProfileError
 # `autopar --help` reads only the errors and the hardware profiles.
 # `estimate` the function is not re-exported here: it would shadow the module
 # `cost_models.estimate` that docs/INTERFACES.md names.
-_LAZY = {"Estimate": "estimate", "LayerCost": "estimate", "layer_cost": "estimate",
-         "ClusterSpec": "hardware", "DeviceProfile": "hardware", "LinkProfile": "hardware",
-         "get_device": "hardware", "get_link": "hardware", "Layout": "layout",
+_LAZY = {"Estimate": "estimate", "LayerCost": "layer", "layer_cost": "layer",
+         "ClusterSpec": "hardware", "DeviceProfile": "devices", "LinkProfile": "devices",
+         "get_device": "devices", "get_link": "devices", "Layout": "layout",
          "B": "workload", "S": "workload", "LayerSpec": "workload", "ModelSpec": "workload",
          "OpSpec": "workload", "evaluate": "workload"}
 

@@ -28,6 +28,8 @@ output) are then not divided by tp. This matches what capture measures.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cost_models.errors import CostModelError
 from cost_models.workload import B, S, LayerSpec, ModelSpec, OpSpec
 
@@ -59,6 +61,197 @@ def _elementwise(name: str, kind: str, reads, writes, *, tp_sharded: bool, count
                   bwd_bytes=2 * reads + writes, tp_sharded=tp_sharded, tp_replicated=tp_replicated, count=count)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One block's shape and how it is written (see `block`); the sizes in its own letters."""
+
+    h: int  # hidden
+    a: int  # heads
+    g: int  # kv heads
+    f: int  # ffn hidden
+    gated_mlp: bool
+    norm: str
+    dropout: bool
+    attention: str
+    eager: bool
+    fused_qkv: bool
+    fused_qkv_split: bool
+
+    @property
+    def d(self) -> int:  # head dim
+        return self.h // self.a
+
+    @property
+    def kv(self) -> int:
+        return self.g * self.d
+
+    @property
+    def flash(self) -> bool:
+        return self.attention in FLASH_ATTENTION
+
+    @property
+    def core_tp(self) -> bool:  # is the attention core (after the qkv GEMM) divided by tp?
+        return not self.fused_qkv_split
+
+    @property
+    def core(self) -> dict:  # how the core's ops are marked: tp-sharded, or gathered (whole on every rank)
+        return {"tp_sharded": self.core_tp, "tp_replicated": not self.core_tp}
+
+    @property
+    def core_saved(self):  # how the core's saved tensors are marked
+        return True if self.core_tp else GATHERED
+
+    @property
+    def core_flops(self):
+        return 4 * B * S * S * self.h  # QK^T + PV, unmasked
+
+    @property
+    def score_elems(self):
+        return B * self.a * S * S
+
+    def norm_op(self, name: str) -> OpSpec:
+        # bytes per element a norm reads + writes: fused kernel 2 + 2; eager fp32 RMSNorm
+        # (float(), pow, mean, mul by rsqrt, type_as, mul by weight) 36 over 7 kernels
+        T, act, h = B * S, BYTES * B * S, self.h
+        norm_rw, norm_count = ((18 * T * h, 18 * T * h), 7) if self.eager else ((act * h, act * h), 1)
+        return _elementwise(name, "norm", *norm_rw, tp_sharded=False, count=norm_count)
+
+
+def _attention_ops(k: _Block, rope: bool) -> list:
+    """The attention half: norm, qkv projection(s), RoPE, the core, output projection, residual."""
+    h, a, g, kv, core, eager = k.h, k.a, k.g, k.kv, k.core, k.eager
+    T = B * S
+    act = BYTES * T  # bytes of one 16-bit value per token
+    ops = [k.norm_op("attn_norm")]
+    if k.fused_qkv:
+        ops.append(_gemm("qkv", T, h + 2 * kv, h))
+    else:
+        ops += [_gemm("wq", T, h, h), _gemm("wk", T, kv, h), _gemm("wv", T, kv, h)]
+    if rope:
+        if eager:  # q*cos, neg, cat, *sin, add: ~20 bytes per element over 5 kernels, for q and k
+            ops.append(_elementwise("rope", "elementwise", 12 * T * (h + kv), 8 * T * (h + kv), **core,
+                                    count=10))
+        else:
+            ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), **core, count=2))
+    if eager and g != a:  # repeat_kv materialises k and v at the full head count
+        ops.append(_elementwise("repeat_kv", "elementwise", 2 * act * kv, 2 * act * h, **core, count=2))
+    ops += _attention_core_ops(k)
+    if eager:  # transpose(1, 2).reshape of the attention output copies it
+        ops.append(_elementwise("attn_transpose", "elementwise", act * h, act * h, **core))
+    ops.append(_gemm("attn_out", T, h, h))
+    ops.append(_elementwise("attn_residual", "elementwise", 2 * act * h, act * h + (T * h if k.dropout else 0),
+                            tp_sharded=False))
+    return ops
+
+
+def _attention_core_ops(k: _Block) -> list:
+    h, kv, d, core, core_flops, score_elems = k.h, k.kv, k.d, k.core, k.core_flops, k.score_elems
+    act = BYTES * B * S
+    if k.flash:
+        # backward 2.5x forward: FlopCounterMode's count (QK^T recomputed), as capture measures it
+        return [OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=5 * core_flops / 2,
+                       fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), **core,
+                       causal=True, impl=FLASH_ATTENTION[k.attention])]
+    # Megatron 2022: two batched GEMMs around a fused scale-mask-softmax kernel
+    ops = [OpSpec(name="scores", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
+                  fwd_bytes=act * 2 * h + BYTES * score_elems, bwd_bytes=2 * (act * 2 * h + BYTES * score_elems),
+                  gemm=(S, S, d, B * k.a), **core)]
+    ops.append(_elementwise("softmax", "softmax", BYTES * score_elems, BYTES * score_elems, **core))
+    if k.dropout:
+        ops.append(_elementwise("attn_dropout", "elementwise", BYTES * score_elems,
+                                BYTES * score_elems + score_elems, **core))
+    ops.append(OpSpec(name="context", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
+                      fwd_bytes=BYTES * score_elems + act * 2 * h, bwd_bytes=2 * (BYTES * score_elems + act * 2 * h),
+                      gemm=(S, d, S, B * k.a), **core))
+    return ops
+
+
+def _mlp_ops(k: _Block) -> list:
+    """The MLP half: norm, the up projection(s) and activation, the down projection, residual."""
+    h, f, eager = k.h, k.f, k.eager
+    T = B * S
+    act = BYTES * T
+    ops = [k.norm_op("mlp_norm")]
+    if k.gated_mlp:
+        ops += [_gemm("w1", T, f, h), _gemm("w3", T, f, h)]
+        if eager:  # silu (read, write) then multiply (read two, write)
+            ops.append(_elementwise("swiglu", "elementwise", 3 * act * f, 2 * act * f, tp_sharded=True, count=2))
+        else:
+            ops.append(_elementwise("swiglu", "elementwise", 2 * act * f, act * f, tp_sharded=True))
+    else:
+        ops.append(_gemm("fc1", T, f, h))
+        ops.append(_elementwise("gelu", "elementwise", act * f, act * f, tp_sharded=True))
+    ops.append(_gemm("fc2", T, h, f))
+    ops.append(_elementwise("mlp_residual", "elementwise", 2 * act * h, act * h + (T * h if k.dropout else 0),
+                            tp_sharded=False))
+    return ops
+
+
+def _saved(k: _Block) -> list:
+    """Saved activations: (bytes, divided by tp, dropped by selective checkpointing)."""
+    h, a, g, f, kv, core_saved, score_elems = k.h, k.a, k.g, k.f, k.kv, k.core_saved, k.score_elems
+    T = B * S
+    act = BYTES * T
+    saved = [
+        (act * h, False, False),  # attention norm input
+        (act * h, False, False),  # qkv GEMM input (norm output), replicated across tp
+        (act * h, False, False),  # mlp norm input
+        (act * h, False, False),  # fc1 / w1,w3 input (norm output)
+        # attention output, input of the (row-parallel) attn_out GEMM. When the core ran
+        # gathered, DTensor slices it locally for the GEMM, which saves that 1/tp slice; but
+        # a flash kernel also saves its (whole) output for its own backward.
+        (act * h, GATHERED if k.fused_qkv_split and k.flash else True, False),
+    ]
+    if k.eager and k.norm == "rmsnorm":  # eager fp32 RMSNorm keeps x.float() and the bf16 normalised x
+        saved += [(2 * 4 * T * h, False, False)]
+    if k.flash:
+        kv_saved = h if (k.eager and g != a) else kv  # after repeat_kv, SDPA saves full-head k and v
+        saved += [(act * (h + 2 * kv_saved), core_saved, False),  # q, k, v
+                  (4 * B * a * S, core_saved, False)]  # fp32 log-sum-exp per row
+    else:
+        saved += [(act * (h + kv), core_saved, False),  # q, k for QK^T
+                  (act * kv, core_saved, False),  # v for PV
+                  (BYTES * score_elems, core_saved, True)]  # softmax output
+        if k.dropout:
+            saved += [(score_elems, core_saved, True), (BYTES * score_elems, core_saved, True)]  # mask, dropped probs
+    if k.gated_mlp:
+        saved += [(3 * act * f, True, False),  # w1 out, silu out, w3 out
+                  (act * f, True, False)]  # w2 input
+    else:
+        saved += [(act * f, True, False), (act * f, True, False)]  # gelu input, fc2 input
+    if k.dropout:
+        saved += [(T * h, False, False), (T * h, False, False)]  # two residual dropout masks
+    return saved
+
+
+def _selective(k: _Block, saved: list, sac: str) -> tuple:
+    """(bytes selective checkpointing drops, FLOPs it redoes, of them tp-sharded, of them gathered)."""
+    h, f, kv = k.h, k.f, k.kv
+    T = B * S
+    act = BYTES * T
+    selective = sum(x for x, _, sel in saved if sel)
+    # Default (None): all of `selective` counts as tp-sharded, as before; a gathered core is not.
+    selective_sharded = None if k.core_tp else sum(x for x, tp, sel in saved if sel and tp is True)
+    selective_gathered = sum(x for x, tp, sel in saved if sel and tp == GATHERED)
+    selective_flops = k.core_flops
+    if k.flash:
+        # FlashAttention stores no s^2 scores, so Korthikanti's selective checkpointing has
+        # nothing to drop. Selective then means an op-level policy (autopar's lowering,
+        # autopar/lower/checkpointing.py: keep matmul and attention outputs, recompute the
+        # cheap ops): it drops the two norm outputs and the activation-function outputs
+        # (SiLU and the product for SwiGLU, GELU's output), and redoes only cheap ops.
+        selective = 2 * act * h + (2 if k.gated_mlp else 1) * act * f
+        selective_flops = 0
+        if sac == "torchtitan":
+            # torchtitan's policy also recomputes every other matmul (wk, wo, w3 in a
+            # Llama block) and so drops their outputs too.
+            selective += act * f
+            selective_flops = 2 * T * h * (kv + h + f)
+        if not k.core_tp:  # the norm outputs are replicated; the MLP activations are tp-sharded
+            selective_sharded, selective_gathered = selective - 2 * act * h, 0
+    return selective, selective_flops, selective_sharded, selective_gathered
+
+
 def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int | None = None, gated_mlp: bool = False,
           norm: str = "layernorm", dropout: bool = False, attention: str = "flash", bias: bool = True,
           fused_qkv: bool = True, rope: bool = False, eager: bool = False, sac: str = "autopar",
@@ -75,130 +268,17 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
     """
     if attention not in ATTENTIONS:
         raise CostModelError(f"attention={attention!r}: expected one of {', '.join(ATTENTIONS)}")
-    flash = attention in FLASH_ATTENTION
     if fused_qkv_split and not fused_qkv:
         raise CostModelError("fused_qkv_split=True needs fused_qkv=True: separate wq/wk/wv projections "
                              "stay head-parallel, leave fused_qkv_split off")
-    core_tp = not fused_qkv_split  # is the attention core (after the qkv GEMM) divided by tp?
-    # how the core's ops and saved tensors are marked: tp-sharded, or gathered (whole on every rank)
-    core = {"tp_sharded": core_tp, "tp_replicated": not core_tp}
-    core_saved = True if core_tp else GATHERED
-    h, a, f = hidden, heads, ffn_hidden
-    g = kv_heads or heads
-    d = h // a
-    kv = g * d
-    T = B * S
-    act = BYTES * T  # bytes of one 16-bit value per token
-
-    ops: list[OpSpec] = []
+    k = _Block(hidden, heads, kv_heads or heads, ffn_hidden, gated_mlp, norm, dropout, attention, eager, fused_qkv,
+               fused_qkv_split)
+    h, a, g, f, d, kv = k.h, k.a, k.g, k.f, k.d, k.kv
+    act = BYTES * B * S  # bytes of one 16-bit value per token
+    ops = _attention_ops(k, rope) + _mlp_ops(k)
+    saved = _saved(k)
+    selective, selective_flops, selective_sharded, selective_gathered = _selective(k, saved, sac)
     norm_params = 2 * h if norm == "layernorm" else h
-    # bytes per element a norm reads + writes: fused kernel 2 + 2; eager fp32 RMSNorm
-    # (float(), pow, mean, mul by rsqrt, type_as, mul by weight) 36 over 7 kernels
-    norm_rw, norm_count = ((18 * T * h, 18 * T * h), 7) if eager else ((act * h, act * h), 1)
-    ops.append(_elementwise("attn_norm", "norm", *norm_rw, tp_sharded=False, count=norm_count))
-    if fused_qkv:
-        ops.append(_gemm("qkv", T, h + 2 * kv, h))
-    else:
-        ops += [_gemm("wq", T, h, h), _gemm("wk", T, kv, h), _gemm("wv", T, kv, h)]
-    if rope:
-        if eager:  # q*cos, neg, cat, *sin, add: ~20 bytes per element over 5 kernels, for q and k
-            ops.append(_elementwise("rope", "elementwise", 12 * T * (h + kv), 8 * T * (h + kv), **core,
-                                    count=10))
-        else:
-            ops.append(_elementwise("rope", "elementwise", act * (h + kv), act * (h + kv), **core, count=2))
-    if eager and g != a:  # repeat_kv materialises k and v at the full head count
-        ops.append(_elementwise("repeat_kv", "elementwise", 2 * act * kv, 2 * act * h, **core, count=2))
-    core_flops = 4 * B * S * S * h  # QK^T + PV, unmasked
-    score_elems = B * a * S * S
-    if flash:
-        # backward 2.5x forward: FlopCounterMode's count (QK^T recomputed), as capture measures it
-        ops.append(OpSpec(name="attention", kind="attention", fwd_flops=core_flops, bwd_flops=5 * core_flops / 2,
-                          fwd_bytes=act * (2 * h + 2 * kv), bwd_bytes=act * (4 * h + 4 * kv), **core,
-                          causal=True, impl=FLASH_ATTENTION[attention]))
-    else:  # Megatron 2022: two batched GEMMs around a fused scale-mask-softmax kernel
-        ops.append(OpSpec(name="scores", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
-                          fwd_bytes=act * 2 * h + BYTES * score_elems, bwd_bytes=2 * (act * 2 * h + BYTES * score_elems),
-                          gemm=(S, S, d, B * a), **core))
-        ops.append(_elementwise("softmax", "softmax", BYTES * score_elems, BYTES * score_elems, **core))
-        if dropout:
-            ops.append(_elementwise("attn_dropout", "elementwise", BYTES * score_elems,
-                                    BYTES * score_elems + score_elems, **core))
-        ops.append(OpSpec(name="context", kind="gemm", fwd_flops=core_flops / 2, bwd_flops=core_flops,
-                          fwd_bytes=BYTES * score_elems + act * 2 * h, bwd_bytes=2 * (BYTES * score_elems + act * 2 * h),
-                          gemm=(S, d, S, B * a), **core))
-    if eager:  # transpose(1, 2).reshape of the attention output copies it
-        ops.append(_elementwise("attn_transpose", "elementwise", act * h, act * h, **core))
-    ops.append(_gemm("attn_out", T, h, h))
-    ops.append(_elementwise("attn_residual", "elementwise", 2 * act * h, act * h + (T * h if dropout else 0),
-                            tp_sharded=False))
-    ops.append(_elementwise("mlp_norm", "norm", *norm_rw, tp_sharded=False, count=norm_count))
-    if gated_mlp:
-        ops += [_gemm("w1", T, f, h), _gemm("w3", T, f, h)]
-        if eager:  # silu (read, write) then multiply (read two, write)
-            ops.append(_elementwise("swiglu", "elementwise", 3 * act * f, 2 * act * f, tp_sharded=True, count=2))
-        else:
-            ops.append(_elementwise("swiglu", "elementwise", 2 * act * f, act * f, tp_sharded=True))
-    else:
-        ops.append(_gemm("fc1", T, f, h))
-        ops.append(_elementwise("gelu", "elementwise", act * f, act * f, tp_sharded=True))
-    ops.append(_gemm("fc2", T, h, f))
-    ops.append(_elementwise("mlp_residual", "elementwise", 2 * act * h, act * h + (T * h if dropout else 0),
-                            tp_sharded=False))
-
-    # -- saved activations: (bytes, divided by tp, dropped by selective checkpointing)
-    saved = [
-        (act * h, False, False),  # attention norm input
-        (act * h, False, False),  # qkv GEMM input (norm output), replicated across tp
-        (act * h, False, False),  # mlp norm input
-        (act * h, False, False),  # fc1 / w1,w3 input (norm output)
-        # attention output, input of the (row-parallel) attn_out GEMM. When the core ran
-        # gathered, DTensor slices it locally for the GEMM, which saves that 1/tp slice; but
-        # a flash kernel also saves its (whole) output for its own backward.
-        (act * h, GATHERED if fused_qkv_split and flash else True, False),
-    ]
-    if eager and norm == "rmsnorm":  # eager fp32 RMSNorm keeps x.float() and the bf16 normalised x
-        saved += [(2 * 4 * T * h, False, False)]
-    if flash:
-        kv_saved = h if (eager and g != a) else kv  # after repeat_kv, SDPA saves full-head k and v
-        saved += [(act * (h + 2 * kv_saved), core_saved, False),  # q, k, v
-                  (4 * B * a * S, core_saved, False)]  # fp32 log-sum-exp per row
-    else:
-        saved += [(act * (h + kv), core_saved, False),  # q, k for QK^T
-                  (act * kv, core_saved, False),  # v for PV
-                  (BYTES * score_elems, core_saved, True)]  # softmax output
-        if dropout:
-            saved += [(score_elems, core_saved, True), (BYTES * score_elems, core_saved, True)]  # mask, dropped probs
-    if gated_mlp:
-        saved += [(3 * act * f, True, False),  # w1 out, silu out, w3 out
-                  (act * f, True, False)]  # w2 input
-    else:
-        saved += [(act * f, True, False), (act * f, True, False)]  # gelu input, fc2 input
-    if dropout:
-        saved += [(T * h, False, False), (T * h, False, False)]  # two residual dropout masks
-
-    total = sum(x for x, _, _ in saved)
-    sharded = sum(x for x, tp, _ in saved if tp is True)
-    gathered = sum(x for x, tp, _ in saved if tp == GATHERED)
-    selective = sum(x for x, _, sel in saved if sel)
-    # Default (None): all of `selective` counts as tp-sharded, as before; a gathered core is not.
-    selective_sharded = None if core_tp else sum(x for x, tp, sel in saved if sel and tp is True)
-    selective_gathered = sum(x for x, tp, sel in saved if sel and tp == GATHERED)
-    selective_flops = core_flops
-    if flash:
-        # FlashAttention stores no s^2 scores, so Korthikanti's selective checkpointing has
-        # nothing to drop. Selective then means an op-level policy (autopar's lowering,
-        # autopar/lower/checkpointing.py: keep matmul and attention outputs, recompute the
-        # cheap ops): it drops the two norm outputs and the activation-function outputs
-        # (SiLU and the product for SwiGLU, GELU's output), and redoes only cheap ops.
-        selective = 2 * act * h + (2 if gated_mlp else 1) * act * f
-        selective_flops = 0
-        if sac == "torchtitan":
-            # torchtitan's policy also recomputes every other matmul (wk, wo, w3 in a
-            # Llama block) and so drops their outputs too.
-            selective += act * f
-            selective_flops = 2 * T * h * (kv + h + f)
-        if not core_tp:  # the norm outputs are replicated; the MLP activations are tp-sharded
-            selective_sharded, selective_gathered = selective - 2 * act * h, 0
     params = (h * (h + 2 * kv) + h * h + (2 if gated_mlp else 1) * h * f + f * h + 2 * norm_params
               + ((h + 2 * kv) + h + f + h if bias else 0))
     sig = (f"transformer_block:h{h}:a{a}:g{g}:f{f}:gated{int(gated_mlp)}:{norm}:drop{int(dropout)}:"
@@ -211,17 +291,17 @@ def block(index: int, *, hidden: int, heads: int, ffn_hidden: int, kv_heads: int
         param_bytes=BYTES * params,
         fwd_flops=sum(op.fwd_flops for op in ops),
         bwd_flops=sum(op.bwd_flops for op in ops),
-        activation_bytes=total,
+        activation_bytes=sum(x for x, _, _ in saved),
         output_bytes=act * h,
         input_bytes=act * h,
-        activation_bytes_tp_sharded=sharded,
+        activation_bytes_tp_sharded=sum(x for x, tp, _ in saved if tp is True),
         activation_bytes_selective=selective,
         selective_recompute_flops=selective_flops,
         activation_bytes_selective_tp_sharded=selective_sharded,
-        activation_bytes_tp_gathered=gathered,
+        activation_bytes_tp_gathered=sum(x for x, tp, _ in saved if tp == GATHERED),
         activation_bytes_selective_tp_gathered=selective_gathered,
         tp_allreduces=2,
-        tp_gather_bytes=0 if core_tp else act * (h + 2 * kv),  # the fused qkv output
+        tp_gather_bytes=0 if k.core_tp else act * (h + 2 * kv),  # the fused qkv output
         tp_degrees=_divisors_for_tp(a, g, f),
         ops=ops,
         attrs={"hidden": h, "heads": a, "kv_heads": g, "head_dim": d, "ffn_hidden": f, "causal": True,

@@ -26,7 +26,7 @@ import math
 from functools import lru_cache
 
 from cost_models.errors import CostModelError
-from cost_models.hardware import DeviceProfile
+from cost_models.devices import DeviceProfile
 from cost_models.workload import OpSpec
 from cost_models.workload import fast as _lambdified
 

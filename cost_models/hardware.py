@@ -1,4 +1,8 @@
-"""Hardware profiles: devices, links, and the ClusterSpec that joins them.
+"""Hardware: the ClusterSpec that joins devices and links into a cluster.
+
+The device and link profiles themselves are cost_models/devices.py's (and
+importable from here); a measured profile (`autopar calibrate`, cost_models/
+measured.py) replaces a cluster's device and links (`ClusterSpec.with_profile`).
 
 Profiles are data, shipped as YAML in `cost_models/profiles/` (devices.yaml,
 links.yaml, clusters.yaml) with the source of every figure next to it. A user
@@ -20,281 +24,17 @@ Units inside the package are SI: FLOP/s, bytes, bytes/s, seconds.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from cost_models.errors import ClusterSizeError, CostModelError, ProfileError
-
-PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
-GIB = 1024**3
-TERA = 1e12
-GIGA = 1e9
-
-
-# -- field readers: each names the field and the file when it fails -----------
-def _num(d: dict, key: str, where: str, file: str, *, positive=True, allow_zero=False, default=None) -> float:
-    if key not in d or d[key] is None:
-        if default is not None:
-            return float(default)
-        raise ProfileError("missing required field", field=f"{where}.{key}", file=file)
-    value = d[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProfileError(f"must be a number, got {value!r}", field=f"{where}.{key}", file=file)
-    if positive and (value < 0 or (value == 0 and not allow_zero)):
-        raise ProfileError(f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}",
-                           field=f"{where}.{key}", file=file)
-    return float(value)
-
-
-def _fraction(d: dict, key: str, where: str, file: str, default=None, allow_zero=False) -> float:
-    value = _num(d, key, where, file, default=default, allow_zero=allow_zero)
-    if value > 1.0:
-        raise ProfileError(f"is a fraction and must be <= 1, got {value!r}", field=f"{where}.{key}", file=file)
-    return value
-
-
-def _str(d: dict, key: str, where: str, file: str, default: str | None = None) -> str:
-    value = d.get(key, default)
-    if value is None:
-        raise ProfileError("missing required field", field=f"{where}.{key}", file=file)
-    if not isinstance(value, str) or not value:
-        raise ProfileError(f"must be a non-empty string, got {value!r}", field=f"{where}.{key}", file=file)
-    return value
-
-
-def _mapping(d: Any, where: str, file: str) -> dict:
-    if not isinstance(d, dict):
-        raise ProfileError(f"must be a mapping, got {type(d).__name__}", field=where, file=file)
-    return d
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """One accelerator. Every number is per device."""
-
-    name: str
-    peak_flops: dict  # dtype -> dense FLOP/s
-    memory_bytes: float
-    memory_bandwidth: float  # B/s, HBM peak
-    memory_efficiency: float  # sustained fraction of memory_bandwidth
-    reserve_bytes: float  # CUDA context, library workspaces, NCCL buffers
-    num_sms: int
-    gemm_max_efficiency: float  # best large-GEMM fraction of peak (MAMF)
-    attention_fwd_efficiency: float
-    attention_bwd_efficiency: float
-    kernel_launch_s: float
-    sustained_clock_fraction: float = 1.0  # clock held at the power limit / clock the peak assumes
-    clock_spread: float = 0.0  # std dev of sustained speed across GPUs of one model (fraction); see stragglers.py
-    vendor: str = "nvidia"
-    source: str = ""
-    # share of a collective that can run hidden under compute: 1 where the transport has
-    # its own engines (GPU copy engines / NIC, NCCL's few SMs: cost_models/comm.py); on
-    # CPU ranks gloo's threads need the cores compute is using (measured by calibrate)
-    collective_overlap: float = 1.0
-    # how many times longer a GEMM runs when a row (n or k) is not a multiple of 16 bytes:
-    # BLAS then cannot use its aligned tensor-core kernels (cost_models/compute._aligned)
-    unaligned_gemm_slowdown: float = 1.0
-    # host time per op forward / per autograd node backward, and FSDP2's per unit and
-    # collective (hooks, copies): a GPU layer takes the larger of device and host time
-    host_op_fwd_s: float = 0.0
-    host_op_bwd_s: float = 0.0
-    fsdp_unit_host_s: float = 0.0
-    fsdp_tensor_host_s: float = 0.0  # per parameter tensor of the unit beyond the first
-    # what `autopar calibrate` timed on this device (cost_models/measured.py); when set,
-    # its tables price GEMMs, memory-bound ops, attention and per-op host time
-    measured: Any = None
-
-    def peak(self, dtype: str) -> float:
-        """Dense peak FLOP/s for `dtype` ('bf16', 'fp16', 'fp32', 'tf32', 'fp8')."""
-        try:
-            return self.peak_flops[dtype]
-        except KeyError:
-            raise CostModelError(
-                f"device '{self.name}' has no {dtype} peak in its profile "
-                f"(it lists {', '.join(sorted(self.peak_flops))}); choose another precision"
-            ) from None
-
-    @property
-    def usable_memory_bytes(self) -> float:
-        return self.memory_bytes - self.reserve_bytes
-
-    @classmethod
-    def from_dict(cls, name: str, d: dict, file: str = "<dict>") -> "DeviceProfile":
-        where = f"devices.{name}"
-        d = _mapping(d, where, file)
-        peaks = _mapping(d.get("peak_tflops"), f"{where}.peak_tflops", file) if "peak_tflops" in d else None
-        if not peaks:
-            raise ProfileError("missing required field (dense TFLOP/s per dtype)", field=f"{where}.peak_tflops", file=file)
-        peak_flops = {str(k): _num(peaks, k, f"{where}.peak_tflops", file) * TERA for k in peaks}
-        memory = _num(d, "memory_gib", where, file) * GIB
-        reserve = _num(d, "reserve_gib", where, file, allow_zero=True, default=1.0) * GIB
-        if reserve >= memory:
-            raise ProfileError(f"reserve ({reserve / GIB} GiB) must be below memory_gib", field=f"{where}.reserve_gib", file=file)
-        return cls(
-            name=name,
-            peak_flops=peak_flops,
-            memory_bytes=memory,
-            memory_bandwidth=_num(d, "memory_bandwidth_tbs", where, file) * TERA,
-            memory_efficiency=_fraction(d, "memory_efficiency", where, file, default=0.85),
-            reserve_bytes=reserve,
-            num_sms=int(_num(d, "num_sms", where, file, default=108)),
-            gemm_max_efficiency=_fraction(d, "gemm_max_efficiency", where, file, default=0.8),
-            attention_fwd_efficiency=_fraction(d, "attention_fwd_efficiency", where, file, default=0.5),
-            attention_bwd_efficiency=_fraction(d, "attention_bwd_efficiency", where, file, default=0.4),
-            kernel_launch_s=_num(d, "kernel_launch_us", where, file, allow_zero=True, default=4) / 1e6,
-            sustained_clock_fraction=_fraction(d, "sustained_clock_fraction", where, file, default=1.0),
-            clock_spread=_fraction(d, "clock_spread", where, file, default=0.0, allow_zero=True),
-            vendor=str(d.get("vendor", "nvidia")),
-            source=str(d.get("source", "")),
-            collective_overlap=_fraction(d, "collective_overlap", where, file, default=1.0, allow_zero=True),
-            unaligned_gemm_slowdown=max(1.0, _num(d, "unaligned_gemm_slowdown", where, file, default=1.0)),
-            host_op_fwd_s=_num(d, "host_op_fwd_us", where, file, allow_zero=True, default=0.0) / 1e6,
-            host_op_bwd_s=_num(d, "host_op_bwd_us", where, file, allow_zero=True, default=0.0) / 1e6,
-            fsdp_unit_host_s=_num(d, "fsdp_unit_host_us", where, file, allow_zero=True, default=0.0) / 1e6,
-            fsdp_tensor_host_s=_num(d, "fsdp_tensor_host_us", where, file, allow_zero=True, default=0.0) / 1e6,
-            measured=_measured(d, "compute", where, file),
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "peak_tflops": {k: v / TERA for k, v in sorted(self.peak_flops.items())},
-            "memory_gib": self.memory_bytes / GIB,
-            "memory_bandwidth_tbs": self.memory_bandwidth / TERA,
-            "memory_efficiency": self.memory_efficiency,
-            "reserve_gib": self.reserve_bytes / GIB,
-            "num_sms": self.num_sms,
-            "gemm_max_efficiency": self.gemm_max_efficiency,
-            "attention_fwd_efficiency": self.attention_fwd_efficiency,
-            "attention_bwd_efficiency": self.attention_bwd_efficiency,
-            "kernel_launch_us": round(self.kernel_launch_s * 1e6, 9),  # round: from_dict(to_dict()) is exact
-            "sustained_clock_fraction": self.sustained_clock_fraction,
-            "clock_spread": self.clock_spread,
-            "vendor": self.vendor,
-            "source": self.source,
-            "collective_overlap": self.collective_overlap,
-            "unaligned_gemm_slowdown": self.unaligned_gemm_slowdown,
-            "host_op_fwd_us": round(self.host_op_fwd_s * 1e6, 9),
-            "host_op_bwd_us": round(self.host_op_bwd_s * 1e6, 9),
-            "fsdp_unit_host_us": round(self.fsdp_unit_host_s * 1e6, 9),
-            "fsdp_tensor_host_us": round(self.fsdp_tensor_host_s * 1e6, 9),
-            **({"measured": self.measured.to_dict()} if self.measured is not None else {}),
-        }
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    """One interconnect tier, seen from one GPU."""
-
-    name: str
-    bandwidth: float  # B/s per GPU per direction, peak
-    bus_efficiency: float  # nccl-tests busbw / peak on large messages
-    latency_s: float  # alpha: one ring/tree step
-    source: str = ""
-    measured: Any = None  # collectives timed by `autopar calibrate` (cost_models/measured.py)
-
-    @property
-    def bus_bandwidth(self) -> float:
-        """What a ring collective's bus bandwidth reaches on this tier (B/s)."""
-        return self.bandwidth * self.bus_efficiency
-
-    @classmethod
-    def from_dict(cls, name: str, d: dict, file: str = "<dict>") -> "LinkProfile":
-        where = f"links.{name}"
-        d = _mapping(d, where, file)
-        return cls(
-            name=name,
-            bandwidth=_num(d, "bandwidth_gbs", where, file) * GIGA,
-            bus_efficiency=_fraction(d, "bus_efficiency", where, file, default=0.8),
-            latency_s=_num(d, "latency_us", where, file, allow_zero=True) / 1e6,
-            source=str(d.get("source", "")),
-            measured=_measured(d, "collectives", where, file),
-        )
-
-    def to_dict(self) -> dict:
-        return {"bandwidth_gbs": self.bandwidth / GIGA, "bus_efficiency": self.bus_efficiency,
-                "latency_us": round(self.latency_s * 1e6, 9), "source": self.source,
-                **({"measured": self.measured.to_dict()} if self.measured is not None else {})}
-
-
-def _measured(d: dict, kind: str, where: str, file: str):
-    """A profile's measured tables carried inside a device or link entry (a plan's cluster)."""
-    if d.get("measured") is None:
-        return None
-    from cost_models import measured
-
-    cls = measured.MeasuredCompute if kind == "compute" else measured.MeasuredCollectives
-    return cls.from_dict(d["measured"], file, f"{where}.measured")
-
-
-# -- shipped profiles ------------------------------------------------------------
-def _load_yaml(path: Path | str) -> dict:
-    path = str(path)
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile file: {exc.strerror}", file=path) from None
-    try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ProfileError(f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}", file=path) from None
-    if not isinstance(data, dict):
-        raise ProfileError("top level must be a mapping", file=path)
-    return data
-
-
-def load_devices(path: Path | str) -> dict[str, DeviceProfile]:
-    data = _load_yaml(path)
-    section = _mapping(data.get("devices"), "devices", str(path))
-    return {name: DeviceProfile.from_dict(name, d, str(path)) for name, d in section.items()}
-
-
-def load_links(path: Path | str) -> dict[str, LinkProfile]:
-    data = _load_yaml(path)
-    section = _mapping(data.get("links"), "links", str(path))
-    return {name: LinkProfile.from_dict(name, d, str(path)) for name, d in section.items()}
-
-
-@lru_cache(maxsize=None)
-def shipped_devices() -> dict[str, DeviceProfile]:
-    return load_devices(PROFILE_DIR / "devices.yaml")
-
-
-@lru_cache(maxsize=None)
-def shipped_links() -> dict[str, LinkProfile]:
-    return load_links(PROFILE_DIR / "links.yaml")
-
-
-@lru_cache(maxsize=None)
-def shipped_clusters() -> dict[str, dict]:
-    path = PROFILE_DIR / "clusters.yaml"
-    return dict(_mapping(_load_yaml(path).get("clusters"), "clusters", str(path)))
-
-
-def _lookup(kind: str, name: str, shipped: dict, extra: dict | None, file: str | None, field: str):
-    # User-defined profiles (from a cluster file) shadow the shipped ones.
-    if extra and name in extra:
-        return extra[name]
-    if name not in shipped:
-        known = ", ".join(sorted(shipped) + sorted(extra or {}))
-        raise ProfileError(f"unknown {kind} '{name}' (known: {known})", field=field, file=file)
-    return shipped[name]
-
-
-def get_device(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "device") -> DeviceProfile:
-    """A device profile by name (`extra` holds user-defined ones, checked first)."""
-    return _lookup("device", name, shipped_devices(), extra, file, field)
-
-
-def get_link(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "link") -> LinkProfile:
-    """A link profile by name (`extra` holds user-defined ones, checked first)."""
-    return _lookup("link", name, shipped_links(), extra, file, field)
+# the profiles a ClusterSpec joins, importable from here as before they had a module of their own
+from cost_models.devices import (GIB, GIGA, PROFILE_DIR, TERA, DeviceProfile, LinkProfile,  # noqa: F401
+                                 get_device, get_link, load_devices, load_links, load_profile_file, shipped_clusters,
+                                 shipped_devices, shipped_links)
+from cost_models.errors import ClusterSizeError, ProfileError
+from cost_models.fields import read_mapping, read_number, read_str
+from cost_models.measured import Profile
 
 
 @dataclass
@@ -367,8 +107,6 @@ class ClusterSpec:
     def with_profile(self, profile) -> "ClusterSpec":
         """This cluster priced with a measured profile (`autopar calibrate`'s file,
         a path or a cost_models.measured.Profile): its device and links replace ours."""
-        from cost_models.measured import Profile, apply_profile
-
         return apply_profile(self, profile if isinstance(profile, Profile) else Profile.load(str(profile)))
 
     def with_nodes(self, nodes: int) -> "ClusterSpec":
@@ -399,14 +137,14 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, d: dict, file: str = "<dict>") -> "ClusterSpec":
-        d = _mapping(d, "cluster", file)
-        devices = {n: DeviceProfile.from_dict(n, v, file) for n, v in _mapping(d.get("devices", {}), "devices", file).items()}
-        links = {n: LinkProfile.from_dict(n, v, file) for n, v in _mapping(d.get("links", {}), "links", file).items()}
+        d = read_mapping(d, "cluster", file)
+        devices = {n: DeviceProfile.from_dict(n, v, file) for n, v in read_mapping(d.get("devices", {}), "devices", file).items()}
+        links = {n: LinkProfile.from_dict(n, v, file) for n, v in read_mapping(d.get("links", {}), "links", file).items()}
         body = d.get("cluster", d)
-        body = _mapping(body, "cluster", file)
+        body = read_mapping(body, "cluster", file)
         base: dict = {}
         if "preset" in body:  # start from a preset, override what the file gives
-            base = dict(_preset_body(_str(body, "preset", "cluster", file), file))
+            base = dict(_preset_body(read_str(body, "preset", "cluster", file), file))
         merged = {**base, **{k: v for k, v in body.items() if k != "preset"}}
         known = {"name", "nodes", "gpus_per_node", "device", "intra_node_link", "inter_node_link",
                  "host_memory_gib", "host_memory_bytes", "host_link", "host_memory_bandwidth_gbs", "world_size"}
@@ -415,20 +153,20 @@ class ClusterSpec:
             raise ProfileError(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})",
                                field=unknown[0], file=file)
         if "host_memory_bytes" in merged:
-            host_mem = _num(merged, "host_memory_bytes", "cluster", file)
+            host_mem = read_number(merged, "host_memory_bytes", "cluster", file)
         else:
-            host_mem = _num(merged, "host_memory_gib", "cluster", file, default=2048) * GIB
+            host_mem = read_number(merged, "host_memory_gib", "cluster", file, default=2048) * GIB
         nodes = merged.get("nodes", 1)
         gpn = merged.get("gpus_per_node", 8)
         spec = cls(
             nodes=nodes,
             gpus_per_node=gpn,
-            device=_str(merged, "device", "cluster", file),
-            intra_node_link=_str(merged, "intra_node_link", "cluster", file, default="nvlink4"),
-            inter_node_link=_str(merged, "inter_node_link", "cluster", file, default="ib-ndr"),
+            device=read_str(merged, "device", "cluster", file),
+            intra_node_link=read_str(merged, "intra_node_link", "cluster", file, default="nvlink4"),
+            inter_node_link=read_str(merged, "inter_node_link", "cluster", file, default="ib-ndr"),
             host_memory_bytes=host_mem,
-            host_link=_str(merged, "host_link", "cluster", file, default="pcie5"),
-            host_memory_bandwidth=_num(merged, "host_memory_bandwidth_gbs", "cluster", file, default=500) * GIGA,
+            host_link=read_str(merged, "host_link", "cluster", file, default="pcie5"),
+            host_memory_bandwidth=read_number(merged, "host_memory_bandwidth_gbs", "cluster", file, default=500) * GIGA,
             name=merged.get("name"),
             devices=devices,
             links=links,
@@ -456,7 +194,7 @@ class ClusterSpec:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ClusterSpec":
         path = str(path)
-        return cls.from_dict(_load_yaml(path), file=path)
+        return cls.from_dict(load_profile_file(path), file=path)
 
     @classmethod
     def resolve(cls, x: Any) -> "ClusterSpec":
@@ -608,3 +346,34 @@ def _default_links_for(device: str) -> dict:
             return {k: body[k] for k in ("intra_node_link", "inter_node_link", "host_link",
                                          "host_memory_gib", "host_memory_bandwidth_gbs") if k in body}
     return {}
+
+
+def apply_profile(cluster, profile: Profile):
+    """`cluster` with its device and links replaced by the measured ones (node
+    counts, host memory and everything else kept)."""
+    device = DeviceProfile.from_dict(profile.device_name, profile.device, profile.source)
+    device = DeviceProfile(**{**vars(device), "measured": profile.compute})
+    d = cluster.to_dict()
+    d.pop("world_size", None)
+    d.pop("devices", None)
+    d.pop("links", None)
+    spec = ClusterSpec.from_dict(d, file=cluster.source)
+    spec.devices = {**cluster.devices, profile.device_name: device}
+    spec.links = dict(cluster.links)
+    spec.device = profile.device_name
+    for tier, attr in (("intra_node", "intra_node_link"), ("inter_node", "inter_node_link")):
+        measured = profile.collectives.get(tier)
+        if measured is None:
+            continue
+        base = cluster.intra_link if tier == "intra_node" else cluster.inter_link
+        fitted = measured.fit("all_reduce") or measured.fit("all_gather")
+        bandwidth, latency = (base.bandwidth, base.latency_s) if fitted is None else (fitted[1], fitted[0])
+        name = f"{profile.device_name}:{tier}"
+        # built from the file form (6 digits), so a plan's copy of the cluster prices identically
+        link = LinkProfile.from_dict(name, {"bandwidth_gbs": float(f"{bandwidth / 1e9:.6g}"), "bus_efficiency": 1.0,
+                                            "latency_us": float(f"{latency * 1e6:.6g}"),
+                                            "source": f"measured: {profile.source}"}, profile.source)
+        spec.links[name] = LinkProfile(**{**vars(link), "measured": measured})
+        setattr(spec, attr, name)
+    spec.validate()
+    return spec

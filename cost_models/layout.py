@@ -58,7 +58,7 @@ class Layout:
     # Tensor-parallel collectives split into chunks and run under the neighbouring GEMMs
     # (Transformer Engine's userbuffers overlap in Megatron-core / NeMo; torch's async TP
     # is the same idea): the exposed part is one chunk plus whatever the GEMM cannot
-    # cover, and the GEMM loses the SMs the overlap takes (estimate._tp_overlapped).
+    # cover, and the GEMM loses the SMs the overlap takes (cost_models/overlap.py: tp_overlapped).
     # autopar lowers plain DTensor collectives, so its own plans leave this False.
     tp_comm_overlap: bool = False
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)

@@ -112,6 +112,70 @@ def recompute_working_bytes(layer: LayerSpec, batch: int, seq: int | None, *, tp
     return max(0.0, full - kept)
 
 
+# -- one layer under a layout ----------------------------------------------------------
+def fp32_main_grads(layout) -> bool:
+    """Gradients held (and reduced) in fp32 beside 16-bit training (Layout.main_grads)."""
+    return layout.main_grads != "same" and layout.precision != "fp32"
+
+
+def layer_states(params_local: float, layout, zero: int, offload: str) -> tuple[ModelStates, tuple]:
+    """Model states per GPU of one layer's `params_local` parameters (already divided
+    by tp), and the (param, gradient, optimizer) bytes per parameter as held."""
+    states = model_state_bytes(params_local, precision=layout.precision, optimizer=layout.optimizer, zero=zero,
+                               dp=layout.dp, offload=offload)
+    p_bytes, g_bytes, k_bytes = state_bytes_per_param(layout.precision, layout.optimizer)
+    if fp32_main_grads(layout):  # fp32 main gradients: 4 bytes each where the gradients are held, and reduced in fp32
+        states.grads *= 4 / g_bytes
+        g_bytes = 4
+    if zero >= 3 and layout.dp > 1 and layout.precision in ("bf16", "fp16") and offload == "none":
+        # FSDP (what autopar lowers to, and torchtitan / MPT run) shards the fp32 parameter
+        # itself: no 16-bit shard exists (the 16-bit copies are unsharded and transient, in
+        # the FSDP buffer), and a gradient shard takes its parameter's dtype. 4 + 4 + 8
+        # bytes per parameter / dp (FSDPMemTracker: sharded param, sharded grad, optimizer
+        # state). DeepSpeed's stage 3 also keeps a 16-bit shard: not modelled.
+        states.params = 4 * params_local / layout.dp
+        states.grads = 4 * params_local / layout.dp
+        states.optimizer = (k_bytes - 4) * params_local / layout.dp
+    return states, (p_bytes, g_bytes, k_bytes)
+
+
+# The temporary foreach Adam allocates for sqrt(exp_avg_sq), all tensors at once: a
+# second memory peak during the optimizer step (4 bytes per fp32 state element)
+FOREACH_TEMP_BYTES = {"adam": 4.0, "sgd": 0.0}
+
+
+def optimizer_temp_bytes(layout, device, opt_params: float, offload: str) -> float:
+    """Bytes foreach Adam allocates at once during the step for this layer's state
+    elements. torch runs foreach by default only on GPUs; a CPU's default loops over
+    the tensors, each temporary freed before the next (nothing to speak of)."""
+    if layout.optimizer_impl != "foreach" or offload != "none" or device.vendor == "cpu":
+        return 0.0
+    return FOREACH_TEMP_BYTES[layout.optimizer] * opt_params
+
+
+def loss_grad_bytes(layer: LayerSpec, b: int, s1: int, byte_scale: float, tp: int) -> float:
+    """Two logits-sized gradients at the loss's first backward op, in the dtype the loss
+    computes its log-softmax in (fp32 where it upcasts the logits, as Hugging Face's
+    causal-LM loss does): the log-softmax op reads and writes the logits once each, so
+    one logits tensor is half its bytes. Measured with FSDPMemTracker on Qwen2 0.5B:
+    18.55 GiB of temporaries at the peak, 2 x its 9.28 GiB fp32 logits. A vocab-split
+    head computes the loss on its shard (loss_parallel): each rank holds 1/tp of them."""
+    if not layer.attrs.get("loss"):
+        return 0.0
+    sm = [op for op in layer.ops if op.kind == "softmax" and op.name.startswith("loss:")]
+    return sum(fast(op.fwd_bytes)(b, s1) / (tp if op.tp_sharded else 1)
+               for op in sm) * byte_scale  # 2 x (bytes / 2)
+
+
+def backward_peak(layer: LayerSpec, activations: float, grads: float) -> float:
+    """The most a layer's own backward holds at once of its saved activations (all of
+    them, recomputed ones included, when it starts) and its weight gradients (all of
+    them when it ends): capture's walk through its autograd nodes (LayerSpec.attrs
+    "bwd_walk", [[alive share, gradient share], ...]); without one, the larger end."""
+    walk = layer.attrs.get("bwd_walk") or ((1.0, 0.0), (0.0, 1.0))
+    return max(max(a * activations + g * grads for a, g in walk), activations, grads)
+
+
 def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int, pp_rank: int = 0,
                             virtual_stages: int = 1) -> float:
     """Closed forms (the pipeline simulation agrees with these, tested against

@@ -87,7 +87,6 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s:
         raise CostModelError(f"unknown pipeline schedule '{schedule}' (gpipe, 1f1b, interleaved)")
     v = virtual_stages if schedule == "interleaved" else 1
     n_stages = pp * v
-    rendezvous = blocking_p2p and v == 1
     if blocking_p2p and v > 1:
         # Megatron batches the interleaved exchanges so that none waits on a rendezvous;
         # the sender still blocks for its own transfer, which lengthens its op.
@@ -100,97 +99,125 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s:
         raise CostModelError(f"interleaved schedule needs num_micro_batches ({num_micro_batches}) divisible by pp ({pp})")
     p2p = list(p2p_s) if p2p_s is not None else [0.0] * n_stages
     act = list(activation_bytes) if activation_bytes is not None else [1.0] * n_stages
-    m = num_micro_batches
-    orders = [rank_order(schedule, r, pp, m, v) for r in range(pp)]
-    pos = [0] * pp
-    clock = [0.0] * pp
-    busy = [0.0] * pp
-    live_chunks = [0] * pp
-    live_bytes = [0.0] * pp
-    peak_chunks = [0] * pp
-    peak_bytes = [0.0] * pp
-    fwd_done: dict = {}
-    bwd_done: dict = {}
-    index = [{op: i for i, op in enumerate(o)} for o in orders]
-    op_end = [[0.0] * len(o) for o in orders]
-    pending_send: list = [None] * pp  # blocking mode: (receiver rank, its op index, send end, transfer s)
-    events = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            order = orders[r]
-            while pos[r] < len(order):
-                if pending_send[r] is not None:  # wait until the receiver reaches the matching recv
-                    rr, ri, sent, xfer = pending_send[r]
-                    if pos[rr] < ri:
-                        break
-                    clock[r] = max(clock[r], max(sent, op_end[rr][ri - 1] if ri > 0 else 0.0) + xfer)
-                    pending_send[r] = None
-                phase, mb, chunk = order[pos[r]]
-                stage = chunk * pp + r
-                if phase == "fwd":
-                    if stage == 0:
-                        dep, xfer = 0.0, 0.0
-                    else:
-                        dep = fwd_done.get((stage - 1, mb))
-                        if dep is None:
-                            break
-                        xfer = p2p[stage - 1]
-                    dur = fwd_s[stage]
-                else:
-                    if stage == n_stages - 1:
-                        dep, xfer = fwd_done.get((stage, mb)), 0.0
-                        if dep is None:
-                            break
-                    else:
-                        dep = bwd_done.get((stage + 1, mb))
-                        if dep is None:
-                            break
-                        xfer = p2p[stage]
-                    dur = bwd_s[stage]
-                if rendezvous and xfer:
-                    start = max(clock[r], dep) + xfer  # rendezvous: both sides wait for the transfer
-                else:
-                    start = max(clock[r], dep + xfer)
-                end = start + dur
-                op_end[r][pos[r]] = end
-                if rendezvous and pp > 1:
-                    to = stage + 1 if phase == "fwd" else stage - 1
-                    if 0 <= to < n_stages:
-                        rr = to % pp
-                        key = (phase, mb, to // pp)
-                        pending_send[r] = (rr, index[rr][key], end, p2p[stage] if phase == "fwd" else p2p[to])
-                clock[r] = end
-                busy[r] += dur
-                if phase == "fwd":
-                    fwd_done[(stage, mb)] = end
-                    live_chunks[r] += 1
-                    live_bytes[r] += act[stage]
-                    peak_chunks[r] = max(peak_chunks[r], live_chunks[r])
-                    peak_bytes[r] = max(peak_bytes[r], live_bytes[r])
-                else:
-                    bwd_done[(stage, mb)] = end
-                    live_chunks[r] -= 1
-                    live_bytes[r] -= act[stage]
-                if keep_events:
-                    events.append({"pp_rank": r, "stage": stage, "micro_batch": mb, "phase": phase,
-                                   "start_s": start, "end_s": end})
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # a schedule bug, never user input: fail loudly
-            raise CostModelError(f"pipeline schedule '{schedule}' deadlocked (pp={pp}, m={m}, V={v})")
-    finish = list(clock)
+    run = _Run(schedule, pp, num_micro_batches, v, fwd_s, bwd_s, p2p, act, blocking_p2p and v == 1, keep_events)
+    run.until_done()
+    finish = list(run.clock)
     return PipelineResult(
         step_time_s=max(finish),
         finish_s=finish,
-        busy_s=busy,
-        bubble_s=[f - b for f, b in zip(finish, busy)],
-        peak_in_flight=[c / v for c in peak_chunks],
-        peak_activation_bytes=peak_bytes if activation_bytes is not None else [0.0] * pp,
-        events=sorted(events, key=lambda e: (e["pp_rank"], e["start_s"])),
+        busy_s=run.busy,
+        bubble_s=[f - b for f, b in zip(finish, run.busy)],
+        peak_in_flight=[c / v for c in run.peak_chunks],
+        peak_activation_bytes=run.peak_bytes if activation_bytes is not None else [0.0] * pp,
+        events=sorted(run.events, key=lambda e: (e["pp_rank"], e["start_s"])),
     )
+
+
+class _Run:
+    """The simulation's state: each rank's position in its order and its clock, when each
+    (stage, micro-batch) finished its forward and backward, the activations held."""
+
+    def __init__(self, schedule: str, pp: int, m: int, v: int, fwd_s: list, bwd_s: list, p2p: list, act: list,
+                 rendezvous: bool, keep_events: bool):
+        self.schedule, self.pp, self.m, self.v = schedule, pp, m, v
+        self.n_stages = pp * v
+        self.fwd_s, self.bwd_s, self.p2p, self.act = fwd_s, bwd_s, p2p, act
+        self.rendezvous, self.keep_events = rendezvous, keep_events
+        self.orders = [rank_order(schedule, r, pp, m, v) for r in range(pp)]
+        self.pos = [0] * pp
+        self.clock = [0.0] * pp
+        self.busy = [0.0] * pp
+        self.live_chunks = [0] * pp
+        self.live_bytes = [0.0] * pp
+        self.peak_chunks = [0] * pp
+        self.peak_bytes = [0.0] * pp
+        self.fwd_done: dict = {}
+        self.bwd_done: dict = {}
+        self.index = [{op: i for i, op in enumerate(o)} for o in self.orders]
+        self.op_end = [[0.0] * len(o) for o in self.orders]
+        self.pending_send: list = [None] * pp  # blocking mode: (receiver rank, its op index, send end, transfer s)
+        self.events: list = []
+        self.remaining = sum(len(o) for o in self.orders)
+
+    def until_done(self) -> None:
+        while self.remaining:
+            progressed = False
+            for r in range(self.pp):
+                progressed = self._advance(r) or progressed
+            if not progressed:  # a schedule bug, never user input: fail loudly
+                raise CostModelError(f"pipeline schedule '{self.schedule}' deadlocked "
+                                     f"(pp={self.pp}, m={self.m}, V={self.v})")
+
+    def _send_done(self, r: int) -> bool:
+        """Blocking mode: whether rank r's last send has met its receive (then its clock moves past it)."""
+        if self.pending_send[r] is None:
+            return True
+        rr, ri, sent, xfer = self.pending_send[r]
+        if self.pos[rr] < ri:  # wait until the receiver reaches the matching recv
+            return False
+        self.clock[r] = max(self.clock[r], max(sent, self.op_end[rr][ri - 1] if ri > 0 else 0.0) + xfer)
+        self.pending_send[r] = None
+        return True
+
+    def _inputs(self, phase: str, mb: int, stage: int):
+        """(input ready at, transfer s, duration s) of the op, or None while its input is not done:
+        a forward needs the previous stage's forward, a backward the next stage's backward
+        (the last stage: its own forward)."""
+        if phase == "fwd":
+            if stage == 0:
+                return 0.0, 0.0, self.fwd_s[stage]
+            dep = self.fwd_done.get((stage - 1, mb))
+            return None if dep is None else (dep, self.p2p[stage - 1], self.fwd_s[stage])
+        if stage == self.n_stages - 1:
+            dep = self.fwd_done.get((stage, mb))
+            return None if dep is None else (dep, 0.0, self.bwd_s[stage])
+        dep = self.bwd_done.get((stage + 1, mb))
+        return None if dep is None else (dep, self.p2p[stage], self.bwd_s[stage])
+
+    def _advance(self, r: int) -> bool:
+        """Run rank r's next ops while their inputs are there; whether one ran."""
+        order, pp, progressed = self.orders[r], self.pp, False
+        while self.pos[r] < len(order) and self._send_done(r):
+            phase, mb, chunk = order[self.pos[r]]
+            stage = chunk * pp + r
+            ready = self._inputs(phase, mb, stage)
+            if ready is None:
+                break
+            dep, xfer, dur = ready
+            if self.rendezvous and xfer:
+                start = max(self.clock[r], dep) + xfer  # rendezvous: both sides wait for the transfer
+            else:
+                start = max(self.clock[r], dep + xfer)
+            self._ran(r, phase, mb, stage, start, start + dur, dur)
+            progressed = True
+        return progressed
+
+    def _ran(self, r: int, phase: str, mb: int, stage: int, start: float, end: float, dur: float) -> None:
+        self.op_end[r][self.pos[r]] = end
+        if self.rendezvous and self.pp > 1:
+            to = stage + 1 if phase == "fwd" else stage - 1
+            if 0 <= to < self.n_stages:
+                rr = to % self.pp
+                key = (phase, mb, to // self.pp)
+                xfer = self.p2p[stage] if phase == "fwd" else self.p2p[to]
+                self.pending_send[r] = (rr, self.index[rr][key], end, xfer)
+        self.clock[r] = end
+        self.busy[r] += dur
+        if phase == "fwd":
+            self.fwd_done[(stage, mb)] = end
+            self.live_chunks[r] += 1
+            self.live_bytes[r] += self.act[stage]
+            self.peak_chunks[r] = max(self.peak_chunks[r], self.live_chunks[r])
+            self.peak_bytes[r] = max(self.peak_bytes[r], self.live_bytes[r])
+        else:
+            self.bwd_done[(stage, mb)] = end
+            self.live_chunks[r] -= 1
+            self.live_bytes[r] -= self.act[stage]
+        if self.keep_events:
+            self.events.append({"pp_rank": r, "stage": stage, "micro_batch": mb, "phase": phase,
+                                "start_s": start, "end_s": end})
+        self.pos[r] += 1
+        self.remaining -= 1
 
 
 def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1, *, fwd_s: list, bwd_s: list,

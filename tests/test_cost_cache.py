@@ -9,7 +9,9 @@ import dataclasses
 
 import pytest
 
-from cost_models import estimate as E
+from cost_models import fingerprint as F
+from cost_models import layer as L
+from cost_models import layer_compute
 from cost_models.analytic import block, gpt
 from cost_models.estimate import layer_cost
 from cost_models.hardware import ClusterSpec
@@ -20,8 +22,8 @@ SHAPE = dict(hidden=2048, heads=16, ffn_hidden=8192)
 
 
 def _fresh(layer, model, layout, cluster):
-    E._LAYER_CACHE.clear()
-    E._CORE_CACHE.clear()
+    L._LAYER_CACHE.clear()
+    layer_compute._CORE_CACHE.clear()
     return layer_cost(layer, model, layout, cluster)
 
 
@@ -50,13 +52,13 @@ def test_every_layer_field_is_in_the_key(setting):
     """Change any one field (but the name, module paths and signature label): the
     fingerprint changes, so no cached cost of the original layer is returned."""
     base = block(0, **SHAPE)
-    fp = E.layer_fingerprint(base)
+    fp = F.layer_fingerprint(base)
     changed = {"name": False, "module_paths": False, "signature": False}
     for f in dataclasses.fields(LayerSpec):
         value = getattr(base, f.name)
         if f.name in changed:
             new = dataclasses.replace(base, **{f.name: "x" if isinstance(value, str) else ["x"]})
-            assert E.layer_fingerprint(new) == fp, f.name
+            assert F.layer_fingerprint(new) == fp, f.name
             continue
         if isinstance(value, bool) or value is None:
             bumped = 1
@@ -70,21 +72,21 @@ def test_every_layer_field_is_in_the_key(setting):
             bumped = {**value, "new": 1}
         else:  # a sympy expression
             bumped = value + 1
-        assert E.layer_fingerprint(dataclasses.replace(base, **{f.name: bumped})) != fp, f.name
+        assert F.layer_fingerprint(dataclasses.replace(base, **{f.name: bumped})) != fp, f.name
     # an op changed in place of its list is a new layer too
     ops = list(base.ops)
     ops[1] = dataclasses.replace(ops[1], count=ops[1].count + 1)
-    assert E.layer_fingerprint(dataclasses.replace(base, ops=ops)) != fp
+    assert F.layer_fingerprint(dataclasses.replace(base, ops=ops)) != fp
     # and an attribute a later version adds enters the key without anyone listing it
     other = dataclasses.replace(base)
     other.some_new_field = 3
-    assert E.layer_fingerprint(other) != fp
+    assert F.layer_fingerprint(other) != fp
 
 
 def test_identical_layers_still_share_one_cached_cost(setting):
     model, layout, cluster = setting
     a, b = model.layers[1], model.layers[2]
-    assert a.name != b.name and E.layer_fingerprint(a) == E.layer_fingerprint(b)
+    assert a.name != b.name and F.layer_fingerprint(a) == F.layer_fingerprint(b)
     assert layer_cost(a, model, layout, cluster) is layer_cost(b, model, layout, cluster)
 
 
@@ -97,5 +99,5 @@ def test_layout_fields_enter_the_key(setting):
     fp32 = dataclasses.replace(layout, main_grads="fp32")
     assert layer_cost(layer, model, fp32, cluster).grad_bytes == _fresh(layer, model, fp32, cluster).grad_bytes
     assert layer_cost(layer, model, fp32, cluster).grad_bytes != same.grad_bytes
-    key_fields = set(E._LAYOUT_KEY_FIELDS) | E._LAYOUT_FIELDS_NOT_READ
+    key_fields = set(F._LAYOUT_KEY_FIELDS) | F._LAYOUT_FIELDS_NOT_READ
     assert key_fields == {f.name for f in dataclasses.fields(Layout)}

@@ -16,8 +16,9 @@ from test_cost_measured import _cluster, _profile_dict
 
 from cost_models.analytic import gpt
 from cost_models.compute import _aligned, fast, host_times, op_times
-from cost_models.estimate import FOREACH_STEP_BYTES, estimate, layer_cost
+from cost_models.estimate import estimate, layer_cost
 from cost_models.hardware import ClusterSpec, get_device
+from cost_models.layer_compute import FOREACH_STEP_BYTES
 from cost_models.layout import Layout
 from cost_models.measured import Profile
 from cost_models.workload import OpSpec
@@ -169,7 +170,7 @@ def test_the_loss_gradients_are_a_memory_moment():
     """At the loss's first backward op: every activation, two logits-sized gradients,
     and (one micro-batch) no gradients yet."""
     from autopar.lower.api import captured_with_loss
-    from cost_models.estimate import FRAGMENTATION
+    from cost_models.memory import FRAGMENTATION
 
     model, inputs, cfg = _tiny_hf_llama()
     graph = captured_with_loss(model, inputs, None)

@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import validation_runs as V  # noqa: E402
 
 from cost_models.analytic import gpt  # noqa: E402
-from cost_models.estimate import TP_OVERLAP_SM_SHARE, _tp_overlapped, estimate  # noqa: E402
+from cost_models.estimate import estimate  # noqa: E402
 from cost_models.hardware import ClusterSpec  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
+from cost_models.overlap import TP_OVERLAP_SM_SHARE, tp_overlapped  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +51,12 @@ def test_mpt_shapes_reproduce_published_parameter_counts():
 def test_tp_overlap_hides_all_but_one_chunk_under_long_gemms():
     comm, tp = 1.0, 4
     # GEMMs longer than the rest of the comm: one chunk exposed, plus the SMs the overlap takes
-    long = _tp_overlapped(comm, 10.0, tp, "fwd")
+    long = tp_overlapped(comm, 10.0, tp, "fwd")
     assert long == pytest.approx(0.25 + 0.75 * TP_OVERLAP_SM_SHARE["fwd"])
     # short GEMMs: what they cannot cover stays exposed
-    short = _tp_overlapped(comm, 0.25, tp, "bwd")
+    short = tp_overlapped(comm, 0.25, tp, "bwd")
     assert short == pytest.approx(0.25 + 0.5 + 0.25 * TP_OVERLAP_SM_SHARE["bwd"])
-    assert _tp_overlapped(comm, 0.0, tp, "fwd") == pytest.approx(comm)  # nothing to hide under
+    assert tp_overlapped(comm, 0.0, tp, "fwd") == pytest.approx(comm)  # nothing to hide under
 
 
 def test_tp_overlap_only_lowers_tp_time():

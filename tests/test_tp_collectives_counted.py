@@ -2,7 +2,7 @@
 counts the collectives DTensor issues for each kind of block split over a
 fake process group (autopar.lower.what_runs), the planner copies them onto
 the layers (autopar.solve.lowering_costs) and the cost model prices those
-(cost_models.estimate._tp_collectives). GPT's fused-qkv block issues an
+(cost_models.layer_comm.tp_collectives). GPT's fused-qkv block issues an
 all-gather forward and three backward where capture's dataflow inferred one
 each way; Llama's block issues Megatron's two all-reduces each way."""
 from __future__ import annotations

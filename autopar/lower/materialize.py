@@ -48,7 +48,7 @@ def materialize(modules: list[nn.Module], device: torch.device, init_fn=None, se
             m.to(device)
         return False
     # Buffers keep what the constructor computed (a real tensor, or the value
-    # keep_buffer_values hung on a meta one); the others init_fn must refill.
+    # model_file.keep_buffer_values hung on a meta one); the others init_fn must refill.
     kept, refill = [], []
     for m in modules:
         for sub in m.modules():
@@ -83,19 +83,6 @@ def materialize(modules: list[nn.Module], device: torch.device, init_fn=None, se
             hint="pass init_fn(module) that initialises them (a model file's init_fn), or build the model on "
                  "the CPU (train.py --init cpu): its constructor's values are kept")
     return True
-
-
-def keep_buffer_values(model: nn.Module) -> None:
-    """Move a model's real buffers to meta, each carrying the value its constructor
-    computed (`.autopar_value`): the model is then all meta for the lowering's probes
-    (meta / fake tensors), and materialize puts the values back. The stage modules'
-    shallow views of the model share these tensors."""
-    for sub in model.modules():
-        for n, b in list(sub.named_buffers(recurse=False)):
-            if not b.is_meta:
-                meta = b.to("meta")
-                meta.autopar_value = b
-                sub._buffers[n] = meta
 
 
 def _fill_sentinel(b: torch.Tensor) -> bool:

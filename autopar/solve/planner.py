@@ -380,8 +380,8 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
             need_txt += f", and with offload the best layout does not fit either ({why})"
         within = (f" ({limit / GB:.1f} GB usable after the {headroom:.0%} memory headroom)" if headroom else "")
         # What the search was allowed (pins held, not "allowed") and the changes re-planned and found to fit.
-        fixes = what_would_fit(spec, cluster, pins, global_batch_size, precision, optimizer, headroom=headroom,
-                               smallest_world=smallest, time_limit_s=time_limit_s)
+        fixes = what_would_fit(spec, cluster, pins, global_batch_size, precision, optimizer, replan=plan,
+                               headroom=headroom, smallest_world=smallest, time_limit_s=time_limit_s)
         raise InfeasibleError(
             f"{spec.name} does not fit on {world} x {device.name}{pinned}: {need_txt} "
             f"({tried_text(pins)}); "

@@ -76,21 +76,20 @@ def checking_a_fix() -> bool:
     return _NESTED.get()
 
 
-def fit_on(model, cluster, pins: Constraints, global_batch_size, precision, optimizer, headroom: float = 0.0,
-           time_limit_s: float = 1.0):
-    """(peak bytes per GPU including the reserve, Plan) when `autopar.plan` finds a
-    layout under `pins` on `cluster` (the same search, pricing and memory limit as
-    the user's), or None."""
+def fit_on(replan, model, cluster, pins: Constraints, global_batch_size, precision, optimizer,
+           headroom: float = 0.0, time_limit_s: float = 1.0):
+    """(peak bytes per GPU including the reserve, Plan) when `replan` (the planner's
+    `plan`, handed down by the planner that asks) finds a layout under `pins` on
+    `cluster` (the same search, pricing and memory limit as the user's), or None."""
     from autopar.errors import AutoparError
-    from autopar.solve.planner import plan
     from cost_models.errors import CostModelError
 
     pinned = {k: v for k, v in pins.to_dict().items() if k != "memory_headroom"}
     token = _NESTED.set(True)
     try:
-        found = plan(model, cluster, global_batch_size=global_batch_size, constraints=pinned, precision=precision,
-                     optimizer=optimizer, top_k=0, time_limit_s=time_limit_s, fusion=False,
-                     memory_headroom=headroom)
+        found = replan(model, cluster, global_batch_size=global_batch_size, constraints=pinned, precision=precision,
+                       optimizer=optimizer, top_k=0, time_limit_s=time_limit_s, fusion=False,
+                       memory_headroom=headroom)
     except (AutoparError, CostModelError):  # does not fit, no mesh for this count, no peak for this precision...
         return None
     finally:
@@ -113,12 +112,13 @@ def _chosen(found, key: str) -> str:
     return "sequence parallel " + ("on" if found.sequence_parallel else "off")
 
 
-def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precision, optimizer, *,
+def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precision, optimizer, *, replan,
                    headroom: float = 0.0, smallest_world: int | None = None,
                    time_limit_s: float = 1.0) -> list[dict] | None:
     """The changes checked to fit, smallest first: pins to release (same hardware), the
     memory headroom, the GPU count, a larger shipped device. Each a dict with `change`
-    ('release' | 'headroom' | 'gpus' | 'device'), the values to pass and `peak_bytes` (per GPU, reserve included) where known."""
+    ('release' | 'headroom' | 'gpus' | 'device'), the values to pass and `peak_bytes` (per GPU, reserve included) where known.
+    `replan`: the planner's `plan` (autopar/solve/planner.py passes itself), which re-plans each change."""
     from cost_models.hardware import ClusterSpec, shipped_devices
 
     if checking_a_fix():  # inside another check: "does not fit" is the whole answer
@@ -128,12 +128,12 @@ def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precisi
                  time_limit_s=time_limit_s)
     for key in _pinned_keys(pins):
         freed = Constraints(**{**pins.__dict__, key: None, **({"virtual_stages": None} if key == "schedule" else {})})
-        found = fit_on(model, cluster, freed, headroom=headroom, **check)
+        found = fit_on(replan, model, cluster, freed, headroom=headroom, **check)
         if found:
             out.append({"change": "release", "flag": pinned_flag(pins, key), "peak_bytes": found[0],
                         "chose": _chosen(found[1], key), "memory_bytes": cluster.device_profile.memory_bytes})
     if headroom > 0:  # the planner's safety margin is a knob too: checked like a pin
-        found = fit_on(model, cluster, pins, headroom=0.0, **check)
+        found = fit_on(replan, model, cluster, pins, headroom=0.0, **check)
         if found:
             out.append({"change": "headroom", "headroom": headroom, "peak_bytes": found[0],
                         "memory_bytes": cluster.device_profile.memory_bytes})
@@ -151,7 +151,7 @@ def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precisi
             other = ClusterSpec.from_dict(d, file=cluster.source)
         except Exception:  # noqa: BLE001 - a cluster file this device does not fit into: skip it
             continue
-        found = fit_on(model, other, pins, headroom=headroom, **check)
+        found = fit_on(replan, model, other, pins, headroom=headroom, **check)
         if found:
             out.append({"change": "device", "device": name, "memory_bytes": memory, "peak_bytes": found[0]})
             break

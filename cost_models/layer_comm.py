@@ -1,0 +1,225 @@
+"""Per-layer communication: the collectives one layer issues under a layout,
+how many bytes each moves and how long it takes on its group's links.
+
+- tensor parallel: what one micro-batch issues over the tp group, as the
+  lowering counted it or as capture's dataflow implies (`tp_collectives`);
+- data parallel, per ZeRO level: DDP's gradient all-reduce, ZeRO-1/2's
+  reduce-scatter and all-gather, FSDP's per-micro-batch all-gathers and
+  per-step reduce-scatter, with the copies in and out of their buffers;
+  FSDP2 on one rank (its casts and hooks); BatchNorm statistics kept global;
+  offloaded parameters coming up from the host.
+
+The link physics is cost_models/comm.py's; which part of each collective
+hides behind compute is cost_models/overlap.py's.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from cost_models import comm as C
+from cost_models.compute import fast
+from cost_models.overlap import (all_reduce_exposed, fsdp_exposed, gradient_window_share, prefetch_exposed,
+                                 sharded_optimizer_exposed, tp_overlapped)
+from cost_models.workload import LayerSpec
+
+
+def tp_collectives(layer: LayerSpec, tp: int, b: int, s1: int, byte_scale: float, sp: bool) -> list:
+    """[(kind, bytes, 'fwd' | 'bwd'), ...] that one micro-batch of `layer`, split
+    over tp ranks, issues. As the lowering check counted them on a fake process
+    group (`LayerSpec.tp_collectives`), else inferred from capture's dataflow:
+    `tp_allreduces` all-reduces of the output forward and as many backward
+    (with sequence parallelism all-gather + reduce-scatter pairs, which a ring
+    prices the same), and where the model cuts a sharded dim (GPT's fused qkv
+    split) an all-gather forward and a reduce-scatter of its gradient backward."""
+    out_bytes = fast(layer.output_bytes)(b, s1) * byte_scale
+    counted = (layer.tp_collectives or {}).get(str(tp), {}).get("sp" if sp else "plain")
+    if counted is not None:
+        return [(kind, ratio * out_bytes, phase) for kind, ratio, phase in counted]
+    gather = fast(layer.tp_gather_bytes)(b, s1) * byte_scale
+    issued = []
+    for phase, gather_kind in (("fwd", "all_gather"), ("bwd", "reduce_scatter")):
+        issued += [("all_reduce", out_bytes, phase)] * layer.tp_allreduces
+        issued += [(gather_kind, gather, phase)] if gather else []
+    return issued
+
+
+@dataclass
+class TpComm:
+    """One micro-batch's tensor-parallel collectives: exposed seconds forward and
+    backward, bytes this GPU sends, ((collective, calls), ...) and the group's placement."""
+
+    fwd_s: float
+    bwd_s: float
+    bytes: float
+    calls: tuple
+    place: C.GroupPlacement
+
+
+def tp_comm(layer: LayerSpec, layout, cluster, tp: int, b: int, s1: int, byte_scale: float, sp: bool,
+            gemm_fwd_s: float) -> TpComm:
+    """The collectives one micro-batch issues (`tp_collectives`), each priced on the tp
+    group's link, plus DTensor's measured cost per collective."""
+    device = cluster.device_profile
+    tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
+    issued = tp_collectives(layer, tp, b, s1, byte_scale, sp) if tp > 1 else []
+    per_call = device.measured.dtensor_collective_overhead_s if device.measured is not None else 0.0
+    tp_fwd, tp_bwd = (sum((C.collective_time(kind, nbytes, tp_place, cluster) + per_call
+                           for kind, nbytes, when in issued if when == phase), 0.0) for phase in ("fwd", "bwd"))
+    tp_bytes = sum(nbytes * (2 if kind == "all_reduce" else 1) for kind, nbytes, _ in issued) * (tp - 1) / tp
+    tp_calls = tuple(sorted(collections.Counter(kind for kind, _, _ in issued).items()))
+    if layout.tp_comm_overlap and tp > 1 and tp_fwd + tp_bwd > 0:
+        # the backward's GEMMs (input and weight gradients) are twice the forward's
+        tp_fwd, tp_bwd = (tp_overlapped(tp_fwd, gemm_fwd_s, tp, "fwd"),
+                          tp_overlapped(tp_bwd, 2 * gemm_fwd_s, tp, "bwd"))
+    return TpComm(tp_fwd, tp_bwd, tp_bytes, tp_calls, tp_place)
+
+
+def copy_s(nbytes: float, device) -> float:
+    """A memory-bound copy of nbytes (read + write): measured copy rate, or HBM physics."""
+    if device.measured is not None:
+        t = device.measured.bytes_time("copy", nbytes, "copy")
+        if t is not None:
+            return t
+    return nbytes / (device.memory_bandwidth * device.memory_efficiency)
+
+
+def fsdp_one_rank_s(unit_bytes: float, tensors: int, device) -> float:
+    """Seconds FSDP2 adds per all-gather (or reduce-scatter) of a unit of
+    `unit_bytes` fp32 parameters in `tensors` tensors on a one-rank mesh (hooks, per-
+    parameter copy views, gradient DTensors): calibrated when the profile timed FSDP2
+    on one rank, else the device's physics defaults."""
+    if device.measured is not None:
+        unit = device.measured.fsdp_unit_s(unit_bytes, tensors)
+        if unit is not None and unit[0] == 1:
+            return (unit[1] + unit[2]) / 2
+    return device.fsdp_unit_host_s + max(0, tensors - 1) * device.fsdp_tensor_host_s
+
+
+def batch_norm_sync(layer: LayerSpec, dp: int, dp_place, cluster) -> tuple[float, float]:
+    """Forward (and again backward) time of keeping BatchNorm statistics global
+    over dp, per micro-batch (autopar/lower/batch_norm.py, as SyncBatchNorm): per
+    BatchNorm two fp32 all-reduces of about its channel count, the sums then the
+    squared deviations (backward: their gradients). Each blocks the op after it,
+    so none hides; a few KiB each, so the link's latency is most of it.
+    Returns (seconds, bytes on the wire) of one pass."""
+    channels = (layer.attrs or {}).get("batch_norm_channels") or ()
+    if dp <= 1 or not channels:
+        return 0.0, 0.0
+    seconds = sum(C.collective_time("all_reduce", 4 * (c + 1), dp_place, cluster)
+                  + C.collective_time("all_reduce", 4 * c, dp_place, cluster) for c in channels)
+    return seconds, sum(2 * 4 * (2 * c + 1) for c in channels) * (dp - 1) / dp
+
+
+@dataclass
+class DpComm:
+    """A layer's data-parallel traffic: ((collective, bytes per step, seconds per step), ...)
+    before overlap, and what stays exposed: per micro-batch in forward and backward, per
+    step at its end; `contention_s` (per step, inside the exposed times) is compute slowed
+    by the SMs hidden collectives hold (cost_models/comm.contention_s)."""
+
+    place: C.GroupPlacement
+    collectives: list = field(default_factory=list)
+    fwd_exposed_s: float = 0.0
+    bwd_exposed_s: float = 0.0
+    step_exposed_s: float = 0.0
+    contention_s: float = 0.0
+
+
+def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float) -> None:
+    device = cluster.device_profile
+    ar = C.collective_time("all_reduce", full_grads, dp.place, cluster)
+    dp.collectives.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
+    ar_exp, dp.contention_s = all_reduce_exposed(ar, bwd_window, gradient_window_share(layout), device, dp.place,
+                                                 cluster)
+    # DDP copies each gradient into its bucket before the all-reduce and back after
+    # it (read + write each way), on the compute stream
+    dp.step_exposed_s = ar_exp + dp.contention_s + copy_s(4 * full_grads, device)
+
+
+def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout, cluster, fwd_s: float,
+                       bwd_window: float) -> None:
+    rs = C.collective_time("reduce_scatter", full_grads, dp.place, cluster)
+    ag = C.collective_time("all_gather", full_params, dp.place, cluster)
+    frac = (layout.dp - 1) / layout.dp
+    dp.collectives += [("reduce_scatter", full_grads * frac, rs), ("all_gather", full_params * frac, ag)]
+    dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(
+        rs, ag, fwd_s, bwd_window, gradient_window_share(layout), cluster.device_profile, dp.place, cluster)
+
+
+def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, layout, cluster, fwd_s: float,
+          bwd_window: float) -> None:
+    # FSDP2 copies a unit's shards into the all-gather buffer (on the gather's stream,
+    # priced with the collective) and out of it into the unsharded parameters (on
+    # the compute stream: exposed), and the gradients into the reduce-scatter buffer.
+    device = cluster.device_profile
+    unit = (device.measured.fsdp_unit_s(full_params, layer.attrs.get("param_tensors", 1))
+            if device.measured is not None else None)
+    if unit is not None:
+        # FSDP2 timed on this machine, collectives included: what it adds beyond the
+        # collectives at the group size timed (exposed, on the compute stream); the
+        # collectives themselves are priced at this group's size below
+        ranks, gather_s, reduce_s = unit
+        timed = C.GroupPlacement("dp", ranks, 1, ranks)
+        copy_in, rs_extra = 0.0, reduce_s - C.collective_time("reduce_scatter", full_grads, timed, cluster)
+        copy_out = gather_s - C.collective_time("all_gather", full_params, timed, cluster)
+    else:
+        copy_in, copy_out = copy_s(2 * full_params / layout.dp, device), copy_s(2 * full_params, device)
+        rs_extra = copy_s(2 * full_grads, device)
+    ag = C.collective_time("all_gather", full_params, dp.place, cluster) + copy_in
+    rs = max(0.0, C.collective_time("reduce_scatter", full_grads, dp.place, cluster) + rs_extra)
+    frac = (layout.dp - 1) / layout.dp
+    m = layout.num_micro_batches
+    dp.collectives += [("all_gather", 2 * m * full_params * frac, 2 * m * ag),
+                       ("reduce_scatter", full_grads * frac, rs)]
+    dp.fwd_exposed_s, dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = fsdp_exposed(
+        ag, rs, copy_out, fwd_s, bwd_window, m, device, dp.place, cluster)
+
+
+def _fsdp_one_rank(dp: DpComm, layer: LayerSpec, params_local: float, device) -> None:
+    # FSDP2's mixed precision on one rank (how autopar lowers a 16-bit plan with dp = 1):
+    # per micro-batch each unit's fp32 parameters are cast into the all-gather buffer
+    # (read 4, write 2 bytes) and copied out into the unsharded parameters (read 2,
+    # write 2); once per step the 16-bit gradients are cast to fp32 (read 2, write 4).
+    # Memory-bound copies on the device, not hidden by anything. Plus FSDP2's own work
+    # per all-gather (one per micro-batch: at zero 0 parameters stay gathered from
+    # forward to backward) and per reduce-scatter (one per step): exposed, not hidden
+    # behind the kernels as plain host time is. On an H100 the GPU idled 46 ms of a
+    # 208 ms Llama 1B step whose host ran ahead of the kernels on every layer except
+    # at FSDP2's hooks (docs/cost_model.md section 9).
+    per = fsdp_one_rank_s(params_local * 4, layer.attrs.get("param_tensors", 1), device)
+    dp.fwd_exposed_s = copy_s(10 * params_local, device) + per
+    dp.step_exposed_s = copy_s(6 * params_local, device) + per
+
+
+def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_local: float, state_bytes: tuple,
+            fwd_s: float, bwd_window: float) -> DpComm:
+    """The layer's data-parallel traffic under ZeRO level `zero` (nccl-tests sizes: the
+    full, unsharded buffer), with what stays exposed. `state_bytes`: (param, gradient,
+    optimizer) bytes per parameter as held; `bwd_window`: backward plus recomputation."""
+    device = cluster.device_profile
+    p_bytes, g_bytes, _ = state_bytes
+    dp = DpComm(C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster))
+    full_params = params_local * p_bytes
+    full_grads = params_local * g_bytes
+    if layout.dp > 1 and params_local > 0:
+        if zero == 0:
+            _ddp(dp, full_grads, layout, cluster, bwd_window)
+        elif zero in (1, 2):
+            _sharded_optimizer(dp, full_params, full_grads, layout, cluster, fwd_s, bwd_window)
+        else:
+            _fsdp(dp, layer, full_params, full_grads, layout, cluster, fwd_s, bwd_window)
+    if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
+        _fsdp_one_rank(dp, layer, params_local, device)
+    if offload == "params":
+        # sharded params come up from the host for every forward and backward
+        h2d = (params_local / (layout.dp if zero >= 3 else 1)) * p_bytes / cluster.host_link_profile.bus_bandwidth
+        fwd_h2d, bwd_h2d = prefetch_exposed(h2d, fwd_s, bwd_window, device)
+        dp.fwd_exposed_s += fwd_h2d
+        dp.bwd_exposed_s += bwd_h2d
+    bn_s, bn_bytes = batch_norm_sync(layer, layout.dp, dp.place, cluster)
+    if bn_s:
+        m = layout.num_micro_batches
+        dp.collectives.append(("all_reduce", 2 * m * bn_bytes, 2 * m * bn_s))
+        dp.fwd_exposed_s, dp.bwd_exposed_s = dp.fwd_exposed_s + bn_s, dp.bwd_exposed_s + bn_s
+    return dp
