@@ -181,6 +181,7 @@ def _planner_plan(arch_name, world, pins):
 def run_cell(arch_name: str, layout: str, batches, rank: int, world: int) -> dict:
     import torch
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from archs import ARCHS
     from autopar.errors import AutoparError
@@ -209,7 +210,8 @@ def run_cell(arch_name: str, layout: str, batches, rank: int, world: int) -> dic
                            for path in c.module_paths)
             for name, p in pm._local_params().items():
                 if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
-                    if isinstance(p.placements[p.device_mesh.mesh_dim_names.index("tp")], Shard):
+                    # _StridedShard (MoE gate_up: each rank's slice of gate and of up) is no Shard subclass
+                    if isinstance(p.placements[p.device_mesh.mesh_dim_names.index("tp")], (Shard, _StridedShard)):
                         tp_sharded += 1
                         tp_sharded_blocks += name.startswith(blocks)
         return {"status": "ran", "losses": [float(x) for x in losses],
