@@ -118,7 +118,9 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
         if c.tp is not None and tp != c.tp:
             continue
         if tp not in tp_ok:
-            report.add((tp_why or {}).get(tp, "tp does not divide the layers' heads/ffn"), f"tp{tp}")
+            # no tp_why: no layer has a split dimension at all (ResNet's convolutions, a plain MLP stack)
+            report.add((tp_why or {}).get(tp, "no layer tp can split at this degree (none has attention heads, an "
+                                              "ffn or a vocabulary tp divides)"), f"tp{tp}")
             continue
         if no_tp.get(str(tp)):
             report.add(f"lowering cannot run it ({no_tp[str(tp)]})", f"tp{tp}")
