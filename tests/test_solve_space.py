@@ -70,7 +70,7 @@ def test_enumeration_honours_pins_and_reports_rejections():
     # heads allow only tp 1 and 3: tp 2/4 rejected and explained
     cands, report = enumerate_candidates(4, 6, 2, (1, 3))
     assert {c.tp for c in cands} == {1}
-    assert "tp does not divide" in report.summary()
+    assert "no layer tp can split at this degree" in report.summary()
     cands, report = enumerate_candidates(7, 8, 4, (1,))
     assert cands == []
     assert "dp does not divide the global batch 8" in report.summary()
