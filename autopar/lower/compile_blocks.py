@@ -1,0 +1,158 @@
+"""Regional compilation: each block of the plan runs as torch.compile'd code (issue 31).
+
+Where and in which order, as torchtitan does it (`torchtitan/models/llama3/parallelize.py`,
+`torchtitan/distributed/compile.py: apply_compile`): tensor parallelism, then activation
+checkpointing, then `block.compile(fullgraph=True)` on each block, then FSDP2. So dynamo
+traces the block with its DTensor parameters and tp hooks, and the checkpoint (full or
+selective) becomes part of the compiled forward and backward; FSDP2's all-gather and
+reduce-scatter hooks, added after, stay outside the compiled graph (they are
+`_dynamo_disable`d). Embeddings and the head run eager, as in torchtitan.
+
+`nn.Module.compile` compiles the module's call in place (`_compiled_call_impl`): no
+wrapper module, so module paths, parameter names, FSDP units and snapshots are the
+same as without compilation. Blocks of one class and shapes share one compiled code:
+dynamo keys its cache on the code object and inlines nn modules (parameters are graph
+inputs), so a stack of 32 blocks compiles once. Blocks that differ (the first and
+last under sequence parallelism scatter and gather) add a cache entry each.
+
+A block that does not compile runs eager, alone: its first compiled call is a trial
+(`_Trial`); any exception there (a graph break, which fullgraph turns into an error,
+or a backend failure: the backward is compiled with the forward on that call, so a
+backward that cannot compile fails here too) makes that block eager, and the reason
+is recorded. Dynamo traces before it runs anything, so the eager call that follows
+starts from the same state. After the first training step the ranks share what fell
+back (`agree`, one all_gather_object, the same point on every rank), every rank runs
+those blocks eager from then on, and the reasons go into `ParallelModel.notes` and,
+on rank 0, the start-up log: no rank raises while the others wait.
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+
+CHOICES = (True, False, "auto")
+
+
+def check(torch_compile) -> None:
+    if not any(torch_compile is c or (isinstance(c, str) and torch_compile == c) for c in CHOICES):
+        raise AutoparError(f"torch_compile must be True, False or 'auto', not {torch_compile!r}")
+
+
+def wanted(torch_compile, device: torch.device) -> bool:
+    """torch_compile=True|False|"auto" (Hugging Face's TrainingArguments name);
+    "auto": compiled on CUDA devices, eager elsewhere (inductor's CPU code pays a
+    C++ compile per block kind, seconds that a CPU test run does not win back)."""
+    check(torch_compile)
+    return device.type == "cuda" if torch_compile == "auto" else bool(torch_compile)
+
+
+class CompiledBlocks:
+    """The blocks this rank compiled, and those that fell back to eager (path -> reason)."""
+
+    def __init__(self, backend: str, mode: str | None):
+        self.backend, self.mode = backend, mode
+        self.modules: dict[str, list[nn.Module]] = {}  # block path -> its module in each local stage view
+        self.fell_back: dict[str, str] = {}
+        self.agreed = False
+
+    def apply(self, stages, layout) -> None:
+        """Compile every local block (after tp and checkpointing, before FSDP2)."""
+        kwargs = {"backend": self.backend, "fullgraph": True}
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        for s in stages:
+            for l in layout.layers_of_stage(s.stage_index):
+                if l.position != "block" or len(l.paths) != 1:
+                    continue
+                module = s.model.get_submodule(l.paths[0])  # the checkpoint wrapper when recomputed
+                module.compile(**kwargs)
+                module._compiled_call_impl = _Trial(self, l.paths[0], module, module._compiled_call_impl)
+                self.modules.setdefault(l.paths[0], []).append(module)
+
+    def fall_back(self, path: str, reason: str) -> None:
+        self.fell_back.setdefault(path, reason)
+        for m in self.modules.get(path, ()):
+            m._compiled_call_impl = None  # nn.Module.__call__ runs the eager _call_impl
+
+    def compiled_paths(self) -> list[str]:
+        return [p for p in self.modules if p not in self.fell_back]
+
+    def start_note(self) -> str:
+        paths = list(self.modules)
+        mode = f", mode {self.mode}" if self.mode else ""
+        return (f"torch.compile (backend {self.backend}{mode}, fullgraph) on this rank's {len(paths)} block(s) "
+                f"({_span(paths)}), one compiled code per block signature; embeddings and head run eager")
+
+    def agree(self) -> list[str]:
+        """After the first training step: the union of every rank's fallbacks, run
+        eager on every rank; one sentence per block that fell back. Collective."""
+        self.agreed = True
+        mine = dict(self.fell_back)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        union: dict[str, str] = {}
+        for part in everyone:
+            for path, reason in part.items():
+                union.setdefault(path, reason)
+        for path, reason in union.items():
+            self.fall_back(path, reason)
+        return [f"block {path} runs eager: torch.compile failed on it ({reason})"
+                for path, reason in sorted(union.items(), key=lambda kv: _natural(kv[0]))]
+
+
+class _Trial:
+    """A block's compiled call until it has run once with gradients; an exception
+    on that call (trace, compile of forward and backward, or run) makes the block
+    eager and is recorded; later calls go straight to the compiled code."""
+
+    def __init__(self, owner: CompiledBlocks, path: str, module: nn.Module, compiled):
+        self.owner, self.path, self.module, self.compiled = owner, path, module, compiled
+
+    def __call__(self, *args, **kwargs):
+        try:
+            # The backward graph is compiled now, not at the first backward, so a
+            # backward that cannot compile is found while eager can still take over.
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                out = self.compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure: this block runs eager, named
+            self.owner.fall_back(self.path, reason(exc))
+            return self.module._call_impl(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.module._compiled_call_impl = self.compiled  # proven: no trial on later calls
+        return out
+
+
+def reason(exc: BaseException) -> str:
+    """The first line of a compile failure, and the user-code line dynamo names
+    ("from user code: ... line N ...") when it names one."""
+    text = str(exc).strip()
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if len(first) > 240:  # some assertions print whole type lists
+        first = first[:200] + " ... " + first[-30:]
+    where = ""
+    frames = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File ")]
+    if frames:
+        where = f"; at {frames[-1]}"
+    elif exc.__traceback__ is not None:
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f"; raised in {last.filename}:{last.lineno}"
+    return f"{type(exc).__name__}: {first}{where}"
+
+
+def _natural(path: str):
+    return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
+def _span(paths: list[str]) -> str:
+    paths = sorted(paths, key=_natural)
+    if len(paths) <= 3:
+        return ", ".join(paths)
+    return f"{paths[0]} ... {paths[-1]}"
