@@ -32,6 +32,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from autopar.errors import AutoparError
 
@@ -70,6 +71,7 @@ class CompiledBlocks:
                 if l.position != "block" or len(l.paths) != 1:
                     continue
                 module = s.model.get_submodule(l.paths[0])  # the checkpoint wrapper when recomputed
+                module.register_forward_pre_hook(_settle_collectives, with_kwargs=True, prepend=True)
                 module.compile(**kwargs)
                 module._compiled_call_impl = _Trial(self, l.paths[0], module, module._compiled_call_impl)
                 self.modules.setdefault(l.paths[0], []).append(module)
@@ -108,6 +110,22 @@ class CompiledBlocks:
                 for path, reason in sorted(union.items(), key=lambda kv: _natural(kv[0]))]
 
 
+@torch._dynamo.disable
+def _settle_collectives(module, args, kwargs):
+    """Block arguments that are pending collective results (AsyncCollectiveTensor: the
+    output of an eager vocab-parallel embedding's all-reduce) become plain tensors
+    before dynamo sees them. Measured on torch 2.13: a compiled frame taking one that
+    requires a gradient returns outputs that do not (x.requires_grad == False in the
+    block's guards), so the embedding got no gradient and training silently diverged.
+    Any non-view op waits and unwraps; clone keeps the autograd edge (one activation copy)."""
+    if not any(isinstance(a, AsyncCollectiveTensor) for a in (*args, *kwargs.values())):
+        return None
+
+    def settle(a):
+        return a.clone() if isinstance(a, AsyncCollectiveTensor) else a
+    return tuple(settle(a) for a in args), {k: settle(v) for k, v in kwargs.items()}
+
+
 class _Trial:
     """A block's compiled call until it has run once with gradients; an exception
     on that call (trace, compile of forward and backward, or run) makes the block
@@ -131,20 +149,27 @@ class _Trial:
 
 
 def reason(exc: BaseException) -> str:
-    """The first line of a compile failure, and the user-code line dynamo names
-    ("from user code: ... line N ...") when it names one."""
-    text = str(exc).strip()
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    if len(first) > 240:  # some assertions print whole type lists
-        first = first[:200] + " ... " + first[-30:]
-    where = ""
-    frames = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File ")]
-    if frames:
-        where = f"; at {frames[-1]}"
+    """A compile failure in one line: its first line, dynamo's "Explanation:" (which
+    builtin or op broke the graph), and the user-code line it names ("from user
+    code: File ..., line N" + the source line), else where the exception was raised."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    first = _clip(lines[0] if lines else "")
+    why = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Explanation:")), "")
+    at = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if at:
+        i = at[-1]
+        source = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("Set TORCH") else ""
+        where = f"at {lines[i]}" + (f": {source}" if source else "")
     elif exc.__traceback__ is not None:
         last = traceback.extract_tb(exc.__traceback__)[-1]
-        where = f"; raised in {last.filename}:{last.lineno}"
-    return f"{type(exc).__name__}: {first}{where}"
+        where = f"raised in {last.filename}:{last.lineno}"
+    else:
+        where = ""
+    return "; ".join(x for x in (f"{type(exc).__name__}: {first}", _clip(why), where) if x)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 240 else text[:200] + " ... " + text[-30:]  # some assertions print type lists
 
 
 def _natural(path: str):
