@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -87,26 +86,6 @@ def _cpu_world(rank: int, port: int, steps: int, blocks: int, out):
         import traceback
         out.put({"error": f"rank {rank}: {traceback.format_exc()}"})
         raise
-
-
-def run_cpu(steps: int, blocks: int) -> dict:
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_cpu_world, args=(r, port, steps, blocks, q)) for r in range(base.WORLD)]
-    for p in procs:
-        p.start()
-    results = q.get(timeout=3600)
-    if "error" in results:
-        for p in procs:
-            p.kill()
-        raise SystemExit(results["error"])
-    for p in procs:
-        p.join()
-    return results
 
 
 def _gpu_config(args):
@@ -225,7 +204,7 @@ def main(argv=None) -> int:
                 f"{cfg['seq_len']}, batch {args.batch}, bf16"}
         rows = _rows(results, "hand_compiled")
     else:
-        results = run_cpu(args.steps, args.blocks)
+        results = base.spawn_world(_cpu_world, args.steps, args.blocks)
         c = base._config()
         meta = {"command": command.strip(), "machine": f"{os.cpu_count()} CPU cores, {base.WORLD} gloo ranks x 1 "
                 f"thread, torch {torch.__version__}", "model": f"Llama dim {c.dim} x {c.layers} layers, sequence "

@@ -195,19 +195,16 @@ def _run_world(rank: int, port: int, steps: int, blocks: int, out):
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_overhead"))
-    args = ap.parse_args(argv)
-    steps, blocks = (3, 2) if args.quick else (10, 12)
+def spawn_world(target, steps: int, blocks: int) -> dict:
+    """Run target(rank, port, steps, blocks, queue) on WORLD spawned ranks; rank 0's results
+    (a rank's {"error": traceback} ends every rank)."""
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_world, args=(r, port, steps, blocks, q)) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, steps, blocks, q)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = q.get(timeout=3600)
@@ -217,6 +214,16 @@ def main(argv=None) -> int:
         raise SystemExit(results["error"])
     for p in procs:
         p.join()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_overhead"))
+    args = ap.parse_args(argv)
+    steps, blocks = (3, 2) if args.quick else (10, 12)
+    results = spawn_world(_world, steps, blocks)
     rows = []
     for layout, r in results.items():
         times = r["times"]
