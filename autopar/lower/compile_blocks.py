@@ -55,8 +55,10 @@ def wanted(torch_compile, device: torch.device) -> bool:
 class CompiledBlocks:
     """The blocks this rank compiled, and those that fell back to eager (path -> reason)."""
 
-    def __init__(self, backend: str, mode: str | None):
+    def __init__(self, backend: str, mode: str | None, own_cache: bool = False):
         self.backend, self.mode = backend, mode
+        # tp collectives inside blocks, other ranks on other tp groups: inductor's shared caches off
+        self.own_cache = own_cache and backend == "inductor"
         self.modules: dict[str, list[nn.Module]] = {}  # block path -> its module in each local stage view
         self.fell_back: dict[str, str] = {}
         self.agreed = False
@@ -64,7 +66,9 @@ class CompiledBlocks:
     def apply(self, stages, layout) -> None:
         """Compile every local block (after tp and checkpointing, before FSDP2)."""
         kwargs = {"backend": self.backend, "fullgraph": True}
-        if self.mode is not None:
+        if self.own_cache:  # one backend object for all blocks: dynamo guards on the backend's identity
+            kwargs["backend"] = _InductorOwnCache(self.mode)
+        elif self.mode is not None:
             kwargs["mode"] = self.mode
         for s in stages:
             for l in layout.layers_of_stage(s.stage_index):
@@ -87,8 +91,10 @@ class CompiledBlocks:
     def start_note(self) -> str:
         paths = list(self.modules)
         mode = f", mode {self.mode}" if self.mode else ""
+        cache = ("; inductor's on-disk caches not used (torch 2.13 serves one tp group's compiled collectives to "
+                 "ranks of another)") if self.own_cache else ""
         return (f"torch.compile (backend {self.backend}{mode}, fullgraph) on this rank's {len(paths)} block(s) "
-                f"({_span(paths)}), one compiled code per block signature; embeddings and head run eager")
+                f"({_span(paths)}), one compiled code per block signature; embeddings and head run eager{cache}")
 
     def agree(self) -> list[str]:
         """After the first training step: the union of every rank's fallbacks, run
@@ -108,6 +114,26 @@ class CompiledBlocks:
             self.fall_back(path, reason)
         return [f"block {path} runs eager: torch.compile failed on it ({reason})"
                 for path, reason in sorted(union.items(), key=lambda kv: _natural(kv[0]))]
+
+
+class _InductorOwnCache:
+    """Inductor without its on-disk FX graph and AOTAutograd caches, for blocks that issue
+    tp collectives when other ranks of this machine sit on other tp groups (pp or dp > 1).
+    Measured on torch 2.13 (CPU, pp 2 x tp 2, Llama): the cache key does not tell the tp
+    groups apart, so ranks of the second stage loaded the first stage's compiled block,
+    whose collectives name the first stage's group ("Could not resolve the process group
+    registered under the name 7"); with the caches off all four ranks match eager. The
+    backward is compiled with the forward so that it too is compiled under this patch."""
+
+    def __init__(self, mode: str | None):
+        self.mode = mode
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+        with torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=list_mode_options(self.mode) if self.mode else None)
 
 
 @torch._dynamo.disable

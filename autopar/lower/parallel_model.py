@@ -493,7 +493,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # 3b. compiled blocks: after tp and checkpointing, before FSDP2 (torchtitan's order)
     compiled = None
     if compiling:
-        compiled = compile_blocks.CompiledBlocks(torch_compile_backend, torch_compile_mode)
+        compiled = compile_blocks.CompiledBlocks(torch_compile_backend, torch_compile_mode,
+                                                 own_cache=tp > 1 and plan.mesh.dp * pp > 1)
         compiled.apply(stages, layout)
     fsdp = replicated = False
     if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
