@@ -9,7 +9,10 @@ parameters within 6e-7 of the largest entry). They also check that compilation
 happened and was shared: each block runs compiled code, and the blocks of one
 class have one dynamo cache entry on their forward (one compiled code for all).
 A block that breaks the graph runs eager alone, named in the notes, and the
-program still trains as the eager one.
+program still trains as the eager one. Two failures these tests found and
+compile_blocks.py now avoids: Llama's block 0 fed an AsyncCollectiveTensor (the
+embedding's all-reduce) lost its input gradient (tp + sp: parameter error 0.79),
+and under pp x tp inductor's on-disk cache gave stage 1 stage 0's tp group.
 """
 from __future__ import annotations
 
@@ -153,8 +156,11 @@ def test_compiled_blocks_train_as_eager_under_dp_zero3_tp_sp_and_pp():
             # compiled, and still running compiled code after 3 steps (fails if torch_compile is ignored)
             assert r["compiled"] == r["running_compiled"] == mine and not r["fell_back"], (cell, r)
             assert any("torch.compile (backend inductor, fullgraph)" in n for n in r["notes"]), r["notes"]
-            # one compiled code for all blocks of a class (dynamo's cache, no recompile per block)
-            assert list(r["cache_entries"].values()) == [1], (cell, r["cache_entries"])
+            # one compiled code for all blocks of a class (dynamo's cache, no recompile per block).
+            # tp + sp: the first block's input comes from its scatter hook (inductor's output, whose
+            # DTensor holds a local tensor without requires_grad), the others' from the previous
+            # block: one more entry for the first block, none per further block.
+            assert list(r["cache_entries"].values()) == [2 if cell == "tp_sp" else 1], (cell, r["cache_entries"])
 
 
 @pytest.mark.slow
