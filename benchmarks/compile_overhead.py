@@ -136,9 +136,8 @@ def run_cuda(args, done=lambda results: None) -> dict:
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
     dist.init_process_group("nccl")
     cfg = _gpu_config(args)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    mine = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=g, device="cuda")
-            for _ in range(2)]
+    torch.manual_seed(1)
+    mine = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device="cuda") for _ in range(2)]
     times, first = {}, {}
     results = {"single_gpu": {"times": times, "first_step_s": first, "model": dataclasses.asdict(cfg),
                               "device": torch.cuda.get_device_name()}}
