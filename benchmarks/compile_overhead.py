@@ -7,8 +7,9 @@
 
 CPU: the model, data, step and alternating timing of benchmarks/train_overhead.py
 (Llama dim 256, 4 layers, sequence 128, 4 sequences per rank, AdamW, clipping at 1.0),
-layouts FSDP2 (ZeRO-3) and DDP over 2 ranks, each run three ways:
+layouts FSDP2 (ZeRO-3) and DDP over 2 ranks, each run four ways:
 
+  hand_eager        the hand-written torchtitan-style script of train_overhead.py
   hand_compiled     the hand-written torchtitan-style script, each block
                     `block.compile(fullgraph=True)` before fully_shard / DDP
                     (torchtitan's apply_compile)
@@ -46,7 +47,6 @@ import torch.nn.functional as F  # noqa: E402
 import train_overhead as base  # noqa: E402
 
 CPU_LAYOUTS = ("fsdp_dp2", "ddp_dp2")
-CPU_VARIANTS = ("hand_compiled", "autopar_compiled", "autopar_eager")
 
 
 def _first_steps(steppers: dict, mine: list, sync=lambda: None) -> dict:
@@ -73,7 +73,8 @@ def _cpu_world(rank: int, port: int, steps: int, blocks: int, out):
         results = {}
         for layout in CPU_LAYOUTS:
             mine = base.layout_data(layout, rank)
-            steppers = {"hand_compiled": base._hand(layout, mesh, compiled=True),
+            steppers = {"hand_eager": base._hand(layout, mesh),
+                        "hand_compiled": base._hand(layout, mesh, compiled=True),
                         "autopar_compiled": base._autopar(layout, torch_compile=True),
                         "autopar_eager": base._autopar(layout, torch_compile=False)}
             first = _first_steps(steppers, mine)

@@ -12,15 +12,20 @@ reduce-scatter hooks, added after, stay outside the compiled graph (they are
 wrapper module, so module paths, parameter names, FSDP units and snapshots are the
 same as without compilation. Blocks of one class and shapes share one compiled code:
 dynamo keys its cache on the code object and inlines nn modules (parameters are graph
-inputs), so a stack of 32 blocks compiles once. Blocks that differ (the first and
-last under sequence parallelism scatter and gather) add a cache entry each.
+inputs), so a stack of 32 blocks compiles once. Blocks that differ add an entry:
+under sequence parallelism the first block's scatter and the last block's gather
+hooks recompile once each, and the first block's forward once more (its input is
+a DTensor whose local tensor does not require a gradient).
 
 A block that does not compile runs eager, alone: its first compiled call is a trial
 (`_Trial`); any exception there (a graph break, which fullgraph turns into an error,
 or a backend failure: the backward is compiled with the forward on that call, so a
 backward that cannot compile fails here too) makes that block eager, and the reason
-is recorded. Dynamo traces before it runs anything, so the eager call that follows
-starts from the same state. After the first training step the ranks share what fell
+is recorded. Dynamo traces and compiles before it runs anything, so the eager call
+that follows starts from the same state; a failure while the compiled code runs
+(seen: tp with full checkpointing, in AOTAutograd's saving for backward) comes after
+the block's forward ran, collectives included, on every tp rank alike (they run the
+same code), and the eager call redoes it. After the first training step the ranks share what fell
 back (`agree`, one all_gather_object, the same point on every rank), every rank runs
 those blocks eager from then on, and the reasons go into `ParallelModel.notes` and,
 on rank 0, the start-up log: no rank raises while the others wait.
