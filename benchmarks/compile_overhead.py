@@ -154,17 +154,30 @@ def run_cuda(args, done=lambda results: None) -> dict:
     return results
 
 
-def _rows(results: dict, baseline: str) -> list[dict]:
+def _paired(times: dict, a: str, b: str, steps: int) -> float | None:
+    """Median over blocks of (a's median / b's median in that block): the variants of a
+    block ran minutes apart at most, so the machine's drift cancels in each ratio."""
+    if a not in times or b not in times or len(times[a]) != len(times[b]):
+        return None
+    n = len(times[a]) // steps
+    return statistics.median(statistics.median(times[a][k * steps:(k + 1) * steps]) /
+                             statistics.median(times[b][k * steps:(k + 1) * steps]) for k in range(n))
+
+
+def _rows(results: dict, baseline: str, steps: int) -> list[dict]:
     rows = []
     for layout, r in results.items():
         med = {k: statistics.median(v) for k, v in r["times"].items()}
 
-        def ratio(a, b):  # None until both are measured (a GPU run cut short)
+        def ratio(a, b):  # paired by block on CPU; None until both are measured (a GPU run cut short)
+            if steps:
+                return _paired(r["times"], a, b, steps)
             return med[a] / med[b] if a in med and b in med else None
         rows.append({"layout": layout, "median_s": med, "first_step_s": r["first_step_s"],
                      "steps_each": len(next(iter(r["times"].values()))),
                      "compiled_vs_" + baseline: ratio("autopar_compiled", baseline),
-                     "compiled_vs_eager": ratio("autopar_compiled", "autopar_eager")})
+                     "compiled_vs_eager": ratio("autopar_compiled", "autopar_eager"),
+                     "hand_compiled_vs_hand_eager": ratio("hand_compiled", "hand_eager")})
     return rows
 
 
@@ -173,16 +186,18 @@ def _write(out: str, meta: dict, rows: list[dict], baseline: str, notes: list[st
     variants = list(rows[0]["median_s"])
     lines = ["# autopar compiled vs autopar eager vs hand-written compiled", "", f"`{meta['command']}` on "
              f"{meta['machine']}; {meta['model']}; median of {rows[0]['steps_each']} timed steps each after "
-             f"warm-up; first step (compilation) timed alone. Target: autopar compiled / "
-             f"{baseline} <= 1.03.", "",
+             f"warm-up; ratios: {meta['ratios']}; first step (compilation) timed alone. Target: autopar "
+             f"compiled / {baseline} <= 1.03.", "",
              "| layout | " + " | ".join(f"{v} s/step" for v in variants) +
-             f" | compiled / {baseline} | compiled / autopar eager | first step s, " + " / ".join(variants) + " |",
-             "|---|" + "---|" * (len(variants) + 3)]
+             f" | autopar compiled / {baseline} | autopar compiled / autopar eager | hand compiled / hand eager "
+             "| first step s, " + " / ".join(variants) + " |",
+             "|---|" + "---|" * (len(variants) + 4)]
     def show(x):
         return "-" if x is None else f"{x:.3f}"
     for r in rows:
         lines.append(f"| {r['layout']} | " + " | ".join(f"{r['median_s'][v]:.4f}" for v in variants) +
-                     f" | {show(r['compiled_vs_' + baseline])} | {show(r['compiled_vs_eager'])} | " +
+                     f" | {show(r['compiled_vs_' + baseline])} | {show(r['compiled_vs_eager'])} | "
+                     f"{show(r['hand_compiled_vs_hand_eager'])} | " +
                      " / ".join(f"{r['first_step_s'][v]:.1f}" for v in variants) + " |")
     Path(out + ".md").write_text("\n".join(lines + [""] + notes) + "\n")
     print("\n".join(lines + [""] + notes))
@@ -203,8 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
-    args.steps = args.steps or (3 if args.quick else 5 if cuda else 6)
-    args.blocks = args.blocks or (2 if args.quick else 4 if cuda else 6)
+    args.steps = args.steps or (3 if args.quick else 5 if cuda else 3)
+    args.blocks = args.blocks or (2 if args.quick else 4 if cuda else 16)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("compile_overhead_cuda" if cuda else "compile_overhead"))
     command = "python3 benchmarks/compile_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if cuda:
@@ -212,16 +227,19 @@ def main(argv=None) -> int:
             cfg = results["single_gpu"]["model"]
             meta = {"command": command.strip(), "machine": f"1 x {results['single_gpu']['device']}, torch "
                     f"{torch.__version__}", "model": f"Llama dim {cfg['dim']} x {cfg['layers']} layers, "
-                    f"sequence {cfg['seq_len']}, batch {args.batch}, bf16"}
-            _write(out, meta, _rows(results, "hand_compiled"), "hand_compiled", args.note)
+                    f"sequence {cfg['seq_len']}, batch {args.batch}, bf16",
+                    "ratios": "of the medians (one variant after the other)"}
+            _write(out, meta, _rows(results, "hand_compiled", 0), "hand_compiled", args.note)
         run_cuda(args, done)
         return 0
     results = base.spawn_world(_cpu_world, args.steps, args.blocks)
     c = base._config()
     meta = {"command": command.strip(), "machine": f"{os.cpu_count()} CPU cores, {base.WORLD} gloo ranks x 1 "
             f"thread, torch {torch.__version__}", "model": f"Llama dim {c.dim} x {c.layers} layers, sequence "
-            f"{base.SEQ}, {base.PER_RANK} sequences per rank, fp32, alternating blocks of steps"}
-    _write(out, meta, _rows(results, "hand_compiled"), "hand_compiled", args.note)
+            f"{base.SEQ}, {base.PER_RANK} sequences per rank, fp32, alternating blocks of {args.steps} steps",
+            "ratios": "median over blocks of the ratio of the two variants' medians in that block (paired: the "
+                      "machine's drift cancels)"}
+    _write(out, meta, _rows(results, "hand_compiled", args.steps), "hand_compiled", args.note)
     return 0
 
 
