@@ -221,7 +221,11 @@ def main(argv=None) -> int:
     args.steps = args.steps or (3 if args.quick else 5 if cuda else 3)
     args.blocks = args.blocks or (2 if args.quick else 4 if cuda else 16)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("compile_overhead_cuda" if cuda else "compile_overhead"))
-    command = "python3 benchmarks/compile_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    given = list(argv if argv is not None else sys.argv[1:])
+    for note in args.note:  # the notes are printed below the table, not in the command
+        i = given.index(note)
+        del given[i - 1:i + 1]
+    command = "python3 benchmarks/compile_overhead.py " + " ".join(given) + (' --note "..."' if args.note else "")
     if cuda:
         def done(results):
             cfg = results["single_gpu"]["model"]
