@@ -141,18 +141,22 @@ CELLS = [
     ("zero3", "gpt", dict(dp=2, zero=3), None),
     ("tp_sp", "llama", dict(tp=2, sequence_parallel=True), None),
     ("pp", "gpt", dict(pp=2, num_micro_batches=2, schedule="1f1b"), None),
+    # checkpointing inside the compiled region (the wrapper is what gets compiled)
+    ("zero3_selective", "gpt", dict(dp=2, zero=3, checkpoint="selective"), None),
+    ("pp_full_checkpoint", "gpt", dict(pp=2, num_micro_batches=2, schedule="1f1b", checkpoint="full"), None),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_compiled_blocks_train_as_eager_under_dp_zero3_tp_sp_and_pp():
+def test_compiled_blocks_train_as_eager_under_dp_zero3_tp_sp_pp_and_checkpointing():
     results = run_world(_world, 2, CELLS, timeout=850)
     for rank in (0, 1):
         for cell, model_name, *_ in CELLS:
             r = results[rank][cell]
             _check_trains_as_eager(r)
-            mine = _blocks(model_name, (0, 1) if cell == "pp" and rank == 0 else (2, 3) if cell == "pp" else range(4))
+            pp = cell.startswith("pp")
+            mine = _blocks(model_name, (0, 1) if pp and rank == 0 else (2, 3) if pp else range(4))
             # compiled, and still running compiled code after 3 steps (fails if torch_compile is ignored)
             assert r["compiled"] == r["running_compiled"] == mine and not r["fell_back"], (cell, r)
             assert any("torch.compile (backend inductor, fullgraph)" in n for n in r["notes"]), r["notes"]
