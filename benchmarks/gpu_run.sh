@@ -4,16 +4,26 @@
 # session is this one script, each part under its own limit, every result written
 # under OUT as soon as it exists (a part cut short loses only itself).
 #
-#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S]
+#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S] [COMPILE_S]
 #   DEVICE: the cost model's name of the GPU (h100-sxm, h200); plans come from
 #   `python3 benchmarks/gpu_step_time.py plan --device DEVICE`, made beforehand here.
+#   A part given 0 seconds is skipped: `gpu_run.sh h200 OUT 0 0 240` runs only the
+#   compiled comparison (issue 31: autopar compiled / eager against hand-written eager
+#   and torch.compile(model), benchmarks/compile_overhead.py --device cuda).
 set -u
-dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330}
+dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330} cmp_s=${5:-0}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 # calibrate times a GPU's kernels on the device (Timer.kernel): check that first
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cost_measured.py -k gpu_kernel 2>&1 | tail -n 5
+if [ "$cmp_s" -gt 0 ]; then
+  t0=$(date +%s)
+  timeout "$cmp_s" python3 benchmarks/compile_overhead.py --device cuda --out "$out/compile_overhead_${dev}" \
+      --note "benchmarks/gpu_run.sh $dev OUT $cal_s $meas_s $cmp_s" 2>&1 | tail -n 20
+  echo "compile comparison: $(( $(date +%s) - t0 )) s"
+fi
+[ "$cal_s" -gt 0 ] || exit 0
 t0=$(date +%s)
 timeout "$cal_s" python3 -m autopar calibrate --device cuda --ranks 1 -o "$out/${dev}_profile.json" 2>&1 | tail -n 40
 echo "calibrate: $(( $(date +%s) - t0 )) s"
@@ -24,6 +34,7 @@ import gpu_step_time as g
 plans = json.load(open(g.plans_file('$dev')))
 order = [*g.HELD_OUT_3, *g.HELD_OUT_2, *[c for c in g.CASES if c not in g.HELD_OUT_3 and c not in g.HELD_OUT_2]]
 print(','.join(c for c in order if c in plans))")
+[ "$meas_s" -gt 0 ] || exit 0
 t0=$(date +%s)
 timeout "$meas_s" python3 benchmarks/gpu_step_time.py measure --device "$dev" --cases "$cases" \
     --out "$out/gpu_step_time_${dev}_measured.json"

@@ -58,11 +58,16 @@ def _model():
     return llama.Llama(_config())
 
 
-def _hand(layout: str, mesh):
-    """(step function) for the hand-written script of this layout."""
+def _hand(layout: str, mesh, compiled: bool = False):
+    """(step function) for the hand-written script of this layout; `compiled`: each
+    block torch.compile'd in place before FSDP2 / DDP, as torchtitan's apply_compile
+    does (benchmarks/compile_overhead.py)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     model = _model()
+    if compiled and layout != "tp2":
+        for block in model.layers:
+            block.compile(fullgraph=True)
     if layout == "fsdp_dp2":  # torchtitan's units: embedding, each block, [norm, output], root
         fully_shard(model.tok_embeddings, mesh=mesh)
         for block in model.layers:
@@ -110,7 +115,7 @@ def _clip_mixed(params, max_norm: float) -> None:
     clip_grads_with_norm_(params, max_norm, total, foreach=False)
 
 
-def _autopar(layout: str):
+def _autopar(layout: str, torch_compile=False):
     import llama
     from autopar.lower import compile, plan_for_model
     model = _model()
@@ -123,9 +128,37 @@ def _autopar(layout: str):
         if c.tp_style == "vocab":
             c.tp_style = "replicate"
     pm = compile(model, example_inputs=example, loss_fn=llama.loss_fn, plan=plan, optimizer=torch.optim.AdamW,
-                 optimizer_kwargs={"lr": 1e-4}, local_batch=True)
+                 optimizer_kwargs={"lr": 1e-4}, local_batch=True, torch_compile=torch_compile)
     pm.max_grad_norm = 1.0
     return lambda x, y: pm.train_step((x,), y)
+
+
+def layout_data(layout: str, rank: int) -> list:
+    """This rank's 4 batches of (PER_RANK or, under tp, the whole) sequences of SEQ + 1 tokens."""
+    dp = layout != "tp2"
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 2048, (PER_RANK * (WORLD if dp else 1), SEQ + 1), generator=g) for _ in range(4)]
+    return [d[rank * PER_RANK:(rank + 1) * PER_RANK] if dp else d for d in data]
+
+
+def time_steppers(steppers: dict, mine: list, steps: int, blocks: int, warmup: int = 2) -> dict:
+    """{name: [seconds per step]}: `warmup` untimed steps each (buffers, caches, compilation),
+    then `blocks` blocks of `steps` steps, alternating the order so drift falls on all alike."""
+    times = {k: [] for k in steppers}
+    for name, fn in steppers.items():
+        for i in range(warmup):
+            d = mine[i % len(mine)]
+            fn(d[:, :-1], d[:, 1:])
+    for b in range(blocks):
+        order = list(steppers) if b % 2 == 0 else list(steppers)[::-1]
+        for name in order:
+            for i in range(steps):
+                d = mine[i % len(mine)]
+                dist.barrier()
+                t0 = time.perf_counter()
+                steppers[name](d[:, :-1], d[:, 1:])
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _world(rank: int, port: int, steps: int, blocks: int, out):
@@ -146,25 +179,9 @@ def _run_world(rank: int, port: int, steps: int, blocks: int, out):
     mesh = init_device_mesh("cpu", (WORLD,))
     results = {}
     for layout in LAYOUTS:
-        dp = layout != "tp2"
-        g = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, 2048, (PER_RANK * (WORLD if dp else 1) + 0, SEQ + 1), generator=g)
-                for _ in range(4)]
-        mine = [d[rank * PER_RANK:(rank + 1) * PER_RANK] if dp else d for d in data]
+        mine = layout_data(layout, rank)
         steppers = {"hand": _hand(layout, mesh), "autopar": _autopar(layout)}
-        times = {k: [] for k in steppers}
-        for name, fn in steppers.items():  # warm-up: first steps build buffers and caches
-            for d in mine[:2]:
-                fn(d[:, :-1], d[:, 1:])
-        for b in range(blocks):
-            order = list(steppers) if b % 2 == 0 else list(steppers)[::-1]
-            for name in order:
-                for i in range(steps):
-                    d = mine[i % len(mine)]
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    steppers[name](d[:, :-1], d[:, 1:])
-                    times[name].append(time.perf_counter() - t0)
+        times = time_steppers(steppers, mine, steps, blocks)
         from torch.distributed.tensor.debug import CommDebugMode
         comms = {}
         for name, fn in steppers.items():  # one more step, its collectives counted (not timed)
@@ -178,19 +195,16 @@ def _run_world(rank: int, port: int, steps: int, blocks: int, out):
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_overhead"))
-    args = ap.parse_args(argv)
-    steps, blocks = (3, 2) if args.quick else (10, 12)
+def spawn_world(target, steps: int, blocks: int) -> dict:
+    """Run target(rank, port, steps, blocks, queue) on WORLD spawned ranks; rank 0's results
+    (a rank's {"error": traceback} ends every rank)."""
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_world, args=(r, port, steps, blocks, q)) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, steps, blocks, q)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = q.get(timeout=3600)
@@ -200,6 +214,16 @@ def main(argv=None) -> int:
         raise SystemExit(results["error"])
     for p in procs:
         p.join()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_overhead"))
+    args = ap.parse_args(argv)
+    steps, blocks = (3, 2) if args.quick else (10, 12)
+    results = spawn_world(_world, steps, blocks)
     rows = []
     for layout, r in results.items():
         times = r["times"]

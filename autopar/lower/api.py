@@ -54,7 +54,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             loss_fn=None, optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None, plan=None,
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
             local_batch: bool = False, precision: str | None = None, memory_headroom: float | None = None,
-            no_weight_decay_1d: bool = False) -> ParallelModel:
+            no_weight_decay_1d: bool = False, torch_compile: bool | str = "auto",
+            torch_compile_backend: str = "inductor", torch_compile_mode: str | None = None) -> ParallelModel:
     """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
 
     Call it in every process of a torchrun/SLURM job (or after
@@ -74,9 +75,15 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     weight decay (a second parameter group); the rest `optimizer_kwargs`'s.
     `local_batch`: train_step gets this dp rank's share of the global batch
     (what `autopar.train.data.GlobalBatches` reads), not the whole batch.
+    `torch_compile` (True, False or "auto": on for CUDA devices, off elsewhere):
+    each block runs as `torch.compile`d code (`torch_compile_backend`, `torch_compile_mode`,
+    the names of Hugging Face's TrainingArguments); a block that does not compile runs
+    eager and is named in `ParallelModel.notes` (autopar/lower/compile_blocks.py).
     """
     if precision is not None:
         check_precision(precision)
+    from autopar.lower.compile_blocks import check as check_torch_compile
+    check_torch_compile(torch_compile)  # before planning: a typo is not found after a search
     check_output(model, example_inputs)  # an output loss_fn cannot read: refused before planning
     if plan is None:
         try:
@@ -122,7 +129,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         example_inputs = lambda batch: split(batch)[0]  # noqa: E731
     return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                  optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch,
-                 no_weight_decay_1d=no_weight_decay_1d)
+                 no_weight_decay_1d=no_weight_decay_1d, torch_compile=torch_compile,
+                 torch_compile_backend=torch_compile_backend, torch_compile_mode=torch_compile_mode)
 
 
 def captured_with_loss(model, example_inputs, loss_fn, precision: str = "bf16"):

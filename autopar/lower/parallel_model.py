@@ -6,6 +6,7 @@ each from its own file, on one DeviceMesh ("pp", "dp", "tp"):
   1. pipeline   cut the model into this rank's stage modules (pipeline_parallel)
   2. tensor     parallelize_module on the local blocks, embeddings, head (tensor_parallel)
   3. checkpoint wrap the local layers the plan recomputes (checkpointing)
+     compile    torch.compile each local block in place, when asked (compile_blocks)
   4. data       fully_shard per layer + stage root, or replicate (data_parallel)
   5. weights    meta -> local shards + the model's own init (materialize)
   6. tied       weights whose ends sit on different pipeline ranks: one copy
@@ -27,8 +28,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (batch_norm, checkpointing, data_parallel, grad_norm, loss_scaling, pipeline_parallel,
-                           state_dict, tensor_parallel, what_runs)
+from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, grad_norm, loss_scaling,
+                           pipeline_parallel, state_dict, tensor_parallel, what_runs)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
@@ -58,7 +59,9 @@ class ParallelModel:
                                            state, layout-free names (autopar.train.snapshot)
     plan, mesh, module, stages, optimizer
     notes                                  where lowering runs something other than the plan says
-                                           (e.g. zero 1 under tp/pp runs as zero 2), one sentence each
+                                           (e.g. zero 1 under tp/pp runs as zero 2), and which blocks
+                                           run compiled or fell back to eager, one sentence each
+    compiled_blocks                        compile_blocks.CompiledBlocks, or None when eager
     """
 
     def __init__(self, *, plan: Plan, mesh, layout: ModelLayout, stages: list[nn.Module], optimizer,
@@ -81,6 +84,7 @@ class ParallelModel:
         self.grad_scaler = grad_scaler
         self.last_step_skipped = False
         self.notes: list[str] = []
+        self.compiled_blocks: compile_blocks.CompiledBlocks | None = None
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -153,7 +157,18 @@ class ParallelModel:
         self.last_step_skipped = skip
         if self.lr_scheduler is not None and not skip:  # as Megatron: a skipped step does not advance the schedule
             self.lr_scheduler.step()
+        if self.compiled_blocks is not None and not self.compiled_blocks.agreed:
+            self._agree_on_compiled_blocks()
         return self._global_mean(local_loss)
+
+    def _agree_on_compiled_blocks(self) -> None:
+        """After the first step every block has met its compiled code: the ranks
+        share which fell back to eager, all run those eager, rank 0 logs why."""
+        fell_back = self.compiled_blocks.agree()  # collective, once, on every rank
+        self.notes.extend(fell_back)
+        if dist.get_rank() == 0:
+            for note in fell_back:
+                warnings.warn(note, LoweringWarning, stacklevel=3)
 
     def parameters(self):
         """This rank's parameters (shards and local copies), each once."""
@@ -352,8 +367,10 @@ def _dummy_inputs_fn(example_inputs, device):
 
 def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=torch.optim.AdamW,
           optimizer_kwargs=None, init_fn=None, local_batch: bool = False,
-          no_weight_decay_1d: bool = False) -> ParallelModel:
+          no_weight_decay_1d: bool = False, torch_compile=False, torch_compile_backend: str = "inductor",
+          torch_compile_mode: str | None = None) -> ParallelModel:
     loss_fn = resolve_loss_fn(model, loss_fn)  # the user's, or a Hugging Face model's own
+    compiling = compile_blocks.wanted(torch_compile, local_device())  # a bad value fails before any group
     _check_example_inputs(example_inputs)
     if init_fn is None:
         init_fn = default_init_fn(model)  # meta Hugging Face models: their own _init_weights
@@ -501,6 +518,12 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # 3. activation checkpointing, 4. data parallel
     for s in stages:
         checkpointing.apply_checkpointing(s.model, layout, {s.stage_index})
+    # 3b. compiled blocks: after tp and checkpointing, before FSDP2 (torchtitan's order)
+    compiled = None
+    if compiling:
+        compiled = compile_blocks.CompiledBlocks(torch_compile_backend, torch_compile_mode,
+                                                 own_cache=tp > 1 and plan.mesh.dp * pp > 1)
+        compiled.apply(stages, layout)
     fsdp = replicated = False
     if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
             or plan.precision != "fp32":
@@ -550,9 +573,12 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                        device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel,
                        buffers=buffers, grad_scaler=scaler)
     pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
+    pm.compiled_blocks = compiled
+    compile_note = [compiled.start_note()] if compiled is not None else []
     if dist.get_rank() == 0:  # once per job, not once per GPU
         for note in pm.notes:
             warnings.warn(note, LoweringWarning, stacklevel=3)
+    pm.notes += compile_note  # what runs compiled: said, not warned (nothing differs from the plan)
     return pm
 
 

@@ -47,6 +47,10 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
                            "_init_weights(module), after each module's reset_parameters; the same weights on "
                            "every layout); cpu: every rank builds the whole model in host memory first; auto "
                            "(default): meta when such an init exists, else cpu")
+    run = ap.add_argument_group("what runs")
+    run.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="torch.compile each block (regional compilation, inductor; a block that does not compile "
+                          "runs eager and is named at start-up). Default: on for CUDA devices, off on CPU")
     opt = ap.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     opt.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
@@ -159,9 +163,12 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     pm = autopar.compile(loaded.model, plan.cluster, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                          init_fn=init_fn, optimizer=torch.optim.AdamW,
                          optimizer_kwargs={"lr": args.lr, "weight_decay": args.weight_decay},
-                         plan=plan, local_batch=True, no_weight_decay_1d=True)
+                         plan=plan, local_batch=True, no_weight_decay_1d=True,
+                         torch_compile="auto" if args.compile is None else args.compile)
     pm.max_grad_norm, pm.track_grad_norm = args.clip, True
     rank = dist.get_rank()
+    if rank == 0 and pm.compiled_blocks is not None:  # blocks that fall back are named after the first step
+        print(f"autopar: {pm.compiled_blocks.start_note()}", file=sys.stderr, flush=True)
     if pm.grad_scaler is not None:
         pm.grad_scaler.configure(init_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
     batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
