@@ -18,17 +18,13 @@ from cost_models.measured import Profile
 
 
 def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None:
+    """One rank of a calibration: host overheads, then (rank 0, or every CPU rank) the
+    compute tables, then the communication every rank takes part in; rank 0 puts the
+    result on `queue`, any rank its error."""
     import torch.distributed as dist
 
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if settings.device == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            torch.set_num_threads(settings.threads())
-            device = torch.device("cpu")
-        dist.init_process_group(settings.backend, rank=rank, world_size=world)
+        device = _init_rank(rank, world, port, settings)
         barrier = dist.barrier if settings.device == "cpu" else None
         timer = Timer(settings, device, barrier)
         g = grids(settings)
@@ -42,64 +38,19 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
         one_rank = mesh if world == 1 else DeviceMesh.from_group(dist.new_subgroups(1)[0], device.type)
         over.update(measure_dtensor_overhead(timer, device, one_rank, eager=over))
         if settings.device == "cpu" or rank == 0:  # CPU ranks contend for the machine: all time together
-            say(f"host time per op: {over['fwd'] * 1e6:.1f} us forward, {over['bwd'] * 1e6:.1f} us backward")
-            result["overhead"] = over
-            probe_before = speed_probe(device, barrier=barrier)
-            result["gemm"] = {dt: measure_gemm(timer, device, dt, g, over["no_grad"], say) for dt in settings.dtypes}
-            result["bandwidth"] = measure_ops(timer, device, g, over["no_grad"], say)
-            result["attention"] = measure_attention(timer, device, settings.dtypes, g, over, say)
-            result["gemm_unaligned"] = {dt: measure_gemm_unaligned(timer, device, dt, over["no_grad"])
-                                        for dt in settings.dtypes}
-            result["optimizer"] = measure_optimizer(timer, device, say, mesh)
-            # the machine's pace while the compute tables were measured (see speed_probe)
-            result["speed_probe_s"] = (probe_before + speed_probe(device, barrier=barrier)) / 2
-        say(f"DTensor host time per op: {over['dtensor_fwd'] * 1e6:.1f} us forward, "
-            f"{over['dtensor_bwd'] * 1e6:.1f} us backward")
-        if over.get("by_activation"):
-            table = over["by_activation"]
-            say("DTensor time per op by activation: " + ", ".join(
-                f"{b / 2**10:.0f} KiB {f * 1e6:.0f}/{w * 1e6:.0f} us"
-                for b, f, w in zip(table["bytes"], table["fwd_s"], table["bwd_s"])))
+            result.update(_compute_tables(timer, device, settings, g, over, mesh, barrier, say))
+        _say_dtensor_overhead(over, say)
         dist.barrier()
-        coll: dict = {}
         ctimer = Timer(settings, device, dist.barrier)
         if world == 1:  # one GPU (or one CPU process): compute only; collectives keep their physics
-            # autopar lowers a bf16 plan on one GPU through FSDP2's mixed precision: time that
-            fsdp = measure_fsdp(ctimer, device, mesh, "bf16") if "bf16" in settings.dtypes else None
-            if fsdp:
-                say(f"FSDP2 (one rank, bf16 mixed precision) per small unit: {fsdp['gather_s'][0] * 1e6:.0f} us "
-                    f"per all-gather, {fsdp['reduce_s'][0] * 1e6:.0f} us per reduce-scatter")
+            fsdp = _one_rank_fsdp(ctimer, device, mesh, settings, say)
             if rank == 0:
                 queue.put(("result", {**result, "collectives": {}, "funcol": 0.0, "fsdp": fsdp,
                                       "collective_overlap": None}))
             dist.destroy_process_group()
             return
-        for n in _group_sizes(world):
-            group = dist.new_group(list(range(n)))
-            for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p"):
-                if kind == "p2p" and n != 2:
-                    continue
-                sizes, secs = [], []
-                for nbytes in g["coll_bytes"]:
-                    if rank < n:
-                        fn = _collective(kind, nbytes, group, n, rank, device)
-                    else:
-                        fn = lambda: None  # noqa: E731  (outside the group: keep the barriers company)
-                    t = ctimer(fn, inner=max(1, min(20, 2**22 // nbytes)))
-                    sizes.append(float(nbytes))
-                    secs.append(t / 2 if kind == "p2p" else t)
-                coll.setdefault(kind, {})[str(n)] = {"bytes": sizes, "seconds": secs}
-            say(f"collectives over {n} ranks done")
-        result["collectives"] = coll
-        result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, one_rank)
-        say(f"a tensor-parallel block's collective costs {result['funcol'] * 1e6:.0f} us beyond a plain one")
-        result["pipeline_action"] = measure_pipeline_action(ctimer, device)
-        say(f"pipeline schedule host time per action: {result['pipeline_action'] * 1e6:.0f} us")
-        result["fsdp"] = measure_fsdp(ctimer, device, mesh)
-        say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
-            f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter, collectives included")
-        result["collective_overlap"] = measure_overlap(ctimer, device, settings)
-        say(f"collective hidden under compute: {result['collective_overlap']:.0%}")
+        result["collectives"] = _collectives(ctimer, device, rank, world, g, say)
+        result.update(_communication(ctimer, device, mesh, one_rank, settings, say))
         if rank == 0:
             queue.put(("result", result))
         dist.barrier()
@@ -107,6 +58,98 @@ def _worker(rank: int, world: int, port: int, settings: Settings, queue) -> None
     except BaseException as exc:  # the parent reports it; a rank never hangs the others silently
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
         raise
+
+
+def _init_rank(rank: int, world: int, port: int, settings: Settings) -> torch.device:
+    """This rank's device (its GPU, or the CPU with its share of the threads), in the group."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if settings.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(settings.threads())
+        device = torch.device("cpu")
+    dist.init_process_group(settings.backend, rank=rank, world_size=world)
+    return device
+
+
+def _compute_tables(timer, device, settings: Settings, g: dict, over: dict, mesh, barrier, say) -> dict:
+    """GEMMs, memory-bound ops, attention, unaligned GEMMs and the optimizer, timed
+    between two speed probes (the machine's pace while they ran)."""
+    say(f"host time per op: {over['fwd'] * 1e6:.1f} us forward, {over['bwd'] * 1e6:.1f} us backward")
+    result: dict = {"overhead": over}
+    probe_before = speed_probe(device, barrier=barrier)
+    result["gemm"] = {dt: measure_gemm(timer, device, dt, g, over["no_grad"], say) for dt in settings.dtypes}
+    result["bandwidth"] = measure_ops(timer, device, g, over["no_grad"], say)
+    result["attention"] = measure_attention(timer, device, settings.dtypes, g, over, say)
+    result["gemm_unaligned"] = {dt: measure_gemm_unaligned(timer, device, dt, over["no_grad"])
+                                for dt in settings.dtypes}
+    result["optimizer"] = measure_optimizer(timer, device, say, mesh)
+    # the machine's pace while the compute tables were measured (see speed_probe)
+    result["speed_probe_s"] = (probe_before + speed_probe(device, barrier=barrier)) / 2
+    return result
+
+
+def _say_dtensor_overhead(over: dict, say) -> None:
+    say(f"DTensor host time per op: {over['dtensor_fwd'] * 1e6:.1f} us forward, "
+        f"{over['dtensor_bwd'] * 1e6:.1f} us backward")
+    if over.get("by_activation"):
+        table = over["by_activation"]
+        say("DTensor time per op by activation: " + ", ".join(
+            f"{b / 2**10:.0f} KiB {f * 1e6:.0f}/{w * 1e6:.0f} us"
+            for b, f, w in zip(table["bytes"], table["fwd_s"], table["bwd_s"])))
+
+
+def _one_rank_fsdp(ctimer, device, mesh, settings: Settings, say):
+    """autopar lowers a bf16 plan on one GPU through FSDP2's mixed precision: time that."""
+    fsdp = measure_fsdp(ctimer, device, mesh, "bf16") if "bf16" in settings.dtypes else None
+    if fsdp:
+        say(f"FSDP2 (one rank, bf16 mixed precision) per small unit: {fsdp['gather_s'][0] * 1e6:.0f} us "
+            f"per all-gather, {fsdp['reduce_s'][0] * 1e6:.0f} us per reduce-scatter")
+    return fsdp
+
+
+def _collectives(ctimer, device, rank: int, world: int, g: dict, say) -> dict:
+    """{kind: {group size: {"bytes", "seconds"}}} over groups of the first n ranks; ranks
+    outside a group time nothing but keep the barriers company."""
+    import torch.distributed as dist
+
+    coll: dict = {}
+    for n in _group_sizes(world):
+        group = dist.new_group(list(range(n)))
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p"):
+            if kind == "p2p" and n != 2:
+                continue
+            sizes, secs = [], []
+            for nbytes in g["coll_bytes"]:
+                if rank < n:
+                    fn = _collective(kind, nbytes, group, n, rank, device)
+                else:
+                    fn = lambda: None  # noqa: E731  (outside the group: keep the barriers company)
+                t = ctimer(fn, inner=max(1, min(20, 2**22 // nbytes)))
+                sizes.append(float(nbytes))
+                secs.append(t / 2 if kind == "p2p" else t)
+            coll.setdefault(kind, {})[str(n)] = {"bytes": sizes, "seconds": secs}
+        say(f"collectives over {n} ranks done")
+    return coll
+
+
+def _communication(ctimer, device, mesh, one_rank, settings: Settings, say) -> dict:
+    """The host time around communication: a tp block's collectives, a pipeline action,
+    FSDP2's units, and how much of a collective hides under compute."""
+    result: dict = {}
+    result["funcol"] = measure_tp_collective_overhead(ctimer, device, mesh, one_rank)
+    say(f"a tensor-parallel block's collective costs {result['funcol'] * 1e6:.0f} us beyond a plain one")
+    result["pipeline_action"] = measure_pipeline_action(ctimer, device)
+    say(f"pipeline schedule host time per action: {result['pipeline_action'] * 1e6:.0f} us")
+    result["fsdp"] = measure_fsdp(ctimer, device, mesh)
+    say(f"FSDP2 per small unit: {result['fsdp']['gather_s'][0] * 1e6:.0f} us per all-gather, "
+        f"{result['fsdp']['reduce_s'][0] * 1e6:.0f} us per reduce-scatter, collectives included")
+    result["collective_overlap"] = measure_overlap(ctimer, device, settings)
+    say(f"collective hidden under compute: {result['collective_overlap']:.0%}")
+    return result
 
 
 

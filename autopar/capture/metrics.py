@@ -147,11 +147,12 @@ def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx) -> dict:
 
 
 def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix: str, is_head: bool) -> LayerMetrics:
+    """One layer's numbers at one point: FLOPs, saved activations (whole, tp-sharded,
+    tp-gathered, what the selective policy drops), the per-op table, and the facts
+    the cost model and the lowering read (tp all-reduces, attrs, kinds of ops)."""
     m = LayerMetrics()
     flow = tp_flow(fwd, is_head)
-    sharded, cols, rows, valid = flow.sharded, flow.cols, flow.rows, flow.valid
     m.tp_gather_bytes = flow.gather_bytes
-    row_ids = {r.idx for r in rows}
     m.fwd_flops = sum(r.flops for r in fwd)
     m.bwd_flops = sum(r.flops for r in bwd)
     occurrences = {}
@@ -161,12 +162,24 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         occurrences[base] = occurrences.get(base, -1) + 1
         return base + (occurrences[base],)
 
+    # (module relative to the layer, op, occurrence): the same op lines up across points
     op_key = {r.idx: key_of(r) for r in fwd}
     m.fwd_op_flops = {op_key[r.idx]: r.flops for r in fwd}
     m.policy_recompute_flops = sum(r.flops for r in fwd if r.op not in SAVED_OP_NAMES)
     m.input_bytes = trace.input_bytes.get(layer, 0)
     m.output_bytes = trace.output_bytes.get(layer, 0)
+    _saved_activations(m, trace, layer, fwd, flow, op_key)
+    _op_table(m, fwd, bwd, flow, prefix)
+    _layer_facts(m, trace, layer, fwd, bwd, flow, is_head)
+    m.module_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx])
+    return m
 
+
+def _saved_activations(m: LayerMetrics, trace: PointTrace, layer: int, fwd: list, flow, op_key: dict) -> None:
+    """The layer's saved tensors, each storage once: what tp shards or gathers of them,
+    and what the selective-checkpoint policy drops (saved tensors another op of the
+    layer wrote, recomputed in backward)."""
+    sharded = flow.sharded
     seen, saved_origins = set(), set()
     for s in trace.saved:
         if s.layer != layer or s.storage in seen:
@@ -204,7 +217,11 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.policy_dropped_bytes = max(0, m.policy_dropped_bytes)
     m.policy_dropped_tp_sharded = max(0, min(m.policy_dropped_tp_sharded, m.policy_dropped_bytes))
 
-    # Group ops by (module relative to the layer, op): stable across points.
+
+def _op_table(m: LayerMetrics, fwd: list, bwd: list, flow, prefix: str) -> None:
+    """m.ops: FLOPs, bytes and counts by (module relative to the layer, op), stable
+    across points; backward ops are charged to the forward op they differentiate."""
+    sharded, row_ids = flow.sharded, {r.idx for r in flow.rows}
     by_idx = {}
     for r in fwd:
         key = f"{_relative(r.module, prefix)}:{r.op.removeprefix('aten.')}" + (f"_{r.variant}" if r.variant else "")
@@ -230,6 +247,12 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.ops = {k: v for k, v in m.ops.items()
              if v["fwd_flops"] or v["bwd_flops"] or v["fwd_bytes"] or v["bwd_bytes"]}
 
+
+def _layer_facts(m: LayerMetrics, trace: PointTrace, layer: int, fwd: list, bwd: list, flow, is_head: bool) -> None:
+    """What kind of layer it is and what the cost model and the lowering read off it:
+    tp all-reduces, the op kinds it holds, its attrs (heads, ffn, vocabulary, host ops,
+    the backward walk)."""
+    cols, rows = flow.cols, flow.rows
     m.tp_allreduces = len({_normalise(r.module) for r in rows})
     m.has_embedding = any(r.kind == "embedding" and r.uses_param for r in fwd)
     if m.has_embedding and not is_head:
@@ -237,7 +260,7 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     m.has_conv = any(r.op in ("aten.convolution", "aten._convolution") for r in fwd)
     m.has_weight_gemm = bool(cols) or bool(rows)
     m.has_norm = any(r.kind == "norm" for r in fwd)
-    m.attrs = _attrs(trace, layer, fwd, cols, valid, flow.regions)
+    m.attrs = _attrs(trace, layer, fwd, cols, flow.valid, flow.regions)
     if flow.expert_ffn:  # tp splits each expert's ffn (autopar/lower/tp_experts.py): tp must divide it
         m.attrs["expert_ffn_hidden"] = flow.expert_ffn
     # Every op the layer dispatches, views included: each costs host time (the
@@ -252,8 +275,6 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
         if widest is not None:
             m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
-    m.module_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx])
-    return m
 
 
 def backward_walk(trace: PointTrace, layer: int, fwd: list, bwd: list) -> list:

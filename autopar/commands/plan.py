@@ -126,10 +126,26 @@ def _bar(used: float, capacity: float, width: int = 24) -> str:
 
 
 def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
-    from rich.table import Table
+    """The plan as tables read top to bottom: what was planned, the mesh, how fast, how
+    full, the stages and per-layer choices, the alternatives, the solver's account."""
+    _print_heading(plan, console)
+    _print_layout(plan, console)
+    _print_speed(plan, console)
+    _print_memory(plan, console)
+    _print_stages(plan, console)
+    if plan.alternatives and top:
+        _print_alternatives(plan, console, top)
+    limits = not_offered(plan)
+    if limits:
+        console.print("[bold]Not offered[/] (autopar cannot lower them for this model):")
+        for line in limits:
+            console.print(f"  {line}", markup=False)
+    _print_solver(plan, console, wall_s)
 
-    m, p = plan.model, plan.predicted
-    cl = plan.cluster
+
+def _print_heading(plan, console) -> None:
+    """The model, the cluster, the batch and precision; what was pinned; who it is priced for."""
+    m, cl = plan.model, plan.cluster
     world = plan.mesh.world_size
     seq = f", seq {plan.seq_len}" if plan.seq_len else ""  # images and MLPs have no sequence axis
     nodes = cl.get("nodes")
@@ -141,19 +157,33 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
         console.print("pinned: " + ", ".join(f"{k}={v}" for k, v in sorted(plan.constraints.items())))
     console.print("priced for: " + priced_for(plan), markup=False)
 
-    mesh = Table(title="Layout", show_header=True, header_style="bold")
-    for col in ("pp", "dp", "tp", "seq. parallel", "schedule", "micro-batch", "count"):
-        mesh.add_column(col, justify="right")
+
+def _table(title: str, columns, justify: str | None = None):
+    from rich.table import Table
+
+    table = Table(title=title, show_header=True, header_style="bold")
+    for col in columns:
+        if justify:
+            table.add_column(col, justify=justify)
+        else:
+            table.add_column(col)
+    return table
+
+
+def _print_layout(plan, console) -> None:
+    mesh = _table("Layout", ("pp", "dp", "tp", "seq. parallel", "schedule", "micro-batch", "count"), "right")
     sched = plan.schedule if plan.schedule != "interleaved" else f"interleaved (V={plan.virtual_stages})"
     mesh.add_row(str(plan.mesh.pp), str(plan.mesh.dp), str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
 
-    speed = Table(title="Predicted", show_header=True, header_style="bold")
+
+def _print_speed(plan, console) -> None:
+    p = plan.predicted
     # tokens/s only for token models (the captured inputs have a sequence axis); samples/s always
     tokens = [_fmt_count(p.tokens_per_s)] if plan.token_model and p.tokens_per_s is not None else []
-    for col in ("step time", "samples/s", *(["tokens/s"] if tokens else []), "TFLOP/s per GPU", "MFU"):
-        speed.add_column(col, justify="right")
+    speed = _table("Predicted", ("step time", "samples/s", *(["tokens/s"] if tokens else []), "TFLOP/s per GPU",
+                                 "MFU"), "right")
     tflops = f"{p.tflops_per_gpu:.0f}" if p.tflops_per_gpu >= 10 else f"{p.tflops_per_gpu:.2g}"
     speed.add_row(_fmt_time(p.step_time_s), _fmt_count(p.samples_per_s), *tokens, tflops, f"{p.mfu:.1%}")
     console.print(speed)
@@ -162,13 +192,15 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
                  if k.endswith("_s") and k != "step_time_s" and isinstance(v, (int, float)) and v > 0]
         console.print("per step: " + ", ".join(parts))
 
+
+def _print_memory(plan, console) -> None:
+    p = plan.predicted
     # One unit for the whole table, chosen by its largest number: GB for real models,
     # MB / kB for the tiny ones people try first (0.0 GB everywhere reads as a bug).
     largest = max(p.peak_memory_bytes, default=0.0)
     unit, scale = next(((u, s) for u, s in (("GB", GB), ("MB", 1e6), ("kB", 1e3)) if largest >= s), ("B", 1.0))
-    memt = Table(title=f"Memory per GPU ({unit})", show_header=True, header_style="bold")
-    for col in ("pp rank", "model states", "activations", "buffers", "total", "of capacity"):
-        memt.add_column(col, justify="right")
+    memt = _table(f"Memory per GPU ({unit})",
+                  ("pp rank", "model states", "activations", "buffers", "total", "of capacity"), "right")
     for r, peak in enumerate(p.peak_memory_bytes):
         b = p.memory_breakdown[r] if r < len(p.memory_breakdown) else {}
         cap = b.get("capacity") or 0.0
@@ -181,9 +213,10 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     if line:
         console.print(line)
 
-    st = Table(title="Stages and per-layer choices", show_header=True, header_style="bold")
-    for col in ("stage", "rank", "layers", "zero", "checkpoint", "offload", "tensor parallel"):
-        st.add_column(col)
+
+def _print_stages(plan, console) -> None:
+    st = _table("Stages and per-layer choices", ("stage", "rank", "layers", "zero", "checkpoint", "offload",
+                                                  "tensor parallel"))
     for stage in plan.stages:
         for i, (group, c) in enumerate(collapse_runs(stage.layers)):
             label = name_range([x.name for x in group]) + (f" ({len(group)})" if len(group) > 1 else "")
@@ -191,24 +224,21 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
                        str(c.zero), c.checkpoint, c.offload, c.tp_style)
     console.print(st)
 
-    if plan.alternatives and top:
-        alt = Table(title="Alternatives considered (fastest first)", show_header=True, header_style="bold")
-        for col in ("#", "layout", "step time", "why it lost"):
-            alt.add_column(col)
-        for i, a in enumerate(plan.alternatives[:top], 1):
-            sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
-            layout = (f"{a['mesh']['pp']}x{a['mesh']['dp']}x{a['mesh']['tp']}"
-                      + (" SP" if a.get("sequence_parallel") else "")
-                      + f", {sched}, mb {a['micro_batch_size']}x{a['num_micro_batches']}")
-            step = a.get("predicted", {}).get("step_time_s")
-            why = f"[red]{a['why']}[/]" if a["status"] == "oom" else a["why"]
-            alt.add_row(str(i), layout, _fmt_time(step) if step else "-", why)
-        console.print(alt)
-    limits = not_offered(plan)
-    if limits:
-        console.print("[bold]Not offered[/] (autopar cannot lower them for this model):")
-        for line in limits:
-            console.print(f"  {line}", markup=False)
+
+def _print_alternatives(plan, console, top: int) -> None:
+    alt = _table("Alternatives considered (fastest first)", ("#", "layout", "step time", "why it lost"))
+    for i, a in enumerate(plan.alternatives[:top], 1):
+        sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
+        layout = (f"{a['mesh']['pp']}x{a['mesh']['dp']}x{a['mesh']['tp']}"
+                  + (" SP" if a.get("sequence_parallel") else "")
+                  + f", {sched}, mb {a['micro_batch_size']}x{a['num_micro_batches']}")
+        step = a.get("predicted", {}).get("step_time_s")
+        why = f"[red]{a['why']}[/]" if a["status"] == "oom" else a["why"]
+        alt.add_row(str(i), layout, _fmt_time(step) if step else "-", why)
+    console.print(alt)
+
+
+def _print_solver(plan, console, wall_s: float | None) -> None:
     s = plan.solver
     gap = s.get("gap", 0)
     console.print(f"[dim]solver: {s.get('status')}" + (f" (gap {gap:.2%})" if gap is not None else "")

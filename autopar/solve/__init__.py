@@ -4,9 +4,13 @@ One file per concern: `constraints.py` (what the user pinned),
 `search_space.py` (meshes, micro-batching, schedules), `table.py` (integer
 cost tables from the cost model), `problem.py` (the stage problem and its
 bounds), `cpsat.py` (the CP-SAT model), `brute_force.py` (the reference),
-`search.py` (branch and bound over candidates), `planner.py` (the Plan),
-`layout.py` (Plan -> cost_models Layout), `fusion_costs.py` (fused kernels
-in the Plan and their bytes in the cost model). See docs/planner.md.
+`search.py` (branch and bound over candidates), `planner.py` (`plan`: the
+steps from a model to the Plan), `plan_build.py` (the Plan written from the
+winner's estimate), `alternatives.py` (how the layout was chosen, why the
+others lost), `refine.py` (uniform layouts, stage-boundary moves),
+`what_fits.py` (what would fit when nothing does), `layout.py` (Plan ->
+cost_models Layout), `fusion_costs.py` (fused kernels in the Plan and their
+bytes in the cost model). See docs/planner.md.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
@@ -37,28 +38,73 @@ from autopar.solve.problem import (StageProblem, StageSolution, evaluate, lower_
 from autopar.solve.warm_start import warm_start
 
 
+@dataclass
+class _Terms:
+    """The linear pieces of the model, summed per stage and per pp rank."""
+    stage_time: list  # per stage: its layers' time terms
+    rank_step: list  # per rank: the step-time terms (data-parallel communication, optimizer)
+    rank_static: list  # per rank: parameters, gradients, optimizer states, buffers
+    rank_step_mem: list  # per rank: the optimizer step's temporaries
+    stage_act: list  # per stage: activation KiB one micro-batch leaves in it
+    rank_peak: list  # rank_peak[r][t]: the largest peak-term t among the options used on rank r
+    uses: dict  # (rank, run, stages) -> how many of the run's layers there take each option
+
+
 def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: int = 1,
                 seed: int = 0) -> StageSolution:
+    """The optimal (or best found within the limit) stage layout of `problem`.
+
+    The variables and constraints are made in one fixed order (boundaries,
+    prefixes, per-rank peaks, option counts, objective, warm start): CP-SAT's
+    search depends on that order, and the same problem must give the same answer."""
     t0 = time.perf_counter()
     p = problem
-    n, S, pp, V = p.num_layers, p.num_stages, p.pp, p.virtual_stages
-    if n < S:
+    if p.num_layers < p.num_stages:
         return StageSolution(objective=None, status="infeasible", wall_s=time.perf_counter() - t0)
     lb = lower_bound(p)
     if lb is None:
         return StageSolution(objective=None, status="infeasible", wall_s=time.perf_counter() - t0)
     runs = p.runs()
     m = cp_model.CpModel()
+    b = _boundaries(m, p.num_layers, p.num_stages)
+    prefix = _prefixes(m, b, runs, p.num_layers, p.num_stages)
+    terms = _option_counts(m, p, runs, prefix)
+    objective = _objective(m, p, terms, lb)
+    # Warm start as an incumbent, not a hint: CP-SAT must beat the hand-made layout
+    # (`warm_start.py`), and when it cannot within its limit that layout is the answer.
+    # (Measured: as AddHint it pulls one worker's search towards the hint's
+    # neighbourhood and leaves better layouts unfound as often as it helps.)
+    start = warm_start(p)
+    start_value = evaluate(p, *start) if start else None
+    if start_value is not None:
+        m.Add(objective <= start_value)
 
-    # Stage boundaries; stage s can start no earlier than layer s and no later
-    # than n - (S - s) (every stage needs at least one layer).
+    solver = cp_model.CpSolver()
+    solver.parameters.num_search_workers = workers
+    solver.parameters.random_seed = seed
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = max(60.0, 20 * time_limit_s)  # backstop only: the deterministic limit binds
+    code = solver.Solve(m)
+    wall = time.perf_counter() - t0
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return _no_solution(solver, code, lb, start, start_value, wall)
+    return _read_solution(solver, code, p, runs, b, terms.uses, wall)
+
+
+def _boundaries(m: cp_model.CpModel, n: int, S: int) -> list:
+    """Stage boundaries b[0] = 0 < b[1] < ... < b[S] = n; stage s can start no earlier
+    than layer s and no later than n - (S - s) (every stage needs at least one layer)."""
     b = [m.NewConstant(0)] + [m.NewIntVar(s, n - S + s, f"b{s}") for s in range(1, S)] + [m.NewConstant(n)]
     for s in range(S):
         m.Add(b[s + 1] >= b[s] + 1)
+    return b
 
-    # prefix[s][j]: layers of run j before boundary b[s] = clamp(b[s] - st_j, 0, len_j).
-    # Counts are differences of prefixes (linear), and the prefixes of one
-    # boundary add up to it: both keep the LP relaxation tight.
+
+def _prefixes(m: cp_model.CpModel, b: list, runs: list, n: int, S: int) -> list:
+    """prefix[s][j]: layers of run j before boundary b[s] = clamp(b[s] - st_j, 0, len_j),
+    a plain int where the boundary's range decides it. Counts are differences of
+    prefixes (linear), and the prefixes of one boundary add up to it: both keep the
+    LP relaxation tight."""
     prefix = []
     for s in range(S + 1):
         row = []
@@ -87,37 +133,42 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
         prefix.append(row)
         if 0 < s < S:
             m.Add(sum(row) == b[s])
+    return prefix
 
-    stage_time = [[] for _ in range(S)]
-    rank_step = [[] for _ in range(pp)]
-    rank_static = [[] for _ in range(pp)]
-    rank_step_mem = [[] for _ in range(pp)]  # the optimizer step's temporaries
-    stage_act = [[] for _ in range(S)]  # activation KiB one micro-batch leaves in stage s
-    n_peaks = max((len(o.peaks) for opts in p.group_options for o in opts), default=0)
-    # rank_peak[r][t]: the largest peak-term t among the options used on rank r
-    rank_peak = [[m.NewIntVar(0, max((o.peaks[t] for opts in p.group_options for o in opts if len(o.peaks) > t),
-                                     default=0), f"peak{r}_{t}") for t in range(n_peaks)] for r in range(pp)]
-    # Options are chosen per (stage, run) with interleaving, per (pp rank, run)
-    # without (a rank is one stage then): how many of those layers use each
-    # option. Per stage because the stage times set the bubble and the chunks'
-    # activations are held unequally long (chunk 0 longest).
+
+def _groups(p: StageProblem, runs: list, prefix: list) -> list:
+    """(rank, run, stages, count expression) for every (stage, run) that can meet:
+    how many of the run's layers the stage holds. Options are chosen per stage (the
+    stage times set the bubble and the chunks' activations are held unequally long,
+    chunk 0 longest), grouped by the pp rank that runs the stage."""
     parts = {}  # (rank, run) -> [(stage, count expression)]
-    for s in range(S):
+    for s in range(p.num_stages):
         for j, (st, en, g) in enumerate(runs):
             a, z = prefix[s][j], prefix[s + 1][j]
             if isinstance(a, int) and isinstance(z, int) and a == z:
                 continue  # this run can never meet this stage
-            parts.setdefault((s % pp, j), []).append((s, z - a))
-    groups = []  # (rank, run, stages it covers, count expression)
+            parts.setdefault((s % p.pp, j), []).append((s, z - a))
+    groups = []
     for (r, j), items in sorted(parts.items()):
         groups.extend((r, j, (s,), e) for s, e in items)
+    return groups
+
+
+def _option_counts(m: cp_model.CpModel, p: StageProblem, runs: list, prefix: list) -> _Terms:
+    """How many layers of each (stage, run) take each option, and the time and memory
+    terms those counts add to their stage and rank."""
+    S, pp = p.num_stages, p.pp
+    n_peaks = max((len(o.peaks) for opts in p.group_options for o in opts), default=0)
+    rank_peak = [[m.NewIntVar(0, max((o.peaks[t] for opts in p.group_options for o in opts if len(o.peaks) > t),
+                                     default=0), f"peak{r}_{t}") for t in range(n_peaks)] for r in range(pp)]
+    terms = _Terms(stage_time=[[] for _ in range(S)], rank_step=[[] for _ in range(pp)],
+                   rank_static=[[] for _ in range(pp)], rank_step_mem=[[] for _ in range(pp)],
+                   stage_act=[[] for _ in range(S)], rank_peak=rank_peak, uses={})
     used = {}  # (rank, run, option) -> BoolVar: some layer of the run on the rank takes the option
-    uses = {}
-    for r, j, stages, total in groups:
+    for r, j, stages, total in _groups(p, runs, prefix):
         st, en, g = runs[j]
         size = en - st
         opts = p.group_options[g]
-        key = (r, j, stages)
         if len(opts) == 1:
             var = m.NewIntVar(0, size, f"uses{r}_{j}_{stages[0]}_0")
             m.Add(var == total)
@@ -125,7 +176,7 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
         else:
             ks = [m.NewIntVar(0, size, f"uses{r}_{j}_{stages[0]}_{k}") for k in range(len(opts))]
             m.Add(sum(ks) == total)
-        uses[key] = ks
+        terms.uses[r, j, stages] = ks
         for k, (o, var) in enumerate(zip(opts, ks)):
             if any(o.peaks):
                 if (r, j, k) not in used:
@@ -134,29 +185,35 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
                         if value:
                             m.Add(rank_peak[r][t] >= value * used[r, j, k])
                 m.Add(var <= size * used[r, j, k])  # used = 0 forces no layer of this option here
-            stage_time[stages[0]].append(o.time * var)
-            rank_step[r].append(o.step * var)
-            rank_static[r].append(o.static_mem * var)
+            terms.stage_time[stages[0]].append(o.time * var)
+            terms.rank_step[r].append(o.step * var)
+            terms.rank_static[r].append(o.static_mem * var)
             if o.step_mem:
-                rank_step_mem[r].append(o.step_mem * var)
-            stage_act[stages[0]].append(o.act_mem * var)
+                terms.rank_step_mem[r].append(o.step_mem * var)
+            terms.stage_act[stages[0]].append(o.act_mem * var)
+    return terms
 
+
+def _objective(m: cp_model.CpModel, p: StageProblem, terms: _Terms, lb: int):
+    """The slowest rank T, the slowest step D (and with interleaving the slowest stage),
+    each rank's memory rule, the redundant cuts, and Minimize(objective)."""
+    S, pp, V = p.num_stages, p.pp, p.virtual_stages
     overhead = p.stage_time_overhead if pp > 1 else 0
     max_time = sum(max(o.time for o in p.group_options[g]) for g in p.layer_group) + V * overhead
     max_step = sum(max(o.step for o in p.group_options[g]) for g in p.layer_group)
     T = m.NewIntVar(0, max_time, "max_rank_time")
     D = m.NewIntVar(0, max_step, "max_rank_step")
-    stage_sum = [sum(stage_time[s]) + overhead for s in range(S)]
+    stage_sum = [sum(terms.stage_time[s]) + overhead for s in range(S)]
     for r in range(pp):
         m.Add(T >= sum(stage_sum[r::pp]))
-        m.Add(D >= sum(rank_step[r]))
+        m.Add(D >= sum(terms.rank_step[r]))
         # exact activation peak: every count vector of the rank (problem.py)
-        chunk_act = [sum(stage_act[k * pp + r]) for k in range(V)]
+        chunk_act = [sum(terms.stage_act[k * pp + r]) for k in range(V)]
         for vec in p.chunk_counts[r]:
-            m.Add(sum(rank_static[r]) + sum(rank_peak[r]) + sum(c * a for c, a in zip(vec, chunk_act))
+            m.Add(sum(terms.rank_static[r]) + sum(terms.rank_peak[r]) + sum(c * a for c, a in zip(vec, chunk_act))
                   <= p.capacity[r])
-        if rank_step_mem[r]:  # the optimizer step: activations gone, its temporaries alive
-            m.Add(sum(rank_static[r]) + sum(rank_step_mem[r]) <= p.capacity[r])
+        if terms.rank_step_mem[r]:  # the optimizer step: activations gone, its temporaries alive
+            m.Add(sum(terms.rank_static[r]) + sum(terms.rank_step_mem[r]) <= p.capacity[r])
     t_pigeon, d_pigeon = pigeonhole_bounds(p)  # redundant cuts the LP relaxation cannot see
     m.Add(T >= t_pigeon)
     m.Add(D >= d_pigeon)
@@ -171,32 +228,25 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
         objective = p.rank_weight * T + p.stage_weight * Smax + p.step_weight * D
     m.Add(objective >= lb)  # redundant, helps the proof of optimality
     m.Minimize(objective)
-    # Warm start as an incumbent, not a hint: CP-SAT must beat the hand-made layout
-    # (`warm_start.py`), and when it cannot within its limit that layout is the answer.
-    # (Measured: as AddHint it pulls one worker's search towards the hint's
-    # neighbourhood and leaves better layouts unfound as often as it helps.)
-    start = warm_start(p)
-    start_value = evaluate(p, *start) if start else None
+    return objective
+
+
+def _no_solution(solver: cp_model.CpSolver, code, lb: int, start, start_value, wall: float) -> StageSolution:
+    """CP-SAT found nothing better than the warm start in its limit: keep that, else
+    say infeasible (proven) or unknown."""
     if start_value is not None:
-        m.Add(objective <= start_value)
+        bound = lb if code != cp_model.UNKNOWN else max(lb, int(math.ceil(solver.BestObjectiveBound() - 1e-6)))
+        return StageSolution(objective=start_value, stage_of_layer=list(start[0]), option_of_layer=list(start[1]),
+                             status="optimal" if bound >= start_value else "feasible", bound=min(bound, start_value),
+                             wall_s=wall, work=solver.deterministic_time)
+    status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
+    return StageSolution(objective=None, status=status, wall_s=wall, work=solver.deterministic_time)
 
-    solver = cp_model.CpSolver()
-    solver.parameters.num_search_workers = workers
-    solver.parameters.random_seed = seed
-    solver.parameters.max_deterministic_time = time_limit_s
-    solver.parameters.max_time_in_seconds = max(60.0, 20 * time_limit_s)  # backstop only: the deterministic limit binds
-    code = solver.Solve(m)
-    wall = time.perf_counter() - t0
-    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if start_value is not None:
-            # CP-SAT found nothing better than the warm start in its limit: keep that
-            bound = lb if code != cp_model.UNKNOWN else max(lb, int(math.ceil(solver.BestObjectiveBound() - 1e-6)))
-            return StageSolution(objective=start_value, stage_of_layer=list(start[0]), option_of_layer=list(start[1]),
-                                 status="optimal" if bound >= start_value else "feasible", bound=min(bound, start_value),
-                                 wall_s=wall, work=solver.deterministic_time)
-        status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
-        return StageSolution(objective=None, status=status, wall_s=wall, work=solver.deterministic_time)
 
+def _read_solution(solver: cp_model.CpSolver, code, p: StageProblem, runs: list, b: list, uses: dict,
+                   wall: float) -> StageSolution:
+    """Layers per stage from the boundaries, options per layer from the counts."""
+    n, S = p.num_layers, p.num_stages
     bounds = [int(solver.Value(x)) for x in b]
     stage_of_layer = [0] * n
     option_of_layer = [0] * n

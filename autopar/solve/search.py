@@ -90,50 +90,76 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
     costly interleaved variants before the work budget runs out.
     """
     t0 = time.perf_counter()
-    solve = solver or (lambda p, limit: solve_cpsat(p, time_limit_s=limit))
-    order_key = order_key or (lambda c: c)
-    results = []
-    oom = []
-    total = len(candidates)
-    for i, cand in enumerate(candidates):
-        if bound is not None:
-            r = CandidateResult(cand, None, bound(cand))
-        else:
-            problem = build_problem(cand)
-            lb = lower_bound(problem)
-            r = CandidateResult(cand, problem, None if lb is None else lb * NS / problem.virtual_stages)
-        if r.lower_bound_s is None:
-            r.status = "oom"
-            oom.append(r)
-        else:
-            results.append(r)
-        if progress and (i % 64 == 0 or i == total - 1):
-            progress("bounding", i + 1, total, None)
+    s = _Search(build_problem, keep=keep, solve=solver or (lambda p, limit: solve_cpsat(p, time_limit_s=limit)),
+                order_key=order_key or (lambda c: c), distinct=distinct)
+    results = s.bound_all(candidates, bound, progress)
     # Deterministic order: by sweep, bound, then the candidate itself.
-    results.sort(key=lambda r: (sweep(r.candidate) if sweep else 0, r.lower_bound_s, order_key(r.candidate)))
-    solved: list[CandidateResult] = []
-    stats = {"pruned": 0, "wall": 0.0, "work": 0.0}
+    results.sort(key=lambda r: (sweep(r.candidate) if sweep else 0, r.lower_bound_s, s.order_key(r.candidate)))
+    unexplored = s.first_pass(results, time_limit_s, quick_limit_s, first_pass_budget, progress)
+    unexplored = s.rank_unexplored(unexplored)
+    s.close_gaps(time_limit_s, work_budget)
+    return s.result(unexplored, len(candidates), time.perf_counter() - t0)
 
-    def cutoff():
+
+class _Search:
+    """The state one search shares between its passes: the candidates solved so far
+    (best first), those that cannot fit, and the solver's wall time and work."""
+
+    def __init__(self, build_problem: Callable, *, keep: int, solve: Callable, order_key: Callable,
+                 distinct: Callable | None):
+        self.build_problem, self.keep, self.solve = build_problem, keep, solve
+        self.order_key, self.distinct = order_key, distinct
+        self.solved: list[CandidateResult] = []
+        self.oom: list[CandidateResult] = []
+        self.stats = {"pruned": 0, "wall": 0.0, "work": 0.0}
+
+    def bound_all(self, candidates: list, bound: Callable | None, progress: Callable | None) -> list:
+        """Every candidate's lower bound (the cheap `bound`, else the built problem's);
+        those that cannot fit go to `oom`, the others are returned."""
+        results = []
+        total = len(candidates)
+        for i, cand in enumerate(candidates):
+            if bound is not None:
+                r = CandidateResult(cand, None, bound(cand))
+            else:
+                problem = self.build_problem(cand)
+                lb = lower_bound(problem)
+                r = CandidateResult(cand, problem, None if lb is None else lb * NS / problem.virtual_stages)
+            if r.lower_bound_s is None:
+                r.status = "oom"
+                self.oom.append(r)
+            else:
+                results.append(r)
+            if progress and (i % 64 == 0 or i == total - 1):
+                progress("bounding", i + 1, total, None)
+        return results
+
+    def cutoff(self) -> float | None:
+        """The `keep`-th best step time among distinct solved layouts: a bound at least
+        this cannot enter the kept ones."""
         seen, count = set(), 0
-        for x in solved:
-            key = distinct(x.candidate) if distinct else id(x)
+        for x in self.solved:
+            key = self.distinct(x.candidate) if self.distinct else id(x)
             if key not in seen:
                 seen.add(key)
                 count += 1
-                if count == keep:
+                if count == self.keep:
                     return x.step_s
         return None
 
-    def run(r, limit):
-        sol = solve(r.problem, limit)
-        stats["wall"] += sol.wall_s
-        stats["work"] += sol.work
+    def _rank(self) -> None:
+        self.solved.sort(key=lambda x: (x.step_s, self.order_key(x.candidate)))
+
+    def run(self, r: CandidateResult, limit: float) -> None:
+        """Solve `r` with `limit` work units and keep the better of its answers."""
+        sol = self.solve(r.problem, limit)
+        self.stats["wall"] += sol.wall_s
+        self.stats["work"] += sol.work
         if sol.objective is None:
             if sol.status == "infeasible":
                 r.status = "oom"
                 r.solution = sol
-                oom.append(r)
+                self.oom.append(r)
             elif r.solution is None:
                 r.status = "unsolved"
             return
@@ -145,12 +171,12 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
             r.lower_bound_s = max(r.lower_bound_s, sol.bound * NS / r.problem.virtual_stages)
         if r.status != "ok":
             r.status = "ok"
-            solved.append(r)
+            self.solved.append(r)
         if r.solution.bound is not None and r.solution.bound >= r.solution.objective:
             r.solution.status = "optimal"
-        solved.sort(key=lambda x: (x.step_s, order_key(x.candidate)))
+        self._rank()
 
-    def warm(r) -> bool:
+    def warm(self, r: CandidateResult) -> bool:
         """Rank `r` by its warm start (no solver); False when none fits."""
         start = warm_start(r.problem)
         if start is None:
@@ -161,72 +187,91 @@ def search(candidates: list, build_problem: Callable, *, keep: int = 1, solver: 
         if r.solution.bound >= r.solution.objective:
             r.solution.status = "optimal"
         r.status = "ok"
-        solved.append(r)
-        solved.sort(key=lambda x: (x.step_s, order_key(x.candidate)))
+        self.solved.append(r)
+        self._rank()
         return True
 
-    unexplored = []
-    for idx, r in enumerate(results):
-        if stats["work"] >= first_pass_budget and cutoff() is not None:
-            # Out of solver budget: what is left stays unexplored, and its best bound is the gap.
-            unexplored = [x for x in results[idx:] if x.lower_bound_s < cutoff()]
-            for rest in results[idx:]:
-                rest.status = "unsolved" if rest in unexplored else "pruned"
-            stats["pruned"] += len(results) - idx - len(unexplored)
-            break
-        if cutoff() is not None and r.lower_bound_s >= cutoff():
-            r.status = "pruned"  # the cutoff only falls: a later, lower bound in another sweep may still beat it
-            stats["pruned"] += 1
-            continue
-        if r.problem is None:
-            r.problem = build_problem(r.candidate)
-            lb = lower_bound(r.problem)
-            if lb is None:
-                r.status = "oom"
-                oom.append(r)
+    def _prune(self, r: CandidateResult) -> bool:
+        """Mark `r` pruned when its bound cannot enter the kept layouts."""
+        cutoff = self.cutoff()
+        if cutoff is not None and r.lower_bound_s >= cutoff:
+            r.status = "pruned"
+            self.stats["pruned"] += 1
+            return True
+        return False
+
+    def first_pass(self, results: list, time_limit_s: float, quick_limit_s: float, first_pass_budget: float,
+                   progress: Callable | None) -> list:
+        """Every candidate that survives the bounds, in order, with a short solve (or its
+        warm start when it can only be a runner-up). Returns the candidates left
+        unexplored when the budget ran out whose bounds still beat the cutoff."""
+        for idx, r in enumerate(results):
+            if self.stats["work"] >= first_pass_budget and self.cutoff() is not None:
+                # Out of solver budget: what is left stays unexplored, and its best bound is the gap.
+                unexplored = [x for x in results[idx:] if x.lower_bound_s < self.cutoff()]
+                for rest in results[idx:]:
+                    rest.status = "unsolved" if rest in unexplored else "pruned"
+                self.stats["pruned"] += len(results) - idx - len(unexplored)
+                return unexplored
+            # the cutoff only falls: a later, lower bound in another sweep may still beat it
+            if self._prune(r):
                 continue
-            r.lower_bound_s = max(r.lower_bound_s, lb * NS / r.problem.virtual_stages)
-            if cutoff() is not None and r.lower_bound_s >= cutoff():
-                r.status = "pruned"
-                stats["pruned"] += 1
+            if r.problem is None:
+                r.problem = self.build_problem(r.candidate)
+                lb = lower_bound(r.problem)
+                if lb is None:
+                    r.status = "oom"
+                    self.oom.append(r)
+                    continue
+                r.lower_bound_s = max(r.lower_bound_s, lb * NS / r.problem.virtual_stages)
+                if self._prune(r):
+                    continue
+            # A candidate whose bound cannot beat the best found can only be a runner-up:
+            # the warm start's hand-made layout ranks it well enough (the estimate
+            # re-prices the alternatives anyway), and deep interleaved meshes, which
+            # CP-SAT rarely proves in 0.2 units, do not eat the budget. Only when
+            # no warm start fits does it get (a quarter of) a CP-SAT solve.
+            best = self.solved[0].step_s if self.solved else None
+            if best is not None and r.lower_bound_s >= best and self.warm(r):
                 continue
-        # A candidate whose bound cannot beat the best found can only be a runner-up:
-        # the warm start's hand-made layout ranks it well enough (the estimate
-        # re-prices the alternatives anyway), and deep interleaved meshes, which
-        # CP-SAT rarely proves in 0.2 units, do not eat the budget. Only when
-        # no warm start fits does it get (a quarter of) a CP-SAT solve.
+            self.run(r, min(quick_limit_s if best is None or r.lower_bound_s < best else quick_limit_s / 4,
+                            time_limit_s))
+            if progress:
+                progress("solving", idx + 1, len(results), self.solved[0].step_s if self.solved else None)
+        return []
+
+    def rank_unexplored(self, unexplored: list) -> list:
+        """Candidates the first pass had no budget for still get the warm start's layout
+        (a hand-made feasible layout, milliseconds each): a cheap candidate that is
+        never reached (a 1F1B mesh behind many interleaved ones of similar bound)
+        must not simply vanish from the ranking. They stay unresolved in the gap;
+        returns those that still have no layout."""
+        for r in unexplored:
+            if r.problem is None:
+                r.problem = self.build_problem(r.candidate)
+            self.warm(r)
+        return [r for r in unexplored if r.status != "ok"]
+
+    def close_gaps(self, time_limit_s: float, work_budget: float) -> None:
+        """Pass 2: re-solve with the full limit, best bound first, the unproven candidates
+        whose bound could still change the winner (what `all_optimal` and the gap
+        report); runners-up keep their first-pass answers."""
+        open_ = sorted((r for r in self.solved if r.solution.status != "optimal"),
+                       key=lambda r: (r.lower_bound_s, self.order_key(r.candidate)))
+        for r in open_:
+            if self.stats["work"] >= work_budget or r.lower_bound_s >= self.solved[0].step_s:
+                continue
+            self.run(r, time_limit_s)
+
+    def result(self, unexplored: list, total: int, wall_s: float) -> SearchResult:
+        """The ranking with its gap: the best step time against the lowest bound left unresolved."""
+        solved, stats = self.solved, self.stats
+        unresolved = [r for r in solved if r.solution.status != "optimal"] + unexplored
         best = solved[0].step_s if solved else None
-        if best is not None and r.lower_bound_s >= best and warm(r):
-            continue
-        run(r, min(quick_limit_s if best is None or r.lower_bound_s < best else quick_limit_s / 4, time_limit_s))
-        if progress:
-            progress("solving", idx + 1, len(results), solved[0].step_s if solved else None)
-
-    # Candidates the first pass had no budget for still get the warm start's layout
-    # (a hand-made feasible layout, milliseconds each): a cheap candidate that is
-    # never reached (a 1F1B mesh behind many interleaved ones of similar bound)
-    # must not simply vanish from the ranking. They stay unresolved in the gap.
-    for r in unexplored:
-        if r.problem is None:
-            r.problem = build_problem(r.candidate)
-        warm(r)
-    unexplored = [r for r in unexplored if r.status != "ok"]
-
-    # Pass 2: close the gaps that could still change the answer, best bound first.
-    open_ = sorted((r for r in solved if r.solution.status != "optimal"),
-                   key=lambda r: (r.lower_bound_s, order_key(r.candidate)))
-    for r in open_:
-        # only gaps that could change the winner (what `all_optimal` and the gap report);
-        # runners-up keep their first-pass answers
-        if stats["work"] >= work_budget or r.lower_bound_s >= solved[0].step_s:
-            continue
-        run(r, time_limit_s)
-    unresolved = [r for r in solved if r.solution.status != "optimal"] + unexplored
-    best = solved[0].step_s if solved else None
-    global_lb = min([best] + [r.lower_bound_s for r in unresolved]) if best else None
-    max_gap = (best - global_lb) / best if best else 0.0
-    return SearchResult(ranked=solved, oom=oom, pruned=stats["pruned"], solved=len(solved), candidates=total,
-                        wall_s=time.perf_counter() - t0, solve_wall_s=stats["wall"], max_gap=max(0.0, max_gap),
-                        all_optimal=not any(r.lower_bound_s < best for r in unresolved) if best else True,
-                        stats={"cpsat_work_units": round(stats["work"], 3), "unresolved": len(unresolved),
-                               "unexplored": len(unexplored)})
+        global_lb = min([best] + [r.lower_bound_s for r in unresolved]) if best else None
+        max_gap = (best - global_lb) / best if best else 0.0
+        return SearchResult(ranked=solved, oom=self.oom, pruned=stats["pruned"], solved=len(solved),
+                            candidates=total, wall_s=wall_s, solve_wall_s=stats["wall"], max_gap=max(0.0, max_gap),
+                            all_optimal=not any(r.lower_bound_s < best for r in unresolved) if best else True,
+                            stats={"cpsat_work_units": round(stats["work"], 3), "unresolved": len(unresolved),
+                                   "unexplored": len(unexplored)})

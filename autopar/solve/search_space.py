@@ -65,6 +65,11 @@ class Candidate:
                 f"{self.num_micro_batches}, {sched}")
 
 
+def mesh_key(c: Candidate) -> tuple:
+    """The mesh a candidate runs on: the search keeps and the Plan lists distinct meshes."""
+    return (c.pp, c.dp, c.tp)
+
+
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))

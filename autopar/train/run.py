@@ -150,7 +150,6 @@ def main(model_spec: str, plan_path: str, argv=None, description: str | None = N
 
 def _train(args, model_spec: str, plan_path: str) -> int:
     import autopar
-    from autopar.model_file import load_model
 
     plan = autopar.Plan.load(plan_path)
     if args.steps < 1:
@@ -160,17 +159,8 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     torch.manual_seed(args.seed)  # identical initial weights on every rank (and dropout streams)
     loaded, init_fn = _build(args, model_spec, plan)
     dataset = _dataset(args, loaded, plan, loaded.dataset)
-    pm = autopar.compile(loaded.model, plan.cluster, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                         init_fn=init_fn, optimizer=torch.optim.AdamW,
-                         optimizer_kwargs={"lr": args.lr, "weight_decay": args.weight_decay},
-                         plan=plan, local_batch=True, no_weight_decay_1d=True,
-                         torch_compile="auto" if args.compile is None else args.compile)
-    pm.max_grad_norm, pm.track_grad_norm = args.clip, True
+    pm = _compile(args, loaded, init_fn, plan)
     rank = dist.get_rank()
-    if rank == 0 and pm.compiled_blocks is not None:  # blocks that fall back are named after the first step
-        print(f"autopar: {pm.compiled_blocks.start_note()}", file=sys.stderr, flush=True)
-    if pm.grad_scaler is not None:
-        pm.grad_scaler.configure(init_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
     batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
     start, schedule_at = _resume(args, pm, batches)
     pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=args.warmup, total=args.steps, decay=args.decay,
@@ -183,28 +173,8 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     stop = _StopSignal()
     losses, saved_at = [], start if start else None
     for step in range(start, args.steps):
-        inputs, targets = batches.batch(step)
-        lr = pm.optimizer.param_groups[0]["lr"]
-        scale = pm.grad_scaler.scale_value() if pm.grad_scaler is not None else None
-        t0 = time.perf_counter()
-        loss = pm.train_step(inputs, targets)
-        # Every rank's step time (a straggler shows here) and whether a stop signal
-        # reached it, on the device the backend moves: all ranks stop at the same step.
-        mine = torch.tensor([time.perf_counter() - t0, float(stop.received)], dtype=torch.float64, device=pm.device)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        rank_times = [float(t[0].item()) for t in gathered]
-        stopping = any(float(t[1].item()) for t in gathered)
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-        metrics.record(step, loss=loss, step_time_s=max(rank_times), rank_times=rank_times,
-                       grad_norm=pm.last_grad_norm, lr=lr, loss_scale=scale, skipped=pm.last_step_skipped,
-                       peak_memory_bytes=peak)
+        loss, stopping = _step(args, pm, batches, metrics, stop, step)
         losses.append(loss)
-        if rank == 0 and not args.quiet:
-            fp16 = "" if scale is None else f"  scale {scale:.0f}" + ("  skipped (overflow)" if pm.last_step_skipped
-                                                                        else "")
-            print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}{fp16}  "
-                  f"{max(rank_times) * 1e3:.1f} ms", flush=True)
         done = step + 1
         if args.save_dir and (stopping or done == args.steps or (args.save_every and done % args.save_every == 0)):
             path = snapshot.save(pm, args.save_dir, done, {"data": batches.state_dict(), "seed": args.seed},
@@ -219,6 +189,58 @@ def _train(args, model_spec: str, plan_path: str) -> int:
                       "continue", file=sys.stderr, flush=True)
             break
     stop.restore()
+    _finish(args, pm, plan, metrics, losses, saved_at)
+    return 0
+
+
+def _compile(args, loaded, init_fn, plan):
+    """This rank's ParallelModel, with AdamW, clipping by the global norm and (fp16) the loss scale."""
+    import autopar
+
+    pm = autopar.compile(loaded.model, plan.cluster, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                         init_fn=init_fn, optimizer=torch.optim.AdamW,
+                         optimizer_kwargs={"lr": args.lr, "weight_decay": args.weight_decay},
+                         plan=plan, local_batch=True, no_weight_decay_1d=True,
+                         torch_compile="auto" if args.compile is None else args.compile)
+    pm.max_grad_norm, pm.track_grad_norm = args.clip, True
+    if dist.get_rank() == 0 and pm.compiled_blocks is not None:  # blocks that fall back are named after step 1
+        print(f"autopar: {pm.compiled_blocks.start_note()}", file=sys.stderr, flush=True)
+    if pm.grad_scaler is not None:
+        pm.grad_scaler.configure(init_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
+    return pm
+
+
+def _step(args, pm, batches, metrics: Metrics, stop, step: int) -> tuple[float, bool]:
+    """One optimizer step on global batch `step`, recorded and (rank 0) printed.
+    -> (loss, whether a stop signal reached any rank)."""
+    inputs, targets = batches.batch(step)
+    lr = pm.optimizer.param_groups[0]["lr"]
+    scale = pm.grad_scaler.scale_value() if pm.grad_scaler is not None else None
+    t0 = time.perf_counter()
+    loss = pm.train_step(inputs, targets)
+    # Every rank's step time (a straggler shows here) and whether a stop signal
+    # reached it, on the device the backend moves: all ranks stop at the same step.
+    mine = torch.tensor([time.perf_counter() - t0, float(stop.received)], dtype=torch.float64, device=pm.device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    rank_times = [float(t[0].item()) for t in gathered]
+    stopping = any(float(t[1].item()) for t in gathered)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    metrics.record(step, loss=loss, step_time_s=max(rank_times), rank_times=rank_times,
+                   grad_norm=pm.last_grad_norm, lr=lr, loss_scale=scale, skipped=pm.last_step_skipped,
+                   peak_memory_bytes=peak)
+    if dist.get_rank() == 0 and not args.quiet:
+        fp16 = "" if scale is None else f"  scale {scale:.0f}" + ("  skipped (overflow)" if pm.last_step_skipped
+                                                                    else "")
+        print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}{fp16}  "
+              f"{max(rank_times) * 1e3:.1f} ms", flush=True)
+    return loss, stopping
+
+
+def _finish(args, pm, plan, metrics: Metrics, losses: list, saved_at) -> None:
+    """The export (every rank gathers, rank 0 writes), the summary and the losses, then
+    leave the process group."""
+    rank = dist.get_rank()
     if args.export:
         full = pm.full_state_dict(buffers=True)  # collective
         if rank == 0:
@@ -231,7 +253,6 @@ def _train(args, model_spec: str, plan_path: str) -> int:
                 json.dump(losses, f)
     metrics.close()
     dist.destroy_process_group()
-    return 0
 
 
 def _resume(args, pm, batches) -> tuple[int, int]:

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archs import (HEADS, HIDDEN, KV_HEADS, LAYERS, SEED, VOCAB, Arch, _gen, _masked_lm, _random_labels, _tokens,
-                   token_cross_entropy)
+from arch_kit import (HEADS, HIDDEN, KV_HEADS, LAYERS, SEED, VOCAB, Arch, _gen, _masked_lm, _random_labels,
+                      _tokens, token_cross_entropy)
 
 _EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 
@@ -183,7 +183,7 @@ DBRX = dict(d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, max_seq_len=64, voca
 
 
 def dbrx():
-    from archs import _tf
+    from arch_kit import _tf
     tf = _tf()
     torch.manual_seed(SEED)
     return Arch(tf.DbrxForCausalLM(tf.DbrxConfig(**DBRX)), _tokens(), _random_labels(), None)
