@@ -29,10 +29,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, grad_norm, loss_scaling,
-                           pipeline_parallel, state_dict, tensor_parallel, what_runs)
+                           pipeline_parallel, preflight, state_dict, tensor_parallel)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
-from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, forward_kwargs, resolve_loss_fn
+from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, resolve_loss_fn
 from autopar.lower.model_layers import ModelLayout, resolve
 from autopar.lower.tp_styles import is_linear
 from autopar.plan import Plan
@@ -307,23 +307,6 @@ def _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_input
     return tensor_parallel.loss_parallel_works(loss_fn, tp_mesh, (1, *tokens.shape[1:], vocab))
 
 
-def _read_by_weight(model, tp_layers, holders, example_inputs, plan) -> tuple[frozenset, list[str]]:
-    """(ids of modules to keep whole, paths of the head Linears that are never called).
-    A vocab-split layer's Linear the model never calls (it reads the weight) stays
-    whole, and so does every module holding a weight tied to it (its embedding)."""
-    linears = {f"{p}.{n}" if n else p: m for l in tp_layers if l.position in ("pre", "post") for p in l.paths
-               for n, m in model.get_submodule(p).named_modules() if is_linear(m)}
-    if not linears:
-        return frozenset(), []
-    uncalled = sorted(what_runs.never_called(model, linears, _example_args(example_inputs, plan.micro_batch_size),
-                                             forward_kwargs(model)))
-    whole = {id(linears[p]) for p in uncalled}
-    for hs in holders.values():
-        if any(id(m) in whole for m, _ in hs):
-            whole.update(id(m) for m, _ in hs)
-    return frozenset(whole), uncalled
-
-
 def _param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
     canonical: dict[int, str] = {}
     holders: dict[str, list] = {}
@@ -379,27 +362,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     layout = resolve(model, plan)
     pp, tp = plan.mesh.pp, plan.mesh.tp
     n_stages = len(plan.stages)
-    for st in plan.stages:
-        if st.pp_rank != st.index % pp:
-            raise PlanMismatchError(f"stage {st.index} is on pp rank {st.pp_rank}; lowering places stage i on i % pp")
-    if n_stages % pp:
-        raise PlanMismatchError(f"{n_stages} stages do not spread evenly over pp={pp} ranks")
-    if pp > 1:
-        pipeline_parallel.check_stage_cuts(layout, n_stages)
-        pipeline_parallel.check_schedule(plan)
-        for i in range(n_stages):  # every stage on every rank: all ranks refuse alike
-            pipeline_parallel.check_stand_ins(model, layout, i, n_stages)
-    elif n_stages != 1:
-        raise PlanMismatchError(f"a plan with pp=1 must have one stage, this one has {n_stages}")
-    if tp > 1:
-        check_tied_styles(layout)
-    batch_norm.whole_batch_refusal(model, plan)
-    optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
-    if optimizer_only:
-        raise PlanMismatchError(
-            f"layer(s) {', '.join(optimizer_only[:4])} offload only the optimizer state, which this lowering "
-            f"cannot run: FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together",
-            hint="re-plan (the planner offers offload 'params' with zero 3), or edit the plan's offload")
+    preflight.check_plan(model, plan, layout)
     init_distributed()
     mesh = build_mesh(plan)  # checks the world size before creating any group
     device = local_device()
@@ -408,69 +371,10 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     holders = _param_holders(model)
     buffers = state_dict.buffer_holders(model)
 
-    # Tensor-parallel roles come from one traced forward of the whole model.
-    # Every block is probed on every rank (not only this rank's), so a
-    # refusal below is raised by all ranks alike, before any schedule runs.
-    block_plans, block_inputs, pre_outputs, unverified = {}, {}, {}, []
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
-    split_blocks = [l for l in layout.layers if l.position == "block" and l.choice.tp_style != "replicate"]
-    if pp > 1 or (tp > 1 and split_blocks):
-        block_paths = {l.block_index: l.paths[0] for l in layout.layers if l.position == "block"}
-        stand_ins = pipeline_parallel.stand_in_modules(model, layout) if pp > 1 else {}
-        try:
-            block_plans, block_inputs, pre_outputs = what_runs.record_blocks(
-                model, {i: model.get_submodule(p) for i, p in block_paths.items()},
-                _example_args(example_inputs, plan.micro_batch_size), forward_kwargs(model), stand_ins)
-        except AutoparError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every rank fails alike, before any collective
-            # Pipelines and tp are cut from one forward on fake tensors; a model that
-            # cannot run there (a value-sized op such as an expert loop's nonzero) cannot be cut.
-            raise PlanMismatchError(
-                f"the model's forward cannot run on fake tensors, which tensor and pipeline parallelism are "
-                f"cut from: {what_runs.first_line(exc)}",
-                hint="plan with data parallelism / ZeRO only (`autopar plan` offers only those for this model)")
-        if pp > 1:
-            pipeline_parallel.check_block_outputs(block_plans, block_paths, pre_outputs)
-            why = what_runs.pipeline_failure(model, layout, n_stages,
-                                             _example_args(example_inputs, plan.micro_batch_size),
-                                             {i: bp.returns for i, bp in block_plans.items()}, pre_outputs,
-                                             plan.micro_batch_size)
-            if why:
-                raise PlanMismatchError(why, hint="plan without pipeline parallelism (pp=1) for this model; "
-                                                  "`autopar plan` does not offer it")
-    if tp > 1 and split_blocks:
-        tensor_parallel.register_cpu_attention_sharding()
-        for l in split_blocks:
-            if _sequence_parallel(plan, l):
-                tensor_parallel.check_sequence_split(l.paths[0], block_plans[l.block_index], tp)
-        # Each split block kind runs once, split as below, on fake tensors over
-        # the real tp mesh (no data moves) on every rank: a block DTensor
-        # cannot run is refused by all ranks before any step.
-        for sp in sorted({_sequence_parallel(plan, l) for l in split_blocks}):
-            blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in split_blocks
-                      if _sequence_parallel(plan, l) == sp}
-            failures, undecided = what_runs.block_failures(model, blocks, (), {}, tp, sp,
-                                                           recorded=(block_plans, block_inputs), mesh=mesh["tp"],
-                                                           allow_replicated=True)
-            unverified += [f"tp={tp}{' with sequence parallelism' if sp else ''} not shown to run before the "
-                           f"first step (the fake-tensor check stopped at {u}); lowered as the plan asks"
-                           for u in undecided]
-            if failures:
-                i, why = min(failures.items())
-                raise PlanMismatchError(
-                    f"block {block_paths[i]!r} cannot run split over tp={tp}"
-                    f"{' with sequence parallelism' if sp else ''}: {why}",
-                    hint="plan with `autopar plan` / autopar.plan (it offers only layouts that run), or without "
-                         f"{'sequence parallelism' if sp else 'tensor parallelism'} for this model")
-
-    # Head Linears the model reads by weight stay whole. Decided from every stage's
-    # layers on every rank (a tied embedding on another stage must agree), on the
-    # whole model, before pipeline stages replace other stages' modules.
-    whole, read_by_weight = frozenset(), []
-    if tp > 1:
-        whole, read_by_weight = _read_by_weight(model, [l for l in layout.layers if l.choice.tp_style != "replicate"],
-                                                holders, example_inputs, plan)
+    found = preflight.probe(model, plan, layout, _example_args(example_inputs, plan.micro_batch_size), mesh,
+                            holders)
+    unverified = found.unverified
 
     # BatchNorm over the global batch (after the fake-tensor probes above: they run no collective)
     if plan.mesh.dp > 1:
@@ -478,42 +382,19 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
 
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)
-    returns = {i: bp.returns for i, bp in block_plans.items()}
-    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy, returns, pre_outputs,
+    returns = {i: bp.returns for i, bp in found.block_plans.items()}
+    stages = [pipeline_parallel.StageModule(model, layout, i, n_stages, dummy, returns, found.pre_outputs,
                                             plan.micro_batch_size) for i in local]
 
     # 2. tensor parallel
     tp_mesh = mesh["tp"]
-    use_loss_parallel = False
-    if tp > 1:
-        unverified += [f"{p}: the model reads its weight instead of calling it, so it runs whole (tp splits "
-                       f"only Linears that are called)" for p in read_by_weight]
-        use_loss_parallel = not whole and _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn,
-                                                             example_inputs, plan)
-        for l in tp_layers:
-            if l.position == "block":
-                first, last = layout.first_last(l)
-                tensor_parallel.parallelize_block(
-                    model.get_submodule(l.paths[0]), block_plans[l.block_index], tp_mesh,
-                    sequence_parallel=_sequence_parallel(plan, l),
-                    first=first, last=last)
-            else:
-                for p in l.paths:
-                    tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position,
-                                                      loss_parallel=use_loss_parallel, whole=whole)
+    use_loss_parallel = tp > 1 and _apply_tp(model, plan, layout, tp_layers, found, tp_mesh, loss_fn,
+                                             example_inputs)
 
     # Tied weights: re-tie the ends that share this rank (parallelize_module
     # swaps in new Parameter objects); ends on other pp ranks sync gradients.
     local_modules = {id(m) for s in stages for m in s.modules()}
-    tied_local, tied_remote = set(), []
-    for name, hs in holders.items():
-        if len(hs) < 2:
-            continue
-        here = [(m, a) for m, a in hs if id(m) in local_modules]
-        if len(here) > 1:
-            _retie(name, here, tp_mesh if tp > 1 else None)
-            tied_local.update(_names_of(model, hs))
-        tied_remote.append((name, hs))
+    tied_local, tied_remote = _retie_local(model, holders, local_modules, tp_mesh if tp > 1 else None)
 
     # 3. activation checkpointing, 4. data parallel
     for s in stages:
@@ -524,20 +405,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         compiled = compile_blocks.CompiledBlocks(torch_compile_backend, torch_compile_mode,
                                                  own_cache=tp > 1 and plan.mesh.dp * pp > 1)
         compiled.apply(stages, layout)
-    fsdp = replicated = False
-    if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
-            or plan.precision != "fp32":
-        if data_parallel.uses_replicate(plan):
-            data_parallel.apply_replicate(stages[0], mesh["dp"])
-            replicated = True
-        else:
-            for s in stages:
-                data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local,
-                                         data_parallel.main_grads(plan))
-            fsdp = True
-    if not fsdp and plan.precision in LOW_PRECISION:
-        for s in stages:
-            s.autocast_dtype = DTYPES[plan.precision]
+    fsdp, replicated = _apply_data_parallel(plan, layout, stages, mesh, tied_local)
 
     # 5. weights
     was_meta = materialize(stages, device, init_fn, model=model)
@@ -546,20 +414,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     tied_groups = _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta)
 
     # 7. optimizer over the unique local parameters
-    params = list(_unique_parameters(stages))
-    kwargs = dict(optimizer_kwargs or {})
-    if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
-        # torch's foreach kernels reject a list mixing DTensor and plain tensors.
-        kwargs.setdefault("foreach", False)
-    if no_weight_decay_1d and kwargs.get("weight_decay"):
-        # Biases and norm gains (every tensor of fewer than 2 dims; a DTensor shard
-        # keeps its global dims) are not decayed, as GPT-2/3, Llama and nanoGPT train.
-        params = [g for g in ({"params": [p for p in params if p.dim() >= 2]},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
-    if replicated and any(c.zero == 1 for c in plan.layer_choices):
-        opt = data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, mesh["dp"])
-    else:
-        opt = optimizer(params, **kwargs)
+    opt = _optimizer(stages, optimizer, optimizer_kwargs, no_weight_decay_1d, plan, mesh, replicated)
 
     # 8. loss scaling (fp16) and schedule
     scaler = loss_scaling.LossScaler(device.type) if plan.precision == "fp16" else None
@@ -582,9 +437,72 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     return pm
 
 
-def _sequence_parallel(plan: Plan, layer) -> bool:
-    """Whether a block runs on sequence shards: the plan's switch, or the layer's own style."""
-    return plan.sequence_parallel or layer.choice.tp_style == "sequence"
+def _apply_tp(model, plan, layout, tp_layers, found, tp_mesh, loss_fn, example_inputs) -> bool:
+    """This rank's layers split over tp (blocks by their probed plans, embeddings and
+    heads over the vocabulary); True when the logits stay vocab-sharded into the loss."""
+    use_loss_parallel = not found.whole and _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn,
+                                                               example_inputs, plan)
+    for l in tp_layers:
+        if l.position == "block":
+            first, last = layout.first_last(l)
+            tensor_parallel.parallelize_block(
+                model.get_submodule(l.paths[0]), found.block_plans[l.block_index], tp_mesh,
+                sequence_parallel=preflight.sequence_parallel(plan, l), first=first, last=last)
+        else:
+            for p in l.paths:
+                tensor_parallel.parallelize_vocab(model.get_submodule(p), tp_mesh, position=l.position,
+                                                  loss_parallel=use_loss_parallel, whole=found.whole)
+    return use_loss_parallel
+
+
+def _retie_local(model, holders, local_modules, tp_mesh) -> tuple[set, list]:
+    """Re-tie tied weights whose ends are on this rank; (their names, every tied group)."""
+    tied_local, tied_remote = set(), []
+    for name, hs in holders.items():
+        if len(hs) < 2:
+            continue
+        here = [(m, a) for m, a in hs if id(m) in local_modules]
+        if len(here) > 1:
+            _retie(name, here, tp_mesh)
+            tied_local.update(_names_of(model, hs))
+        tied_remote.append((name, hs))
+    return tied_local, tied_remote
+
+
+def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, bool]:
+    """DDP-style replication or FSDP2 over the dp mesh (also for ZeRO, offload or
+    mixed precision on one rank); else autocast for low precision. (fsdp, replicated)."""
+    fsdp = replicated = False
+    if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
+            or plan.precision != "fp32":
+        if data_parallel.uses_replicate(plan):
+            data_parallel.apply_replicate(stages[0], mesh["dp"])
+            replicated = True
+        else:
+            for s in stages:
+                data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local,
+                                         data_parallel.main_grads(plan))
+            fsdp = True
+    if not fsdp and plan.precision in LOW_PRECISION:
+        for s in stages:
+            s.autocast_dtype = DTYPES[plan.precision]
+    return fsdp, replicated
+
+
+def _optimizer(stages, optimizer, optimizer_kwargs, no_weight_decay_1d, plan, mesh, replicated):
+    params = list(_unique_parameters(stages))
+    kwargs = dict(optimizer_kwargs or {})
+    if any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params):
+        # torch's foreach kernels reject a list mixing DTensor and plain tensors.
+        kwargs.setdefault("foreach", False)
+    if no_weight_decay_1d and kwargs.get("weight_decay"):
+        # Biases and norm gains (every tensor of fewer than 2 dims; a DTensor shard
+        # keeps its global dims) are not decayed, as GPT-2/3, Llama and nanoGPT train.
+        params = [g for g in ({"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
+    if replicated and any(c.zero == 1 for c in plan.layer_choices):
+        return data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, mesh["dp"])
+    return optimizer(params, **kwargs)
 
 
 def _retie(name: str, ends: list, tp_mesh=None) -> None:
@@ -614,23 +532,6 @@ def _retie(name: str, ends: list, tp_mesh=None) -> None:
                 hint="give the layers holding both ends the same tensor-parallel style (both 'vocab' or both "
                      "'replicate'), or plan with tp=1")
         setattr(m, a, p)
-
-
-def check_tied_styles(layout: ModelLayout) -> None:
-    """Both ends of a tied weight (embedding and head) must be split alike
-    under tp: their gradients are summed shard by shard. Checked from the
-    plan alone, on every rank, before any process group exists."""
-    for names in layout.tied:
-        styles = {}
-        for n in names:
-            layer = next((l for l in layout.layers for p in l.paths if n.startswith(p + ".")), None)
-            if layer is not None:
-                styles[layer.choice.name] = "split" if layer.choice.tp_style != "replicate" else "replicate"
-        if len(set(styles.values())) > 1:
-            raise PlanMismatchError(
-                f"tied weight {' = '.join(names)}: its ends' layers are tensor-parallel differently "
-                f"({', '.join(f'{k}: {v}' for k, v in styles.items())})",
-                hint="give both layers the same tp_style, or re-plan with `autopar plan`")
 
 
 def _names_of(model, hs):
