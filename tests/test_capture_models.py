@@ -364,3 +364,32 @@ def test_a_gemm_splits_a_module_into_separate_chains():
     assert evaluate(chained.layers[0].module_fusion_saved_fwd, 2, 16) == 4 * t
     # mul | GEMM | add, relu: only add + relu are one chain
     assert evaluate(split.layers[0].module_fusion_saved_fwd, 2, 16) == 2 * t
+
+
+def test_in_place_adds_into_a_layers_output_capture():
+    """`y = self.o(a); y += h` is valid eager code; capture cuts layer outputs into
+    leaf tensors (and fabricates repeated layers' outputs as leaves), which autograd
+    refuses to modify in place: the cut now hands on a non-leaf alias, unpriced."""
+    import torch.nn as nn
+
+    import autopar
+
+    class InplaceResidual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.layers = nn.ModuleList(nn.ModuleDict(dict(ln=nn.LayerNorm(16), o=nn.Linear(16, 16)))
+                                        for _ in range(3))
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for l in self.layers:  # the root walks the ModuleDicts: each Linear is a layer
+                y = l["o"](l["ln"](h))
+                y += h
+                h = y
+            return self.head(h)
+
+    graph = autopar.capture(InplaceResidual(), lambda b: (torch.zeros(b, 8, dtype=torch.long),))
+    flops = {l.name: l.eval("fwd_flops", 2, 8) for l in graph.layers}
+    assert flops["layers.2.o"] == flops["layers.0.o"] == 2 * 2 * 8 * 16 * 16, flops  # each priced as its GEMM

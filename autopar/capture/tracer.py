@@ -171,6 +171,16 @@ def _user_frame(tb_frames=None) -> str:
     return "unknown location"
 
 
+def _writable(leaf: torch.Tensor) -> torch.Tensor:
+    """A non-leaf alias of a cut: user code may add into a layer's output in place
+    (`y = self.o(a); y += h`), which autograd refuses on a leaf. The copy is made
+    outside the recorder (no op is priced) and its backward passes the gradient
+    straight to the leaf."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        return leaf.clone()
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tracer: "Tracer"):
         super().__init__()
@@ -296,7 +306,8 @@ class Tracer:
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self.seg_outputs.setdefault(layer, []).append(t)
-            flat = [self._cut(t, layer) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat]
+            flat = [self._writable(self._cut(t, layer)) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                    for t in flat]
             self.pointer = self.n_layers - 1
             return tree_unflatten(flat, spec)
         return output
@@ -315,6 +326,14 @@ class Tracer:
                 self.producer[id(leaf)] = self.producer[id(x)]
         return leaf
 
+    def _writable(self, leaf: torch.Tensor) -> torch.Tensor:
+        """`_writable(leaf)`, standing for the leaf in the op graph (same producer)."""
+        alias = _writable(leaf)
+        self.keep.extend((leaf, alias))
+        if id(leaf) in self.producer:
+            self.producer[id(alias)] = self.producer[id(leaf)]
+        return alias
+
     def _fabricate(self, rep: int):
         spec, leaves = self.out_specs[rep]
         flat = []
@@ -324,7 +343,8 @@ class Tracer:
                 flat.append(leaf[1])
             else:
                 shape, dtype, requires_grad = leaf
-                flat.append(torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad))
+                t = torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+                flat.append(self._writable(t) if requires_grad else t)
         self.fabricating = False
         return tree_unflatten(flat, spec)
 
@@ -470,13 +490,16 @@ class Tracer:
         indices shaped like the output without its last (class) dim."""
         self.pointer = self.n_layers - 1
         # a tensor, a tuple led by the logits, or a Hugging Face output's `.logits`
-        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+        logits = (output[0] if isinstance(output, (tuple, list)) else output["logits"] if isinstance(output, dict)
+                  and "logits" in output else getattr(output, "logits", output))
         self.fabricating = True  # not an op of the model
         targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
         self.fabricating = False
         self.producer[id(targets)] = -1
         self.keep.append(targets)
         self.module_stack.append("loss")
+        if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
+            output = output["logits"]  # the lowering's loss reads a dict output's "logits" too (model_io.logits_of)
         try:
             return self.loss_fn(output, targets)
         finally:
