@@ -92,3 +92,34 @@ def test_a_head_read_by_weight_stays_whole_under_tp_and_pp_x_tp():
         for r in results:
             assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
             assert any("head.decoder" in n and "reads its weight" in n for n in r[name]["notes"]), r[name]["notes"]
+
+
+class RootReads(nn.Module):
+    """Layers the root walks (ModuleDicts), an in-place add into a layer's output,
+    and the embedding's weight read by the root for its head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(o=nn.Linear(HIDDEN, HIDDEN))) for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for l in self.layers:
+            y = l["o"](h)
+            y += h  # in place into o's output
+            h = y
+        return h @ self.emb.weight.T
+
+
+def test_layers_read_or_written_outside_their_forward_are_found():
+    """FSDP2 unshards a unit around its own forward and hooks its outputs: a root
+    that reads the embedding's weight for its head, or adds into a layer's output
+    in place, would crash the first ZeRO-3 step (an mm of a DTensor shard; a freed
+    storage in the backward). Such layers stay in the root unit."""
+    from autopar.lower.what_runs import read_outside
+
+    m = RootReads()
+    layers = {"emb": m.emb, "layers.0.o": m.layers[0]["o"], "layers.1.o": m.layers[1]["o"]}
+    assert read_outside(m, layers, (torch.zeros(2, SEQ, dtype=torch.long),), {}) == {"emb", "layers.0.o", "layers.1.o"}
+

@@ -405,7 +405,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         compiled = compile_blocks.CompiledBlocks(torch_compile_backend, torch_compile_mode,
                                                  own_cache=tp > 1 and plan.mesh.dp * pp > 1)
         compiled.apply(stages, layout)
-    fsdp, replicated = _apply_data_parallel(plan, layout, stages, mesh, tied_local)
+    fsdp, replicated = _apply_data_parallel(plan, layout, stages, mesh, tied_local | found.read_outside)
 
     # 5. weights
     was_meta = materialize(stages, device, init_fn, model=model)

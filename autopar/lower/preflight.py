@@ -71,6 +71,7 @@ class Probed:
     pre_outputs: dict = field(default_factory=dict)  # what pipeline stand-ins must return
     unverified: list = field(default_factory=list)  # notes: run as planned, not shown to run beforehand
     whole: frozenset = frozenset()  # ids of modules tp leaves whole (read by weight, and their tied ends)
+    read_outside: set = field(default_factory=set)  # layer paths whose parameters are read outside their forward
 
 
 def probe(model: nn.Module, plan: Plan, layout: ModelLayout, args: tuple, mesh, holders: dict) -> Probed:
@@ -85,12 +86,23 @@ def probe(model: nn.Module, plan: Plan, layout: ModelLayout, args: tuple, mesh, 
         _record(model, plan, layout, args, found, n_stages)
     if tp > 1 and split_blocks:
         _check_split_blocks(model, plan, split_blocks, found, mesh["tp"])
+    if _uses_fsdp(plan):
+        found.read_outside = what_runs.read_outside(
+            model, {p: model.get_submodule(p) for l in layout.layers for p in l.paths}, args, forward_kwargs(model))
     if tp > 1:
         split = [l for l in layout.layers if l.choice.tp_style != "replicate"]
         found.whole, uncalled = _read_by_weight(model, split, holders, args)
         found.unverified += [f"{p}: the model reads its weight instead of calling it, so it runs whole (tp "
                              f"splits only Linears that are called)" for p in uncalled]
     return found
+
+
+def _uses_fsdp(plan: Plan) -> bool:
+    """Whether the lowering shards with FSDP2 (parallel_model._apply_data_parallel's rule)."""
+    from autopar.lower import data_parallel
+    sharded = (plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices)
+               or plan.precision != "fp32")
+    return sharded and not data_parallel.uses_replicate(plan)
 
 
 def sequence_parallel(plan: Plan, layer) -> bool:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from autopar.capture.value_answers import ValueAnswers
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
@@ -304,6 +305,56 @@ def _same_shapes(plans, outputs, again, outputs_again) -> None:
                 f"module {path!r} returns a tensor sized by tensor values (nonzero / boolean-mask indexing: "
                 f"{out} or {outputs_again.get(path)}), which pipeline stages cannot be cut around",
                 hint="plan with data parallelism / ZeRO only, or give the layer fixed shapes (a capacity)")
+
+
+class _ParamReads(TorchDispatchMode):
+    """Which layers' parameters an op reads while that layer's forward is not
+    running, and which layers' outputs an op writes in place afterwards."""
+
+    def __init__(self, owner: dict[int, str]):
+        super().__init__()
+        self.owner, self.running, self.outside, self.outputs = owner, [], set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs or {}))[0]:
+            path = self.owner.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if path is not None and path not in self.running:
+                self.outside.add(path)
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            path = self.outputs.get(id(args[0]))
+            if path is not None and path not in self.running:
+                self.outside.add(path)  # `y = self.o(a); y += h`: FSDP2's hooks on y no longer fire
+        return func(*args, **(kwargs or {}))
+
+
+def _left(reads: _ParamReads, path: str, out) -> None:
+    reads.running.remove(path)
+    reads.outputs.update({id(t): path for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)})
+
+
+def read_outside(model: nn.Module, layers: dict[str, nn.Module], example_args: tuple, model_kwargs: dict) -> set:
+    """The paths of `layers` whose parameters the model reads outside their own
+    forward (a root computing `h @ self.emb.weight.T`), or whose output it writes
+    in place (`y = self.o(a); y += h`): FSDP2 unshards a unit's parameters only
+    around its forward and hooks its outputs for the backward, so such a layer
+    must stay in its parent's unit (a crash in the first step otherwise: an mm
+    of a DTensor shard, or a freed storage in the backward)."""
+    owner = {id(p): path for path, m in layers.items() for p in m.parameters()}
+    reads = _ParamReads(owner)
+    hooks = []
+    for path, m in layers.items():
+        hooks.append(m.register_forward_pre_hook(lambda mod, args, path=path: reads.running.append(path)))
+        hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: _left(reads, path, out),
+                                             always_call=True))
+    try:
+        with probe_forward(model), reads:
+            model(*on_model_device(model, example_args), **model_kwargs)
+    except Exception:  # noqa: BLE001 - unknown: one unit per layer as before
+        return set()
+    finally:
+        for h in hooks:
+            h.remove()
+    return reads.outside
 
 
 def never_called(model: nn.Module, modules: dict[str, nn.Module], example_args: tuple, model_kwargs: dict) -> set:
