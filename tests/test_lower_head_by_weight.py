@@ -117,7 +117,7 @@ def test_layers_read_or_written_outside_their_forward_are_found():
     that reads the embedding's weight for its head, or adds into a layer's output
     in place, would crash the first ZeRO-3 step (an mm of a DTensor shard; a freed
     storage in the backward). Such layers stay in the root unit."""
-    from autopar.lower.what_runs import read_outside
+    from autopar.lower.preflight import read_outside
 
     m = RootReads()
     layers = {"emb": m.emb, "layers.0.o": m.layers[0]["o"], "layers.1.o": m.layers[1]["o"]}
