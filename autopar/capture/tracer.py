@@ -489,17 +489,16 @@ class Tracer:
         """loss_fn(output, targets) as part of the head layer; targets are class
         indices shaped like the output without its last (class) dim."""
         self.pointer = self.n_layers - 1
+        if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
+            output = output["logits"]  # the lowering's loss reads a dict output's "logits" too (model_io.logits_of)
         # a tensor, a tuple led by the logits, or a Hugging Face output's `.logits`
-        logits = (output[0] if isinstance(output, (tuple, list)) else output["logits"] if isinstance(output, dict)
-                  and "logits" in output else getattr(output, "logits", output))
+        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
         self.fabricating = True  # not an op of the model
         targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
         self.fabricating = False
         self.producer[id(targets)] = -1
         self.keep.append(targets)
         self.module_stack.append("loss")
-        if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
-            output = output["logits"]  # the lowering's loss reads a dict output's "logits" too (model_io.logits_of)
         try:
             return self.loss_fn(output, targets)
         finally:

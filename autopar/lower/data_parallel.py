@@ -98,6 +98,13 @@ def offload_policy(offload: str):
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
+def wraps(plan) -> bool:
+    """Whether the plan needs a data-parallel wrapper (replicate or FSDP2): dp > 1, or
+    ZeRO, offload or mixed precision on one rank."""
+    return (plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices)
+            or plan.precision != "fp32")
+
+
 def uses_replicate(plan) -> bool:
     return (plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1
             and all(c.zero <= 1 and c.offload == "none" for c in plan.layer_choices))

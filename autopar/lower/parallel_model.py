@@ -473,8 +473,7 @@ def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, 
     """DDP-style replication or FSDP2 over the dp mesh (also for ZeRO, offload or
     mixed precision on one rank); else autocast for low precision. (fsdp, replicated)."""
     fsdp = replicated = False
-    if plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices) \
-            or plan.precision != "fp32":
+    if data_parallel.wraps(plan):
         if data_parallel.uses_replicate(plan):
             data_parallel.apply_replicate(stages[0], mesh["dp"])
             replicated = True

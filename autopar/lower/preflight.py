@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import batch_norm, pipeline_parallel, tensor_parallel, what_runs
+from autopar.lower import batch_norm, data_parallel, pipeline_parallel, tensor_parallel, what_runs
 from autopar.lower.model_io import forward_kwargs, on_model_device, probe_forward
 from autopar.lower.model_layers import ModelLayout
 from autopar.lower.tp_styles import is_linear
@@ -89,7 +89,7 @@ def probe(model: nn.Module, plan: Plan, layout: ModelLayout, args: tuple, mesh, 
         _record(model, plan, layout, args, found, n_stages)
     if tp > 1 and split_blocks:
         _check_split_blocks(model, plan, split_blocks, found, mesh["tp"])
-    if _uses_fsdp(plan):
+    if data_parallel.wraps(plan) and not data_parallel.uses_replicate(plan):  # FSDP2 units
         found.read_outside = read_outside(
             model, {p: model.get_submodule(p) for l in layout.layers for p in l.paths}, args, forward_kwargs(model))
     if tp > 1:
@@ -98,14 +98,6 @@ def probe(model: nn.Module, plan: Plan, layout: ModelLayout, args: tuple, mesh, 
         found.unverified += [f"{p}: the model reads its weight instead of calling it, so it runs whole (tp "
                              f"splits only Linears that are called)" for p in uncalled]
     return found
-
-
-def _uses_fsdp(plan: Plan) -> bool:
-    """Whether the lowering shards with FSDP2 (parallel_model._apply_data_parallel's rule)."""
-    from autopar.lower import data_parallel
-    sharded = (plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices)
-               or plan.precision != "fp32")
-    return sharded and not data_parallel.uses_replicate(plan)
 
 
 def sequence_parallel(plan: Plan, layer) -> bool:
