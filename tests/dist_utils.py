@@ -41,6 +41,14 @@ def _worker(rank, world_size, port, fn, args, results):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
+        # Rank 0 hosts the TCPStore: a rank that finishes first (a refusal
+        # raised before its peers are done creating the mesh's groups) must
+        # not take the store down under them ("Broken pipe" in new_group).
+        try:
+            if dist.is_initialized():
+                dist.barrier()
+        except Exception:  # a peer that failed reports itself; this rank's result is in
+            pass
     except BaseException:  # report everything: the parent must not wait for a dead rank
         results.put((rank, "error", traceback.format_exc()))
     finally:
