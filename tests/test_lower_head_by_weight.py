@@ -117,9 +117,38 @@ def test_layers_read_or_written_outside_their_forward_are_found():
     that reads the embedding's weight for its head, or adds into a layer's output
     in place, would crash the first ZeRO-3 step (an mm of a DTensor shard; a freed
     storage in the backward). Such layers stay in the root unit."""
-    from autopar.lower.preflight import read_outside
+    from autopar.lower.weight_reads import read_outside
 
     m = RootReads()
     layers = {"emb": m.emb, "layers.0.o": m.layers[0]["o"], "layers.1.o": m.layers[1]["o"]}
     assert read_outside(m, layers, (torch.zeros(2, SEQ, dtype=torch.long),), {}) == {"emb", "layers.0.o", "layers.1.o"}
 
+
+
+def test_a_head_read_by_weight_is_priced_whole_as_it_runs():
+    """What is priced is what runs: the planner's check of the lowering names the
+    head and its tied embedding as run whole, and the plan records (and the cost
+    model prices) them replicated; without that answer it would price a
+    vocabulary split the lowering never makes."""
+    import autopar
+    from autopar.lower.what_runs import limits
+
+    inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
+
+    def styles(check):
+        p = autopar.plan(LM(), "cpu:2", example_inputs=inputs, constraints=dict(tp=2), global_batch_size=8,
+                         check_lowering=check)
+        return {l.name: l.tp_style for s in p.stages for l in s.layers}, p
+
+    def forgetful(*a, **k):  # the same check, its runs_whole answer dropped
+        out = limits(*a, **k)
+        out.pop("runs_whole", None)
+        return out
+
+    kept, plan = styles(limits)
+    assert kept["head"] == kept["embed"] == "replicate" and kept["blocks.0"] == "colwise_rowwise", kept
+    assert "head.decoder" in plan.solver["lowering_limits"]["runs_whole"]["head"]
+    from autopar.report.tables import not_offered  # and the terminal plan / report say so
+    assert any(line.startswith("a vocabulary split of layer head:") for line in not_offered(plan))
+    dropped, _ = styles(forgetful)
+    assert dropped["head"] == dropped["embed"] == "vocab", dropped

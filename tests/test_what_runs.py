@@ -61,7 +61,7 @@ def test_a_model_that_runs_every_layout_is_not_limited():
     got = limits(model, autopar.capture(model, inputs), inputs)
     counted = got.pop("tp_collectives")
     assert got == {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": [],
-                   "tp_checked": [2]}
+                   "tp_checked": [2], "runs_whole": {}}
     # and what its blocks issue split (Hugging Face's Llama: Megatron's two all-reduces each way)
     assert counted["2"]["plain"] == [{"block": "model.layers.0", "fwd": "all_reduce 1, all_reduce 1",
                                       "bwd": "all_reduce 1, all_reduce 1"}]

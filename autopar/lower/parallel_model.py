@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, grad_norm, loss_scaling,
-                           pipeline_parallel, preflight, state_dict, tensor_parallel)
+                           pipeline_parallel, preflight, state_dict, tensor_parallel, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, resolve_loss_fn
@@ -307,16 +307,6 @@ def _try_loss_parallel(model, layout, tp_layers, tp_mesh, loss_fn, example_input
     return tensor_parallel.loss_parallel_works(loss_fn, tp_mesh, (1, *tokens.shape[1:], vocab))
 
 
-def _param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
-    canonical: dict[int, str] = {}
-    holders: dict[str, list] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        key = canonical.setdefault(id(p), name)
-        path, _, attr = name.rpartition(".")
-        holders.setdefault(key, []).append((model.get_submodule(path) if path else model, attr))
-    return holders
-
-
 def _example_args(example_inputs, batch: int) -> tuple:
     args = example_inputs(batch) if callable(example_inputs) else example_inputs
     return tuple(args) if isinstance(args, (tuple, list)) else (args,)
@@ -368,7 +358,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     device = local_device()
     pp_rank = mesh["pp"].get_local_rank()
     local = sorted(st.index for st in plan.stages if st.pp_rank == pp_rank)
-    holders = _param_holders(model)
+    holders = weight_reads.param_holders(model)
     buffers = state_dict.buffer_holders(model)
 
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]

@@ -24,7 +24,8 @@ with the reason for each layout it rules out:
     {"checked": True, "pipeline": reason | None,
      "tp": {"2": reason, ...}, "sequence_parallel": {"2": reason, ...},
      "unverified": [what the fake run could not decide],
-     "tp_checked": [the tp degrees tried: those the planner's cluster can use]}
+     "tp_checked": [the tp degrees tried: those the planner's cluster can use],
+     "runs_whole": {embedding / head layer: why tp leaves it whole}}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
 be decided here; such a layout is not offered either (the reason says so,
 and "unverified" lists it), while a hand-made plan that asks for it is
@@ -482,6 +483,7 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
         if not blocks:
             out["pipeline"] = "the model has no block stack to cut between"
             return out
+    out["runs_whole"] = _runs_whole(model, layout, args)
     stand_ins = pipeline_parallel.stand_in_modules(model, layout)
     plans, inputs, pre_outputs = record_blocks(model, blocks, args, forward_kwargs(model), stand_ins)
     try:
@@ -521,6 +523,21 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                 # Not shown to run is not offered (correct or refused); a hand plan may still ask for it.
                 out["unverified"] += [f"{what}: {u}" for u in undecided]
                 out[key][str(tp)] = f"cannot be shown to run split over {what} on fake tensors: {undecided[0]}"
+    return out
+
+
+def _runs_whole(model, layout, args) -> dict:
+    """{layer name: why} for the embedding / head layers tp leaves whole: a head
+    Linear the model reads by weight instead of calling, and every layer tied
+    to it (weight_reads.read_by_weight, as the lowering decides)."""
+    from autopar.lower import weight_reads
+    ends = [l for l in layout.layers if l.position in ("pre", "post")]
+    whole, uncalled = weight_reads.read_by_weight(model, ends, weight_reads.param_holders(model), args)
+    out = {}
+    for l in ends:
+        if any(id(m) in whole for p in l.paths for m in model.get_submodule(p).modules()):
+            out[l.choice.name] = (f"the model reads {', '.join(uncalled)}'s weight instead of calling it, so "
+                                  f"tensor parallelism leaves it (and the layers tied to it) whole")
     return out
 
 

@@ -216,4 +216,6 @@ def not_offered(plan) -> list[str]:
         out.append(f"tensor parallelism over {tp}: {why}")
     for tp, why in sorted((limits.get("sequence_parallel") or {}).items(), key=lambda kv: int(kv[0])):
         out.append(f"sequence parallelism over {tp}: {why}")
+    for layer, why in sorted((limits.get("runs_whole") or {}).items()):
+        out.append(f"a vocabulary split of layer {layer}: {why}")
     return out

@@ -8,7 +8,9 @@ process group and counts what DTensor really issues, redistributions
 included: GPT's fused-qkv block, for one, gathers q/k/v forward and issues
 three all-gathers more in backward, not the single reduce-scatter the
 dataflow suggests. `charge_tp_collectives` copies those counts onto the
-layers (`LayerSpec.tp_collectives`), so the search prices what will run.
+layers (`LayerSpec.tp_collectives`), so the search prices what will run;
+`keep_whole` prices the embedding / head layers the lowering leaves whole
+as whole.
 """
 from __future__ import annotations
 
@@ -47,6 +49,25 @@ def charge_tp_collectives(spec, lowering_limits: dict | None):
         charged = copy.copy(layer)
         charged.tp_collectives = issued
         layers.append(charged)
+    out = copy.copy(spec)
+    out.layers = layers
+    return out
+
+
+def keep_whole(spec, lowering_limits: dict | None):
+    """`spec` with the layers the lowering leaves whole under tp
+    (lowering_limits["runs_whole"]: a head read by weight, its tied embedding)
+    priced whole: their tp degrees are (1,), so the search prices and the plan
+    records them replicated, as they run. Copies; unchanged when unchecked."""
+    whole = (lowering_limits or {}).get("runs_whole") if (lowering_limits or {}).get("checked") else None
+    if not whole:
+        return spec
+    layers = []
+    for layer in spec.layers:
+        if layer.name in whole:
+            layer = copy.copy(layer)
+            layer.tp_degrees = (1,)
+        layers.append(layer)
     out = copy.copy(spec)
     out.layers = layers
     return out

@@ -28,7 +28,7 @@ from autopar.solve.constraints import ConstraintError, Constraints, check_agains
 from autopar.solve.layout import assignment_layout, root_held_layers
 from autopar.solve.cpsat import solve_cpsat
 from autopar.solve.fusion_costs import charge_fusions, plan_fusions
-from autopar.solve.lowering_costs import charge_tp_collectives
+from autopar.solve.lowering_costs import charge_tp_collectives, keep_whole
 from autopar.solve.plan_build import TP_KINDS, build_plan, tp_style  # noqa: F401  (tp_style: planner.tp_style)
 from autopar.solve.problem import KIB, memory_floor, to_mem_units
 from autopar.solve.refine import fits, polish, tidy, uniform_layouts
@@ -343,6 +343,7 @@ def _priced_graph(model, example_inputs, cluster, pins, *, seq_len, name, precis
         world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
                     and (pins.tp is None or t == pins.tp)]
         lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
+    spec = keep_whole(spec, lowering_limits)  # a head read by weight runs whole, so it is priced whole
     if engine.counted_tp_collectives:
         spec = charge_tp_collectives(spec, lowering_limits)  # tp priced as the lowering issues it
     spec = with_engine(spec, engine)  # another engine's attention kernel; every layout built from it
