@@ -58,7 +58,7 @@ def _loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def _world(rank, world, layouts):
+def _world(rank, world, layouts, model_cls=None):
     from autopar.lower import compile as ap_compile
     from autopar.lower.manual_plan import plan_for_model
     g = torch.Generator().manual_seed(1)
@@ -67,7 +67,7 @@ def _world(rank, world, layouts):
     out = {}
     for name, layout in layouts:
         torch.manual_seed(0)
-        model = LM()
+        model = (model_cls or LM)()
         ref_losses, ref = one_process_sgd(model, batches, _loss, lr=0.5)
         inputs = lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)  # noqa: E731
         plan = plan_for_model(model, example_inputs=inputs, **layout)
@@ -92,6 +92,37 @@ def test_a_head_read_by_weight_stays_whole_under_tp_and_pp_x_tp():
         for r in results:
             assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
             assert any("head.decoder" in n and "reads its weight" in n for n in r[name]["notes"]), r[name]["notes"]
+
+
+class RootHead(nn.Module):
+    """A small LM whose root computes its head from the embedding's weight: no
+    head module at all (capture's layer 'head' names none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return h @ self.emb.weight.T
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_head_the_root_computes_trains_under_dp_zero3_and_tp():
+    """Such a model was refused by every layout (resolve: "layer 'head' names module
+    'head', which this model does not have"); under tp the embedding whose weight
+    the root reads now stays whole (a vocab split would hand the root a DTensor)."""
+    layouts = [("dp", dict(dp=2, micro_batch_size=2)), ("zero3", dict(dp=2, zero=3, micro_batch_size=2)),
+               ("tp", dict(tp=2, micro_batch_size=4))]
+    results = run_world(_world, 2, layouts, RootHead, timeout=280)
+    for r in results:
+        for name, _ in layouts:
+            assert r[name]["loss_err"] < 1e-5 and r[name]["param_err"] < 1e-5, (name, r[name])
+        assert any(n.startswith("emb: the model reads its parameters outside its forward") for n in r["tp"]["notes"])
 
 
 class RootReads(nn.Module):
@@ -147,8 +178,27 @@ def test_a_head_read_by_weight_is_priced_whole_as_it_runs():
 
     kept, plan = styles(limits)
     assert kept["head"] == kept["embed"] == "replicate" and kept["blocks.0"] == "colwise_rowwise", kept
-    assert "head.decoder" in plan.solver["lowering_limits"]["runs_whole"]["head"]
+    assert "head.decoder: the model reads its weight" in plan.solver["lowering_limits"]["runs_whole"]["head"]
     from autopar.report.tables import not_offered  # and the terminal plan / report say so
     assert any(line.startswith("a vocabulary split of layer head:") for line in not_offered(plan))
     dropped, _ = styles(forgetful)
     assert dropped["head"] == dropped["embed"] == "vocab", dropped
+
+
+def test_a_tied_weight_read_by_either_holder_is_not_read_outside():
+    """GPT's tied embedding and lm_head: the embedding's forward reads the head's
+    weight, which is its own. Counted as read outside, every tied LM would keep
+    both in the root FSDP2 unit and run its embedding and head whole under tp."""
+    from autopar.lower.weight_reads import read_outside
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    m = Tied()
+    assert read_outside(m, {"emb": m.emb, "head": m.head}, (torch.zeros(2, SEQ, dtype=torch.long),), {}) == set()

@@ -178,7 +178,8 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
         layers.append(LayerSpec(
             name=lname, kind=kind, params=params, param_bytes=sum(sizes[k][0] * sizes[k][1] for k in owned),
             **fields, tp_allreduces=m0.tp_allreduces if kind != "head" else 0,
-            tp_degrees=tp_degrees(attrs, kind), ops=ops, attrs=attrs,
+            # no module, no weight to split: a head the root computes from another layer's weight
+            tp_degrees=tp_degrees(attrs, kind) if paths else (1,), ops=ops, attrs=attrs,
             signature=hashlib.sha1(repr(sig_src).encode()).hexdigest()[:12],
             module_paths=paths, shared_params=sorted(shared.get(layer, ())),
         ))

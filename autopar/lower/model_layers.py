@@ -105,10 +105,7 @@ def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
     for stage in sorted(plan.stages, key=lambda s: s.index):
         for choice in stage.layers:
             paths = list(choice.module_paths) or [choice.name]
-            if (paths == ["output"] and choice.name == "output" and choice.kind == "other"
-                    and "output" not in modules and "output" not in params):
-                # capture's layer of what runs after every module (the loss alone), under
-                # its default name: nothing to place (every parameter is still checked below)
+            if _root_compute(choice, paths, modules, params):
                 paths = []
             for p in paths:
                 if p not in modules and p not in params:
@@ -133,10 +130,35 @@ def resolve(model: nn.Module, plan: Plan) -> ModelLayout:
             seen_block = True
         else:
             l.position = "post" if seen_block else "pre"
+    _check_root_compute(layers)
     return ModelLayout(layers=layers, blocks_path=stacks[0] if len(stacks) == 1 else None,
                        num_blocks=len(modules[stacks[0]]) if len(stacks) == 1 else n,
                        tied=tied_parameter_names(model), stacks=stacks,
                        stack_ends={k: tuple(v) for k, v in ends.items()})
+
+
+def _root_compute(choice, paths, modules, params) -> bool:
+    """A layer of what the model's own forward computes after its modules: the
+    loss alone (capture's "output"), or a head the root computes from a weight
+    another layer holds (`h @ self.emb.weight.T`). It names itself, not a module
+    of this model, and owns no parameter: nothing to place (every parameter of
+    the model is still checked against the plan's, so a different model is not
+    mistaken for one)."""
+    return (paths == [choice.name] and choice.kind in ("head", "other")
+            and choice.name not in modules and choice.name not in params)
+
+
+def _check_root_compute(layers: list[ResolvedLayer]) -> None:
+    for l in layers:
+        if l.paths or l.param_paths:
+            continue
+        if l.position != "post" or l.choice.tp_style != "replicate":
+            why = ("comes before the model's blocks" if l.position != "post"
+                   else f"is planned {l.choice.tp_style!r}, but no module holds a weight to split")
+            raise PlanMismatchError(
+                f"the model differs from the planned one: layer {l.choice.name!r} names no module of this model "
+                f"and {why}",
+                hint="re-plan for this model (autopar plan), or pass the model the plan was made for")
 
 
 def _check_parameters(model: nn.Module, plan: Plan, layers: list[ResolvedLayer]) -> None:

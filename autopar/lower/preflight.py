@@ -90,9 +90,9 @@ def probe(model: nn.Module, plan: Plan, layout: ModelLayout, args: tuple, mesh, 
             model, {p: model.get_submodule(p) for l in layout.layers for p in l.paths}, args, forward_kwargs(model))
     if tp > 1:
         split = [l for l in layout.layers if l.choice.tp_style != "replicate"]
-        found.whole, uncalled = weight_reads.read_by_weight(model, split, holders, args)
-        found.unverified += [f"{p}: the model reads its weight instead of calling it, so it runs whole (tp "
-                             f"splits only Linears that are called)" for p in uncalled]
+        found.whole, why = weight_reads.read_by_weight(model, split, holders, args)
+        found.unverified += [f"{p}: {w}, so it runs whole (tp splits only layers the model calls)"
+                             for p, w in why.items()]
     return found
 
 

@@ -3,9 +3,9 @@ before the lowering wraps anything, and asked by both the lowering
 (preflight.py) and the planner's question of what runs (what_runs.py), so
 what is priced is what runs.
 
-* `never_called`: Linears whose forward never runs because the model reads
-  their weight (MobileBERT's head); tp leaves them whole, and every module
-  tied to them (`read_by_weight`).
+* `read_by_weight`: embedding / head layers tp must leave whole: a Linear
+  whose forward never runs because the model reads its weight (MobileBERT's
+  head), a layer whose weight the root reads, and every module tied to them.
 * `read_outside`: layers whose parameters are read outside their forward or
   whose output is written in place; FSDP2 keeps them in their parent's unit.
 """
@@ -31,45 +31,84 @@ def param_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
     return holders
 
 
-def read_by_weight(model, tp_layers, holders, args) -> tuple[frozenset, list[str]]:
-    """(ids of modules to keep whole, paths of the head Linears that are never called).
-    A vocab-split layer's Linear the model never calls (it reads the weight) stays
-    whole, and so does every module holding a weight tied to it (its embedding)."""
-    linears = {f"{p}.{n}" if n else p: m for l in tp_layers if l.position in ("pre", "post") for p in l.paths
-               for n, m in model.get_submodule(p).named_modules() if is_linear(m)}
-    if not linears:
-        return frozenset(), []
-    uncalled = sorted(never_called(model, linears, args, forward_kwargs(model)))
-    whole = {id(linears[p]) for p in uncalled}
+def read_by_weight(model, tp_layers, holders, args) -> tuple[frozenset, dict[str, str]]:
+    """(ids of modules tp keeps whole, {path: why}) for the embedding / head
+    layers among `tp_layers`: a Linear the model never calls (it reads the
+    weight: MobileBERT's head), a layer whose parameters the model reads outside
+    its forward (a root computing `h @ self.emb.weight.T`), and every module
+    holding a weight tied to either. Split, each would hand the user's own
+    code a DTensor it does not expect (a crash in the first step)."""
+    ends = {p: model.get_submodule(p) for l in tp_layers if l.position in ("pre", "post") for p in l.paths}
+    linears = {f"{p}.{n}" if n else p: m for p, e in ends.items() for n, m in e.named_modules() if is_linear(m)}
+    if not ends:
+        return frozenset(), {}
+    reads = _watch(model, {**ends, **linears}, ends, args, forward_kwargs(model))
+    if reads is None:  # unknown: split as planned (the lowering's other checks judge the model)
+        return frozenset(), {}
+    why = {p: "the model reads its weight instead of calling it" for p in sorted(set(linears) - reads.called)}
+    why.update({p: "the model reads its parameters outside its forward" for p in sorted(reads.read)})
+    whole = {id(m) for p in why for m in {**ends, **linears}[p].modules()}
     for hs in holders.values():
         if any(id(m) in whole for m, _ in hs):
             whole.update(id(m) for m, _ in hs)
-    return frozenset(whole), uncalled
+    return frozenset(whole), why
 
 
 class _ParamReads(TorchDispatchMode):
-    """Which layers' parameters an op reads while that layer's forward is not
-    running, and which layers' outputs an op writes in place afterwards."""
+    """Which modules' forwards ran, which layers' parameters an op reads while
+    that layer's forward is not running, and which layers' outputs an op
+    writes in place afterwards."""
 
-    def __init__(self, owner: dict[int, str]):
+    def __init__(self, owner: dict[int, tuple]):
         super().__init__()
-        self.owner, self.running, self.outside, self.outputs = owner, [], set(), {}
+        self.owner, self.running, self.outputs = owner, [], {}
+        self.called, self.read, self.written = set(), set(), set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_flatten((args, kwargs or {}))[0]:
-            path = self.owner.get(id(t)) if isinstance(t, torch.Tensor) else None
-            if path is not None and path not in self.running:
-                self.outside.add(path)
+            paths = self.owner.get(id(t), ()) if isinstance(t, torch.Tensor) else ()
+            if paths and not any(p in self.running for p in paths):  # a tied weight: read by any of its holders
+                self.read.update(paths)
         if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
             path = self.outputs.get(id(args[0]))
             if path is not None and path not in self.running:
-                self.outside.add(path)  # `y = self.o(a); y += h`: FSDP2's hooks on y no longer fire
+                self.written.add(path)  # `y = self.o(a); y += h`: FSDP2's hooks on y no longer fire
         return func(*args, **(kwargs or {}))
+
+
+def _entered(reads: _ParamReads, path: str) -> None:
+    reads.running.append(path)
+    reads.called.add(path)
 
 
 def _left(reads: _ParamReads, path: str, out) -> None:
     reads.running.remove(path)
     reads.outputs.update({id(t): path for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)})
+
+
+def _watch(model, modules: dict[str, nn.Module], owners: dict[str, nn.Module], example_args, model_kwargs):
+    """One fake forward of the model with `modules` (path -> module) hooked and
+    the parameters of `owners` tracked: the _ParamReads it filled, or None when
+    the model cannot run on fake tensors."""
+    owner: dict[int, tuple] = {}
+    for path, m in owners.items():
+        for p in m.parameters():
+            owner[id(p)] = owner.get(id(p), ()) + (path,)
+    reads = _ParamReads(owner)
+    hooks = []
+    for path, m in modules.items():
+        hooks.append(m.register_forward_pre_hook(lambda mod, args, path=path: _entered(reads, path)))
+        hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: _left(reads, path, out),
+                                             always_call=True))
+    try:
+        with probe_forward(model), reads:
+            model(*on_model_device(model, example_args), **model_kwargs)
+    except Exception:  # noqa: BLE001 - the caller decides what unknown means
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+    return reads
 
 
 def read_outside(model: nn.Module, layers: dict[str, nn.Module], example_args: tuple, model_kwargs: dict) -> set:
@@ -78,40 +117,8 @@ def read_outside(model: nn.Module, layers: dict[str, nn.Module], example_args: t
     in place (`y = self.o(a); y += h`): FSDP2 unshards a unit's parameters only
     around its forward and hooks its outputs for the backward, so such a layer
     must stay in its parent's unit (a crash in the first step otherwise: an mm
-    of a DTensor shard, or a freed storage in the backward)."""
-    owner = {id(p): path for path, m in layers.items() for p in m.parameters()}
-    reads = _ParamReads(owner)
-    hooks = []
-    for path, m in layers.items():
-        hooks.append(m.register_forward_pre_hook(lambda mod, args, path=path: reads.running.append(path)))
-        hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: _left(reads, path, out),
-                                             always_call=True))
-    try:
-        with probe_forward(model), reads:
-            model(*on_model_device(model, example_args), **model_kwargs)
-    except Exception:  # noqa: BLE001 - unknown: one unit per layer as before
-        return set()
-    finally:
-        for h in hooks:
-            h.remove()
-    return reads.outside
+    of a DTensor shard, or a freed storage in the backward). Unknown (the model
+    does not run on fake tensors): none, one unit per layer as before."""
+    reads = _watch(model, layers, layers, example_args, model_kwargs)
+    return set() if reads is None else reads.read | reads.written
 
-
-def never_called(model: nn.Module, modules: dict[str, nn.Module], example_args: tuple, model_kwargs: dict) -> set:
-    """The paths of `modules` whose forward one fake forward of the model never
-    runs: a head that reads its Linear's weight (MobileBERT's
-    `x.matmul(cat([decoder.weight.t(), dense.weight]))`) instead of calling it.
-    Splitting such a Linear column-wise would hand the matmul a DTensor the
-    user's code does not expect (a crash in the first backward)."""
-    called, hooks = set(), []
-    for path, m in modules.items():
-        hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: called.add(path)))
-    try:
-        with probe_forward(model):
-            model(*on_model_device(model, example_args), **model_kwargs)
-    except Exception:  # noqa: BLE001 - unknown: split as planned (the lowering's other checks judge the model)
-        return set()
-    finally:
-        for h in hooks:
-            h.remove()
-    return set(modules) - called

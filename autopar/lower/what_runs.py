@@ -528,17 +528,15 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
 
 def _runs_whole(model, layout, args) -> dict:
     """{layer name: why} for the embedding / head layers tp leaves whole: a head
-    Linear the model reads by weight instead of calling, and every layer tied
-    to it (weight_reads.read_by_weight, as the lowering decides)."""
+    Linear the model reads by weight instead of calling, a layer whose weight
+    the root reads, and every layer tied to either (weight_reads.read_by_weight,
+    as the lowering decides)."""
     from autopar.lower import weight_reads
     ends = [l for l in layout.layers if l.position in ("pre", "post")]
-    whole, uncalled = weight_reads.read_by_weight(model, ends, weight_reads.param_holders(model), args)
-    out = {}
-    for l in ends:
-        if any(id(m) in whole for p in l.paths for m in model.get_submodule(p).modules()):
-            out[l.choice.name] = (f"the model reads {', '.join(uncalled)}'s weight instead of calling it, so "
-                                  f"tensor parallelism leaves it (and the layers tied to it) whole")
-    return out
+    whole, why = weight_reads.read_by_weight(model, ends, weight_reads.param_holders(model), args)
+    cause = "; ".join(f"{p}: {w}" for p, w in why.items())
+    return {l.choice.name: f"tensor parallelism leaves it whole, with the layers tied to it ({cause})"
+            for l in ends if any(id(m) in whole for p in l.paths for m in model.get_submodule(p).modules())}
 
 
 def _sequence_split_refusal(layout, plans, tp: int) -> str | None:
