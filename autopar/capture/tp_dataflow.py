@@ -31,6 +31,14 @@ MoE experts stored as 3-D parameters (transformers' `gate_up_proj` of shape
 (autopar/lower/tp_experts.py) shards such a weight *strided*, so each rank
 holds its slice of every piece (`_StridedShard(split_factor=pieces)`): an
 equal cut of the column GEMM's own output keeps every piece sharded, no gather.
+
+A fused projection reshaped into its pieces first (timm's ViT:
+`qkv(x).reshape(b, n, 3, heads, head_dim)` then `unbind` along the 3) is
+sharded the same way (`TPFlow.pieces`: column GEMM -> 3): strided, each rank
+holds its heads of every piece, so the reshape lands the shard on the heads
+dim and the cut along the pieces is free. Read in two passes: the first
+finds such a cut on a pieces dim, the second reads the layer with those
+column GEMMs strided.
 """
 from __future__ import annotations
 
@@ -88,6 +96,7 @@ class TPFlow:
     replicated: set = field(default_factory=set)
     sliced: set = field(default_factory=set)
     experts: set = field(default_factory=set)  # column GEMMs of MoE experts' 3-D weights
+    pieces: dict = field(default_factory=dict)  # column GEMM idx -> pieces its output is reshaped into and cut
 
     @property
     def gather_bytes(self) -> int:
@@ -181,8 +190,32 @@ def _nbytes(shape: tuple, dtype: str) -> int:
     return math.prod(shape) * _ITEMSIZE.get(dtype, 2)
 
 
+def _unflattened(r, sd: int | None) -> int | None:
+    """The output dim holding the outer factor when a view/reshape splits the
+    sharded last dim into two or more dims (…, 3C) -> (…, 3, heads, head_dim); else None."""
+    if sd != -1 or r.op in _TRANSPOSES or r.op in _CUTS or len([s for s in r.in_shapes if s]) != 1 or not r.out_shapes:
+        return None
+    in_shape, out_shape = r.in_shapes[0], r.out_shapes[0]
+    j = _reshaped_dim(in_shape, out_shape, sd)
+    if j is None or j == -1 or out_shape[j] == in_shape[-1] or out_shape[j + 1] == 1:
+        return None
+    return j
+
+
 def tp_flow(fwd: list, is_head: bool) -> TPFlow:
+    """The layer's tensor-parallel reading (see the top of this file)."""
+    flow = _tp_flow(fwd, is_head, {})
+    if flow.pieces:  # a fused projection cut into its pieces: read again with it strided
+        pieces = flow.pieces
+        flow = _tp_flow(fwd, is_head, pieces)
+        flow.pieces = pieces
+    return flow
+
+
+def _tp_flow(fwd: list, is_head: bool, pieces: dict) -> TPFlow:
     flow = TPFlow()
+    origin: dict = {}  # idx -> the column GEMM whose whole output (sharded last dim) it still is
+    piece_of: dict = {}  # idx -> (column GEMM, pieces) when its sharded dim is that GEMM's pieces dim
     state, cols, rows, valid = flow.state, flow.cols, flow.rows, flow.valid
     shard_dim: dict = {}  # idx -> sharded dim of a sharded output (negative), None if unknown
     gathered: dict = {}  # idx -> regions a full (replicated) tensor was gathered from
@@ -212,6 +245,7 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                 cols[r.idx] = r
                 st = frozenset([r.idx])
                 shard_dim[r.idx] = -1
+                origin[r.idx] = r.idx
                 if r.op == "aten._grouped_mm" or any(i in expert_weights for i in r.inputs):
                     strided.add(r.idx)
             from_gather = frozenset()
@@ -235,7 +269,15 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                     st = None
                 elif cut is not None and cut == sd and src in strided and _equal_pieces(r, cut):
                     shard_dim[r.idx] = sd  # the experts' fused gate/up: each piece stays sharded
+                elif (j := _unflattened(r, sd)) is not None and src in origin:
+                    if origin[src] in pieces:  # strided: each rank holds its heads of every piece
+                        shard_dim[r.idx] = j + 1  # the dim after the pieces (j < -1)
+                    else:
+                        shard_dim[r.idx] = j
+                        piece_of[r.idx] = (origin[src], r.out_shapes[0][j])
                 elif cut is not None and sd is not None and cut == sd and _is_real_cut(r, cut):
+                    if src in piece_of and (r.op in _DROPS_DIM or _equal_pieces(r, cut)):
+                        flow.pieces.setdefault(*piece_of[src])
                     # DTensor all-gathers the input before cutting it (once per tensor).
                     if src not in gathered_inputs:
                         gathered_inputs.add(src)
@@ -244,6 +286,10 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
                     st = None
                 else:
                     shard_dim[r.idx] = _follow_dim(r, sd)
+                    if src in origin and shard_dim[r.idx] == -1 and r.out_shapes[0][-1:] == r.in_shapes[0][-1:]:
+                        origin[r.idx] = origin[src]  # the bias add, a cast: still the whole output
+                    elif src in piece_of and shard_dim[r.idx] is not None and r.op in _TRANSPOSES:
+                        piece_of[r.idx] = piece_of[src]  # the pieces dim moved (timm's permute)
         state[r.idx] = st
         if from_gather and st is None:
             gathered[r.idx] = from_gather

@@ -83,9 +83,9 @@ def _layers_and_blocks(model, example_inputs, tp, sequence_parallel, seq_len, gr
     if not any(is_block) and tp > 1:
         # Data parallelism needs no blocks (ALBERT applies one shared layer N times);
         # tensor parallelism splits the blocks of a stack.
-        raise PlanMismatchError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) for "
+        raise PlanMismatchError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList or nn.Sequential of layers) for "
                                 f"tensor parallelism to split",
-                                hint="plan with tp=1, or hold the repeated blocks in an nn.ModuleList")
+                                hint="plan with tp=1, or hold the repeated blocks in an nn.ModuleList or nn.Sequential")
     first, last = ((is_block.index(True), len(is_block) - 1 - is_block[::-1].index(True)) if any(is_block)
                    else (len(is_block), -1))
     layers = []
@@ -150,8 +150,8 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
         if counts[-1] == 0:
             raise PlanMismatchError(
                 f"{len(blocks)} blocks cannot fill {n_stages} pipeline stages" if blocks else
-                f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of layers) to cut pipeline "
-                f"stages between", hint="plan with pp=1, or hold the repeated blocks in an nn.ModuleList")
+                f"{type(model).__name__} has no repeated blocks (an nn.ModuleList or nn.Sequential of layers) to cut pipeline "
+                f"stages between", hint="plan with pp=1, or hold the repeated blocks in an nn.ModuleList or nn.Sequential")
         first = layers.index(blocks[0])
         counts[0] += first
         counts[-1] += len(layers) - first - len(blocks)

@@ -76,8 +76,15 @@ def _parent(path: str) -> tuple[str, str]:
     return parent, leaf
 
 
+# The containers whose numbered entries can be a block stack: a ModuleList the
+# parent walks, or a Sequential that chains them (timm's ViT); a pipeline stage
+# swaps entries of either for stand-ins, a split block is the entry itself.
+STACKS = (nn.ModuleList, nn.Sequential)
+
+
 def block_stacks(layer_paths: list[list[str]], modules: dict[str, nn.Module]) -> list[str]:
-    """Paths of the nn.ModuleLists whose entries are layers (the block stacks,
+    """Paths of the nn.ModuleLists (or nn.Sequentials: timm's
+    `self.blocks = nn.Sequential(*blocks)`) whose entries are layers (the block stacks,
     at any depth: `blocks`, Hugging Face's `model.layers`, `transformer.h`),
     in the order their layers run. An encoder-decoder has two. Paths that
     are not modules (parameters capture folds into a layer, such as T5's
@@ -87,7 +94,7 @@ def block_stacks(layer_paths: list[list[str]], modules: dict[str, nn.Module]) ->
         paths = [p for p in paths if p in modules]
         if len(paths) == 1:
             parent, leaf = _parent(paths[0])
-            if parent in modules and isinstance(modules[parent], nn.ModuleList) and leaf.isdigit():
+            if parent in modules and isinstance(modules[parent], STACKS) and leaf.isdigit():
                 containers[parent] = containers.get(parent, 0) + 1
     if not containers:
         return []

@@ -253,7 +253,7 @@ class ParallelModel:
             if buffers:
                 local.update(state_dict.local_tensors(self, self._buffers))
             for name, p in local.items():
-                t = p.full_tensor() if isinstance(p, DTensor) else p
+                t = state_dict.full_tensor(p)
                 mine[name] = t.detach().to("cpu", copy=True)
         finally:
             quiet.setLevel(level)

@@ -229,15 +229,18 @@ class StageModule(nn.Module):
         if lo is None:  # a stage of only pre or only post layers
             lo = 0 if self.is_first else layout.num_blocks
         hi = (max(mine) + 1) if mine else lo
-        new_blocks = nn.ModuleList()
+        # The stack's own class (a Sequential keeps chaining its entries), its entries
+        # swapped for stand-ins outside this stage.
+        new_blocks = copy.copy(blocks)
+        new_blocks._modules = OrderedDict()
         for i in range(layout.num_blocks):
             if i < lo:
-                new_blocks.append(_SkipBlock(self, inject=(i == 0), block=blocks[i],
-                                             returns=(block_returns or {}).get(i, "tensor")))
+                new_blocks._modules[str(i)] = _SkipBlock(self, inject=(i == 0), block=blocks[i],
+                                                         returns=(block_returns or {}).get(i, "tensor"))
             elif i < hi:
-                new_blocks.append(blocks[i])
+                new_blocks._modules[str(i)] = blocks[i]
             else:
-                new_blocks.append(_StopBlock(blocks[i]))
+                new_blocks._modules[str(i)] = _StopBlock(blocks[i])
         if not self.is_first and lo == 0 and hi > 0:
             # No pass-through block before this stage's first block (the
             # previous stage held only embeddings): hand the received
@@ -330,7 +333,7 @@ def check_stage_cuts(layout: ModelLayout, num_stages: int) -> None:
                 f"({stacks}): it runs {where} the stack, so it must be on the "
                 f"{'first' if l.position == 'pre' else 'last'} pipeline stage, and this plan puts it on stage "
                 f"{l.stage}",
-                hint="hold the repeated blocks in one nn.ModuleList, or plan without pipeline parallelism")
+                hint="hold the repeated blocks in one nn.ModuleList or nn.Sequential, or plan without pipeline parallelism")
 
 
 def check_schedule(plan) -> None:

@@ -64,34 +64,81 @@ def all_model_names(pm) -> set[str]:
 
 def _plain_placements(t) -> list | None:
     """Placements DCP can write for `t`, or None when its own are fine. DCP writes one
-    contiguous chunk per rank; a `_StridedShard` that alone splits its dim (MoE experts'
-    gate_up under tp, lower/tp_experts.py: each rank holds its slice of gate and of up)
-    leaves a rank several pieces, which DCP refuses as overlapping chunks. FSDP2's own
-    strided shards (a dim split by tp and dp together) are one chunk: kept."""
-    from torch.distributed.tensor import DTensor, Shard
+    contiguous chunk per rank; a `_StridedShard` innermost on its dim (MoE experts'
+    gate_up and fused qkv projections under tp, lower/tp_experts.py and
+    tp_styles.PiecewiseColwiseParallel: each rank holds its slice of every piece)
+    leaves a rank several pieces, which DCP refuses as overlapping chunks (or,
+    under FSDP2 as well, would write at the wrong offsets). Such a dim is made
+    plain: `Shard(dim)` on that mesh dim, replicated on the outer ones that
+    also split it. FSDP2's own strided shards over a plain tp `Shard` are one
+    chunk: kept."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     if not isinstance(t, DTensor):
         return None
-    dims = [getattr(p, "dim", None) for p in t.placements]
-    lone = [type(p).__name__ == "_StridedShard" and dims.count(p.dim) == 1 for p in t.placements]
-    return [Shard(p.dim) if alone else p for p, alone in zip(t.placements, lone)] if any(lone) else None
+    out, changed = list(t.placements), False
+    for i, p in enumerate(t.placements):
+        inner = not any(getattr(q, "dim", None) == p.dim for q in t.placements[i + 1:])
+        if type(p).__name__ == "_StridedShard" and inner:
+            out = [Replicate() if j < i and getattr(q, "dim", None) == p.dim else q for j, q in enumerate(out)]
+            out[i], changed = Shard(p.dim), True
+    return out if changed else None
+
+
+def _stepwise(t, placements: list):
+    """`t` redistributed to `placements` one mesh dim at a time: outer dims gathered
+    first, inner ones changed first when scattering back. DTensor redistributes
+    several strided shards of one dim at once wrongly (torch 2.13); one at a
+    time, each step is its 1-D case."""
+    current = list(t.placements)
+    gather = [i for i, (a, b) in enumerate(zip(current, placements)) if a != b and b.is_replicate()]
+    scatter = [i for i, (a, b) in enumerate(zip(current, placements)) if a != b and not b.is_replicate()]
+    for i in gather + scatter[::-1]:
+        current[i] = placements[i]
+        t = t.redistribute(t.device_mesh, current)
+    return t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective), gathered one mesh dim at a time
+    (see `_stepwise`); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if not isinstance(t, DTensor):
+        return t
+    return _stepwise(t, [Replicate()] * len(t.placements)).to_local()
 
 
 def for_dcp(state: dict) -> tuple[dict, object]:
     """`state` as DCP saves and loads it (see `_plain_placements`): such tensors
-    resharded plainly (`Shard(dim)`, one redistribution each), and a function
-    that copies stand-ins DCP loaded into back into the tensors of `state`."""
+    resharded plainly (one redistribution per mesh dim), and a function that
+    copies stand-ins DCP loaded into back into the tensors of `state`."""
     out, back = dict(state), []
     for name, t in state.items():
         plain = _plain_placements(t)
         if plain is not None:
-            out[name] = t.detach().redistribute(t.device_mesh, plain)
+            out[name] = _stepwise(t.detach(), plain)
             back.append((t, out[name]))
 
     def restore():
         with torch.no_grad():
             for t, stand_in in back:
-                t.to_local().copy_(stand_in.redistribute(t.device_mesh, t.placements).to_local())
+                t.to_local().copy_(_local_of(stand_in, list(t.placements)))
     return out, restore
+
+
+def _local_of(t, placements: list) -> torch.Tensor:
+    """This rank's tensor of `t` in `placements`. An outer strided shard of a dim
+    that an inner placement splits too (FSDP2 over a strided tp shard) is
+    taken as FSDP2 takes it, a torch.chunk of the inner local tensor: DTensor
+    would slice by its own reading of the nesting, which differs."""
+    from torch.distributed.tensor import Replicate
+    outer = [i for i, p in enumerate(placements) if type(p).__name__ == "_StridedShard"
+             and any(getattr(q, "dim", None) == p.dim for q in placements[i + 1:])]
+    local = _stepwise(t, [Replicate() if i in outer else p for i, p in enumerate(placements)]).to_local()
+    coord = t.device_mesh.get_coordinate()
+    for i in outer:
+        pieces = torch.chunk(local, t.device_mesh.size(i), dim=placements[i].dim)
+        local = pieces[coord[i]] if coord[i] < len(pieces) else local.narrow(placements[i].dim, 0, 0)
+    return local
 
 
 def _stepping_optimizer(opt):

@@ -53,8 +53,9 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import PlanMismatchError
-from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, SharedInput, TransposedColwiseParallel,
-                                     TransposedRowwiseParallel, is_linear, replicate_parameters)
+from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, PiecewiseColwiseParallel, SharedInput,
+                                     TransposedColwiseParallel, TransposedRowwiseParallel, is_linear,
+                                     replicate_parameters)
 
 _SDPA_REGISTERED = False
 
@@ -145,6 +146,9 @@ class BlockPlan:
     rowwise_whole: list[str] = field(default_factory=list)
     # MoE experts stored as 3-D parameters: split on their ffn dim, run on local tensors (tp_experts.py)
     experts: list = field(default_factory=list)
+    # Column Linears (paths in the block) of a fused projection reshaped into its pieces and cut
+    # (timm's qkv -> (3, heads, head_dim)): sharded strided, each rank its heads of every piece
+    pieces: dict = field(default_factory=dict)
 
 
 def _first_tensor(value):
@@ -217,18 +221,19 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
                    if not any(is_linear(m) for m in c.modules()) and any(True for _ in c.parameters())],
             activation_shape=tuple(main.shape) if isinstance(main, torch.Tensor) else (),
             returns=_returns(rec["out"], reads.read_after(rec["ops_before"])), main_argument=where)
-        _place_pairs(block, plans[bi], _linear_groups(block, flow.ops.get(bi, [])), seen)
+        _place_pairs(block, plans[bi], _linear_groups(block, flow.ops.get(bi, []), plans[bi].pieces), seen)
         _place_experts(block, plans[bi], flow.ops.get(bi, []))
     return plans
 
 
-def _linear_groups(block: nn.Module, ops: list) -> list[tuple[list[str], list[str]]]:
+def _linear_groups(block: nn.Module, ops: list, pieces: dict) -> list[tuple[list[str], list[str]]]:
     """The block's tensor-parallel groups as (column Linears, row Linears), paths
     in the block, from capture's dataflow analysis of its recorded ops. A group
     is kept only when each of its GEMMs ran in a Linear's own forward and each
     of those Linears has that one role in every call (a Linear called twice,
     once as a column and once elsewhere, would be split for one and wrong
-    for the other: its group stays whole)."""
+    for the other: its group stays whole). Fills `pieces` with the column
+    Linears of a fused projection cut into its pieces (TPFlow.pieces), by path."""
     from autopar.capture.tp_dataflow import split_groups, tp_flow
 
     flow = tp_flow(ops, is_head=False)
@@ -250,6 +255,7 @@ def _linear_groups(block: nn.Module, ops: list) -> list[tuple[list[str], list[st
         if None in names or any(len(roles_of[n]) != 1 for n in names):
             continue
         out.append((list(dict.fromkeys(names[:len(cols)])), list(dict.fromkeys(names[len(cols):]))))
+        pieces.update({path[id(by_idx[c].module)]: k for c, k in flow.pieces.items() if c in cols})
     return out
 
 
@@ -406,10 +412,10 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
         prefix = f"{sub.name}." if sub.name else ""
         styles[sub.name] = ModuleInputs(sub.main_input, hidden, Replicate())
         for name in sub.colwise:
-            styles[prefix + name] = TransposedColwiseParallel(use_local_output=False)
+            styles[prefix + name] = _colwise(plan, prefix + name)
         styles[prefix + sub.rowwise] = TransposedRowwiseParallel(output_layouts=hidden, use_local_output=False)
     for name in plan.colwise:
-        styles[name] = TransposedColwiseParallel(use_local_output=False)
+        styles[name] = _colwise(plan, name)
     for name in plan.rowwise:
         out = Replicate() if name in plan.rowwise_whole else hidden
         styles[name] = TransposedRowwiseParallel(output_layouts=out, use_local_output=False)
@@ -439,6 +445,12 @@ def parallelize_block(block: nn.Module, plan: BlockPlan, tp_mesh, *, sequence_pa
     parallelize_module(block, tp_mesh, ModuleInputs(plan.main_argument, Replicate() if first or not sp else hidden,
                                                     hidden))
     parallelize_module(block, tp_mesh, ModuleOutputs(Replicate() if last or not sp else hidden))
+
+
+def _colwise(plan: BlockPlan, name: str):
+    if name in plan.pieces:
+        return PiecewiseColwiseParallel(plan.pieces[name])
+    return TransposedColwiseParallel(use_local_output=False)
 
 
 def tp_region():

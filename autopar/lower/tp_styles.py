@@ -57,6 +57,46 @@ class TransposedColwiseParallel(ColwiseParallel):
                                                              m, outputs, mesh))
 
 
+class PiecewiseColwiseParallel(ParallelStyle):
+    """Column-parallel for a fused projection whose output the model reshapes
+    into `pieces` and cuts (timm's qkv: (3, heads, head_dim), then unbind):
+    weight and bias sharded strided (`_StridedShard(split_factor=pieces)`), so
+    each rank holds its heads of every piece and DTensor's reshape lands the
+    shard on the heads dim, with no gather. The GEMM itself runs on local
+    tensors: DTensor's mm rules know no strided placement and would gather the
+    weight and the output's gradient in backward. Its input's gradient leaves
+    as a partial sum (Megatron's conjugate all-reduce, where DTensor meets it)."""
+
+    def __init__(self, pieces: int):
+        super().__init__()
+        self.pieces = pieces
+
+    def _apply(self, module, device_mesh):
+        from torch.distributed.tensor.placement_types import _StridedShard
+        k = self.pieces
+        out_dim = 1 if is_transposed_linear(module) else 0
+        _shard_params(module, device_mesh, {"weight": [_StridedShard(out_dim, split_factor=k)],
+                                            "bias": [_StridedShard(0, split_factor=k)]})
+        module.forward = lambda x: _piecewise_linear(module, x, k)
+        return module
+
+
+def _piecewise_linear(module, x, pieces: int):
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+    w, b = module.weight, module.bias
+    mesh = w.device_mesh
+    x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    if x.placements != (Replicate(),):
+        x = x.redistribute(mesh, [Replicate()])
+    xl = x.to_local(grad_placements=[Partial()])
+    wl, bl = w.to_local(), b.to_local() if b is not None else None
+    y = torch.nn.functional.linear(xl, wl.t() if is_transposed_linear(module) else wl, bl)
+    shape = (*x.shape[:-1], w.shape[1] if is_transposed_linear(module) else w.shape[0])
+    return DTensor.from_local(y, mesh, [_StridedShard(y.dim() - 1, split_factor=pieces)], run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
 class TransposedRowwiseParallel(RowwiseParallel):
     """RowwiseParallel for a (in, out) weight: W Shard(0), bias replicated."""
 

@@ -477,7 +477,7 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     if not blocks or off_stack:
         # Lowering splits attention / MLP pairs only inside the blocks of a stack; a layer
         # priced as split elsewhere would run whole (or only its embedding split).
-        why = (f"layer {off_stack!r} is not a block of a stack (an nn.ModuleList of layers), and lowering "
+        why = (f"layer {off_stack!r} is not a block of a stack (an nn.ModuleList or nn.Sequential of layers), and lowering "
                f"splits attention / MLP Linears only there" if off_stack else "the model has no block stack")
         out["tp"] = {str(d): why for d in degrees}
         if not blocks:
