@@ -62,10 +62,17 @@ class Engine:
     # The engine runs its own kernels, not the model's code: each chain of memory-bound ops
     # in a module (a norm, an activation, RoPE) as one kernel (LayerSpec.module_fusion_saved_*)
     fuses_modules: bool = False
+    # autopar's own program with every block torch.compile'd (autopar/lower/compile_blocks.py;
+    # on by default on CUDA): a block's memory-bound ops run as the fused kernels inductor
+    # makes of them (LayerSpec.compiled_fusion_saved_*), launched as that many kernels.
+    # Priced so only when asked (`autopar plan --compile`, plan(engine=COMPILED)) until
+    # measured on a GPU: the eager pricing is the one the validation set checks.
+    compiled_blocks: bool = False
 
     @property
     def is_autopar(self) -> bool:
-        return self == AUTOPAR
+        """autopar's own program, its blocks compiled or not: the one the lowering runs."""
+        return replace(self, compiled_blocks=False) == AUTOPAR
 
     def runs_fused(self, pattern: str) -> bool:
         """Whether this engine runs the fusion pass's chain `pattern` as one kernel."""
@@ -89,6 +96,7 @@ class Engine:
 
 
 AUTOPAR = Engine()
+COMPILED = Engine(compiled_blocks=True)  # autopar's program, blocks compiled (what CUDA runs by default)
 # Presets a user names with --engine; the flags below it override single fields.
 ENGINES = {
     "autopar": AUTOPAR,
@@ -117,9 +125,16 @@ ENGINES = {
 
 def engine_from_options(name: str | None = None, *, tp_comm_overlap: bool | None = None,
                         main_grads: str | None = None, optimizer_impl: str | None = None,
-                        attention_kernel: str | None = None) -> Engine:
+                        attention_kernel: str | None = None, compiled_blocks: bool | None = None) -> Engine:
     """The engine a user named (`--engine`) with single fields overridden. Any override
-    without `--engine` prices another engine too: it starts from "pytorch"."""
+    without `--engine` prices another engine too: it starts from "pytorch".
+    `compiled_blocks` (`--compile`): autopar's own program with compiled blocks."""
+    if compiled_blocks:
+        if name not in (None, "autopar") or any(v is not None for v in (tp_comm_overlap, main_grads,
+                                                                           optimizer_impl, attention_kernel)):
+            raise AutoparError("--compile prices autopar's own program with compiled blocks; it does not "
+                               "describe another engine", hint="drop --compile, or the other engine's flags")
+        return COMPILED
     overrides = {k: v for k, v in (("tp_comm_overlap", tp_comm_overlap), ("main_grads", main_grads),
                                    ("optimizer_impl", optimizer_impl), ("attention_kernel", attention_kernel))
                  if v is not None}
@@ -143,7 +158,7 @@ def with_engine(spec, engine: Engine):
     engine's kernel, attention is split by heads where the engine does so, memory-bound
     modules run as one kernel each where the engine has its own, and the spec remembers
     the engine for every layout built from it."""
-    if engine.is_autopar:
+    if engine == AUTOPAR:
         return spec
     spec = copy.copy(spec)
     spec.layers = [_layer_as_run(layer, engine) for layer in spec.layers]
@@ -200,8 +215,10 @@ def priced_for(plan) -> str:
     """Which program a plan's numbers are for, in words (the terminal plan and the report)."""
     engine = plan_engine(plan)
     if engine.is_autopar:
-        return ("autopar's own program (what autopar compile emits); to compare with a run made on "
-                "Megatron-LM / NeMo or plain PyTorch, price it as that engine ran it (--engine, docs/cli.md)")
+        blocks = "blocks torch.compile'd" if engine.compiled_blocks else "blocks eager"
+        return (f"autopar's own program (what autopar compile emits; priced with its {blocks}); to compare "
+                "with a run made on Megatron-LM / NeMo or plain PyTorch, price it as that engine ran it "
+                "(--engine, docs/cli.md)")
     return f"the {engine.name} engine ({describe(engine)}): an estimate autopar does not lower"
 
 

@@ -148,6 +148,10 @@ class LayerSpec:
           (capture measures them; an engine with its own fused kernels, such
           as Megatron's, adds them to fused_bytes_saved_*). Not charged
           by themselves.
+    compiled_fusion_saved_fwd / compiled_fusion_saved_bwd: the same with each
+          chain spanning the whole layer, as inductor fuses a compiled block
+          (attrs["compiled_kernels_fwd"]: the kernels it then launches). Charged
+          for the blocks of a plan priced compiled (cost_models/layer_compute.py).
     """
 
     name: str
@@ -183,6 +187,8 @@ class LayerSpec:
     fused_bytes_saved_bwd: Expr = 0
     module_fusion_saved_fwd: Expr = 0  # see the class docstring
     module_fusion_saved_bwd: Expr = 0
+    compiled_fusion_saved_fwd: Expr = 0  # see the class docstring
+    compiled_fusion_saved_bwd: Expr = 0
 
     def eval(self, name: str, batch: int = 1, seq: int | None = None) -> float:
         """Numeric value of field `name` at a micro-batch of `batch` samples."""

@@ -193,3 +193,44 @@ def test_megatron_runs_each_memory_bound_module_as_one_kernel(cluster):
     layout = candidate_layout(_cand(tp=1, pp=1, dp=8), engine=meg)
     assert estimate(as_run, layout, cluster).step_time_s < estimate(eager, layout, cluster).step_time_s
     assert not (AUTOPAR.fuses_modules or ENGINES["pytorch"].fuses_modules)
+
+
+def test_compiled_blocks_are_priced_as_inductor_fuses_them_and_still_lowered(cluster):
+    """`autopar plan --compile` (what autopar.compile plans on CUDA): each block's
+    memory-bound chains fused across its modules, as one compiled graph is, and only
+    the kernels that graph launches dispatched; embeddings and head stay eager. Still
+    autopar's own program: the lowering takes the plan, and says so when the blocks run
+    otherwise than priced."""
+    import torch
+
+    from autopar.engine import COMPILED
+    from autopar.lower.compile_blocks import priced_otherwise
+    from autopar.solve.fusion_costs import charge_compiled_blocks
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import llama
+    net, inputs = llama.llama_tiny()
+    from autopar.solve.planner import model_spec
+    graph = model_spec(net, inputs, precision="bf16")
+    blocks = [l for l in graph.layers if l.kind == "transformer_block"]
+    assert blocks and all(l.compiled_fusion_saved_fwd != 0 and l.compiled_fusion_saved_bwd != 0 for l in blocks)
+    assert all(l.attrs["compiled_kernels_fwd"] < l.attrs["host_ops_fwd"] / 2 for l in blocks)
+    as_run = charge_compiled_blocks(graph)
+    for layer, run in zip(graph.layers, as_run.layers):
+        if layer in blocks:
+            assert run.fused_bytes_saved_fwd == layer.compiled_fusion_saved_fwd
+            assert run.attrs["host_ops_fwd"] == layer.attrs["compiled_kernels_fwd"]
+        else:  # eager, as lowered
+            assert run is layer
+
+    kw = dict(example_inputs=inputs, global_batch_size=64, constraints=dict(tp=1, pp=1, zero=2, micro_batch=1))
+    eager = plan(net, "h100-sxm:8", **kw)
+    compiled = plan(net, "h100-sxm:8", engine=COMPILED, **kw)
+    assert compiled.predicted.step_time_s < eager.predicted.step_time_s
+    assert compiled.assumptions["engine"]["compiled_blocks"] is True and "engine" not in eager.assumptions
+    check_runs_on_autopar(compiled)  # autopar's own program: lowered
+    assert priced_otherwise(compiled, compiling=True) == [] and priced_otherwise(eager, compiling=False) == []
+    assert "priced with its blocks compiled, and they run eager" in priced_otherwise(compiled, compiling=False)[0]
+    with pytest.raises(AutoparError, match="--compile"):
+        engine_from_options("megatron", compiled_blocks=True)
+    assert torch.is_tensor(inputs(1)[0])

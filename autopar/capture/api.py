@@ -279,11 +279,12 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
                         "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered")}
     # What one kernel per chain of memory-bound ops saves: the chains seen at every point
     # that save at every point, so the sum stays a polynomial in (batch, seq)
-    chains = set.intersection(*(set(m.module_fusion_chains) for m in per_point.values()))
     fusion_savings = {}
-    for i, name in enumerate(("module_fusion_saved_fwd", "module_fusion_saved_bwd")):
-        keep = [k for k in chains if all(m.module_fusion_chains[k][i] > 0 for m in per_point.values())]
-        fusion_savings[name] = {p: sum(m.module_fusion_chains[k][i] for k in keep) for p, m in per_point.items()}
+    for what_fuses, prefix in (("module_fusion_chains", "module"), ("layer_fusion_chains", "compiled")):
+        chains = set.intersection(*(set(getattr(m, what_fuses)) for m in per_point.values()))
+        for i, name in enumerate((f"{prefix}_fusion_saved_fwd", f"{prefix}_fusion_saved_bwd")):
+            keep = [k for k in chains if all(getattr(m, what_fuses)[k][i] > 0 for m in per_point.values())]
+            fusion_savings[name] = {p: sum(getattr(m, what_fuses)[k][i] for k in keep) for p, m in per_point.items()}
     # Selective recomputation drops the saved tensors that grow with s^2 (the
     # attention scores, softmax, dropout mask) and redoes the ops whose FLOPs
     # grow with s^2 (QK^T, scores x V).

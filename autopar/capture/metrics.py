@@ -55,6 +55,9 @@ class LayerMetrics:
     # HBM bytes (forward, backward) an engine that runs each chain of memory-bound ops in a
     # module as one kernel saves, by the chain's first op key (module_fusion_savings)
     module_fusion_chains: dict = field(default_factory=dict)
+    # The same with a chain spanning the whole layer, as inductor fuses a compiled block
+    # (`torch.compile` of the block: one graph, its memory-bound ops fused between GEMMs)
+    layer_fusion_chains: dict = field(default_factory=dict)
 
 
 def _normalise(path: str) -> str:
@@ -103,7 +106,7 @@ def _chains(recs: list) -> list:
     return list(groups.values())
 
 
-def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx) -> dict:
+def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx, region=lambda r: r.module) -> dict:
     """HBM bytes (forward, backward) saved when each chain of memory-bound ops inside one
     module runs as one kernel, as an engine with its own kernels runs the architecture
     whatever the model code writes: Megatron-core's Transformer Engine norm is one kernel
@@ -117,11 +120,13 @@ def module_fusion_savings(fwd: list, bwd: list, key_of=lambda r: r.idx) -> dict:
     gradients. Returns {key_of(the chain's first op): (forward, backward) saved}, the
     eager ops' bytes less that; negative where one kernel would move more (it reads
     whole a tensor the eager ops only slice): capture keeps the chains that save at
-    every measured size (a sum of polynomials is one)."""
+    every measured size (a sum of polynomials is one). `region`: what one kernel may
+    span (default a module; `lambda r: "layer"`, the whole layer, as a compiled
+    block's graph does)."""
     by_module: dict = {}
     for r in fwd:
         if r.module:  # ops of no module: the model's own forward, outside any block
-            by_module.setdefault(r.module, []).append(r)
+            by_module.setdefault(region(r), []).append(r)
     # every forward input by producer, once: (consumer, bytes) of each tensor an op reads
     readers: dict = {}
     for r in fwd:
@@ -172,6 +177,11 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     _op_table(m, fwd, bwd, flow, prefix)
     _layer_facts(m, trace, layer, fwd, bwd, flow, is_head)
     m.module_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx])
+    m.layer_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx], region=lambda r: "layer")
+    # Kernels a compiled block launches: one per chain of memory-bound ops, one per other op
+    # that computes or moves data (GEMMs, attention; views launch nothing)
+    chains = _chains([r for r in fwd if r.module])
+    m.attrs["compiled_kernels_fwd"] = len(chains) + sum(1 for r in fwd if r.kind not in _FUSABLE_KINDS and r.nbytes)
     return m
 
 

@@ -85,12 +85,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                      help="gradients reduced and accumulated in fp32 or in the training dtype")
     eng.add_argument("--optimizer-impl", default=None, choices=OPTIMIZER_IMPLS,
                      help="fused (apex / Megatron / torch fused=True) or foreach (torch's default) Adam")
+    eng.add_argument("--compile", dest="compiled_blocks", action="store_const", const=True, default=None,
+                     help="price autopar's program with every block torch.compile'd (as it runs on CUDA by "
+                          "default): inductor's fused memory-bound chains and fewer kernel launches")
     eng.add_argument("--attention-kernel", default=None, choices=ATTENTION_KERNELS,
                      help="the fused attention kernel the run used: flash2 (SDPA's, the default), flash1, "
                           "flash-triton (the 2022 Triton kernel, e.g. MPT's attn_impl: triton)")
 
 
-ENGINE_OPTIONS = ("engine", "tp_comm_overlap", "main_grads", "optimizer_impl", "attention_kernel")
+ENGINE_OPTIONS = ("engine", "tp_comm_overlap", "main_grads", "optimizer_impl", "attention_kernel", "compiled_blocks")
 
 
 def engine_from_args(args):

@@ -94,8 +94,12 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         if cluster_spec is None or global_batch_size is None:
             raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)")
         from autopar.lower.what_runs import limits
+        from autopar.engine import AUTOPAR, COMPILED
+        from autopar.lower.compile_blocks import wanted
+        from autopar.lower.mesh import local_device
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
-                  "check_lowering": limits}
+                  "check_lowering": limits,  # and priced as the blocks will run
+                  "engine": COMPILED if wanted(torch_compile, local_device()) else AUTOPAR}
         if constraints:
             kwargs["constraints"] = constraints
         if precision is not None:

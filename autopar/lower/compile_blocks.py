@@ -57,6 +57,18 @@ def wanted(torch_compile, device: torch.device) -> bool:
     return device.type == "cuda" if torch_compile == "auto" else bool(torch_compile)
 
 
+def priced_otherwise(plan, compiling: bool) -> list[str]:
+    """A sentence when the plan was priced with its blocks compiled and they run eager,
+    or the other way round (`autopar plan --compile`, Plan.assumptions["engine"])."""
+    from autopar.engine import plan_engine
+    priced = plan_engine(plan).compiled_blocks
+    if priced == compiling:
+        return []
+    return [f"the plan was priced with its blocks {'compiled' if priced else 'eager'}, and they run "
+            f"{'compiled' if compiling else 'eager'} (torch_compile): expect the step time to differ from "
+            f"the plan's; re-plan {'without' if priced else 'with'} --compile to price what runs"]
+
+
 class CompiledBlocks:
     """The blocks this rank compiled, and those that fell back to eager (path -> reason)."""
 

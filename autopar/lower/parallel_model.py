@@ -417,7 +417,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
                        schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
                        device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel,
                        buffers=buffers, grad_scaler=scaler)
-    pm.notes = data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
+    pm.notes = (data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
+                + compile_blocks.priced_otherwise(plan, compiling))
     pm.compiled_blocks = compiled
     compile_note = [compiled.start_note()] if compiled is not None else []
     if dist.get_rank() == 0:  # once per job, not once per GPU

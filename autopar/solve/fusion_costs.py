@@ -70,3 +70,40 @@ def charge_fusions(spec, fusions: list[dict], device):
     out = copy.copy(spec)
     out.layers = layers
     return out
+
+
+def charge_compiled_blocks(spec):
+    """`spec` as autopar's program runs it with its blocks torch.compile'd (copies):
+    each block's memory-bound ops fused as inductor fuses a whole block graph
+    (LayerSpec.compiled_fusion_saved_*, measured by capture on the layer's
+    dataflow; the chains the fusion pass charged are among them, so the larger
+    of the two saving counts, never their sum), and the host time of the
+    kernels that graph launches instead of every eager op (attrs
+    "compiled_kernels_fwd"; backward as twice as many). Blocks are the layers
+    that repeat (a stack's, by signature); embeddings and head stay eager, as
+    the lowering runs them."""
+    from collections import Counter
+
+    repeats = Counter(l.signature for l in spec.layers if l.signature)
+    layers = []
+    for layer in spec.layers:
+        kernels = (layer.attrs or {}).get("compiled_kernels_fwd")
+        if layer.kind in ("embedding", "head") or repeats.get(layer.signature, 0) < 2 or not kernels:
+            layers.append(layer)
+            continue
+        compiled = copy.copy(layer)
+        compiled.fused_bytes_saved_fwd = _larger(layer.fused_bytes_saved_fwd, layer.compiled_fusion_saved_fwd)
+        compiled.fused_bytes_saved_bwd = _larger(layer.fused_bytes_saved_bwd, layer.compiled_fusion_saved_bwd)
+        compiled.attrs = {**layer.attrs, "host_ops_fwd": kernels, "host_ops_bwd": 2 * kernels}
+        compiled.signature = f"{layer.signature}|compiled"
+        layers.append(compiled)
+    out = copy.copy(spec)
+    out.layers = layers
+    return out
+
+
+def _larger(a, b):
+    """The larger of two byte counts in (b, s): compared at a mid-size point, both polynomials with
+    nonnegative terms, so the one larger there is taken (exact where one saves a superset)."""
+    from cost_models.compute import fast
+    return a if fast(a)(8, 2048) >= fast(b)(8, 2048) else b

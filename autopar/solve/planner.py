@@ -27,7 +27,7 @@ from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
 from autopar.solve.layout import assignment_layout, root_held_layers
 from autopar.solve.cpsat import solve_cpsat
-from autopar.solve.fusion_costs import charge_fusions, plan_fusions
+from autopar.solve.fusion_costs import charge_compiled_blocks, charge_fusions, plan_fusions
 from autopar.solve.lowering_costs import charge_tp_collectives, keep_whole
 from autopar.solve.plan_build import TP_KINDS, build_plan, tp_style  # noqa: F401  (tp_style: planner.tp_style)
 from autopar.solve.problem import KIB, memory_floor, to_mem_units
@@ -355,6 +355,8 @@ def _priced_graph(model, example_inputs, cluster, pins, *, seq_len, name, precis
         if found and not fusions:
             no_fusion_why = f"the {engine.name} engine runs none of the {found} fusable chains found as one kernel"
     unfused_spec, spec = spec, charge_fusions(spec, fusions, cluster.device_profile)
+    if engine.compiled_blocks:
+        spec = charge_compiled_blocks(spec)
     for s in (unfused_spec, spec):
         s.lowering_limits = lowering_limits
         s.engine = engine
@@ -494,7 +496,7 @@ def _note_assumptions(plan_obj: Plan, pins: Constraints, engine: Engine, *, fusi
     """What the Plan runs differently from what was asked, said in its assumptions:
     another engine, a pinned ZeRO 0/1 run as ZeRO 2, a pinned checkpoint a layer cannot
     take, the fusions, an assumed global batch."""
-    if not engine.is_autopar:
+    if engine != AUTOPAR:  # another engine, or autopar's program priced with compiled blocks
         plan_obj.assumptions["engine"] = engine.to_dict()
     if pins.zero in (0, 1) and any(c.zero != pins.zero for c in plan_obj.layer_choices):
         plan_obj.assumptions["zero"] = (
