@@ -4,14 +4,17 @@
 # session is this one script, each part under its own limit, every result written
 # under OUT as soon as it exists (a part cut short loses only itself).
 #
-#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S] [COMPILE_S]
+#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S] [COMPILE_S] [COMPILED_MEASURE_S]
 #   DEVICE: the cost model's name of the GPU (h100-sxm, h200); plans come from
 #   `python3 benchmarks/gpu_step_time.py plan --device DEVICE`, made beforehand here.
 #   A part given 0 seconds is skipped: `gpu_run.sh h200 OUT 0 0 240` runs only the
 #   compiled comparison (issue 31: autopar compiled / eager against hand-written eager
 #   and torch.compile(model), benchmarks/compile_overhead.py --device cuda).
+#   COMPILED_MEASURE_S: the pinned plans priced with compiled blocks (`autopar plan
+#   --compile`, gpu_step_time_plans*_compiled.json) run compiled: predicted against
+#   measured for the compiled pricing, before any other part is cut short.
 set -u
-dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330} cmp_s=${5:-0}
+dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330} cmp_s=${5:-0} cmeas_s=${6:-0}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
@@ -22,6 +25,12 @@ if [ "$cmp_s" -gt 0 ]; then
   timeout "$cmp_s" python3 benchmarks/compile_overhead.py --device cuda --out "$out/compile_overhead_${dev}" \
       --note "benchmarks/gpu_run.sh $dev OUT $cal_s $meas_s $cmp_s" 2>&1 | tail -n 20
   echo "compile comparison: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$cmeas_s" -gt 0 ]; then
+  t0=$(date +%s)
+  timeout "$cmeas_s" python3 benchmarks/gpu_step_time.py measure --compile --device "$dev" \
+      --out "$out/gpu_step_time_${dev}_compiled_measured.json"
+  echo "compiled measure: $(( $(date +%s) - t0 )) s"
 fi
 [ "$cal_s" -gt 0 ] || exit 0
 t0=$(date +%s)

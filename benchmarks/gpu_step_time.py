@@ -157,16 +157,19 @@ def build(name: str, device: str | torch.device = "meta"):
     return model, (lambda b: mod.example_inputs(b, cfg)), mod.loss_fn, cfg
 
 
-def predict(name: str, cluster) -> dict:
-    """The plan of one case, priced on `cluster` (layout pinned in full)."""
+def predict(name: str, cluster, compiled: bool = False) -> dict:
+    """The plan of one case, priced on `cluster` (layout pinned in full); `compiled`:
+    priced with its blocks torch.compile'd (autopar plan --compile, issue 31)."""
     import autopar
+    from autopar.engine import AUTOPAR, COMPILED
     from autopar.lower.api import captured_with_loss  # what autopar.compile plans from
 
     model, inputs, loss_fn, _ = build(name)
     batch, ckpt = CASES[name][3], CASES[name][4]
     constraints = dict(dp=1, tp=1, pp=1, zero=0, micro_batch=batch, checkpoint=ckpt)
     plan = autopar.plan(captured_with_loss(model, inputs, loss_fn), cluster, global_batch_size=batch,
-                        constraints=constraints, precision="bf16", fusion=False, module=model)
+                        constraints=constraints, precision="bf16", fusion=False, module=model,
+                        engine=COMPILED if compiled else AUTOPAR)
     return plan.to_dict()
 
 
@@ -177,29 +180,34 @@ def one_gpu(device: str = "h100-sxm", profile=None):
     return cluster.with_profile(profile) if profile is not None else cluster
 
 
-def plans_file(device: str) -> Path:
-    """The pinned plans of one device (the H100's keep their first name)."""
-    return PLANS if device == "h100-sxm" else PLANS.with_name(f"gpu_step_time_plans_{device}.json")
+def plans_file(device: str, compiled: bool = False) -> Path:
+    """The pinned plans of one device (the H100's keep their first name); `_compiled`:
+    those priced with compiled blocks."""
+    path = PLANS if device == "h100-sxm" else PLANS.with_name(f"gpu_step_time_plans_{device}.json")
+    return path.with_name(path.stem + "_compiled.json") if compiled else path
 
 
 def cmd_plan(args) -> int:
-    path = plans_file(args.device)
+    path = plans_file(args.device, args.compile)
     plans = json.loads(path.read_text()) if path.exists() else {}
     for name in (args.cases.split(",") if args.cases else CASES):
         print(f"planning {name} ...", file=sys.stderr)
-        plans[name] = predict(name, one_gpu(args.device))
+        try:
+            plans[name] = predict(name, one_gpu(args.device), args.compile)
+        except Exception as exc:  # noqa: BLE001 - one case that no longer plans leaves the others
+            print(f"  {name}: not planned ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", file=sys.stderr)
     path.write_text(json.dumps(plans, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
-def _measure_one(name: str, plan: dict, steps: int, warmup: int) -> dict:
+def _measure_one(name: str, plan: dict, steps: int, warmup: int, compiled: bool = False) -> dict:
     import autopar
 
     model, inputs, loss_fn, cfg = build(name, device="cuda")
-    # Eager blocks: the cost model prices eager ops; compiled blocks (torch_compile's CUDA default,
-    # issue 31) are timed by benchmarks/compile_overhead.py until it prices them.
-    pm = autopar.compile(model, example_inputs=inputs, loss_fn=loss_fn, plan=plan, torch_compile=False)
+    # Blocks as the plan was priced: eager (the validation set's), or compiled (--compile:
+    # torch_compile's CUDA default, priced by autopar plan --compile, issue 31)
+    pm = autopar.compile(model, example_inputs=inputs, loss_fn=loss_fn, plan=plan, torch_compile=compiled)
     batch = CASES[name][3]
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g, device="cuda")
@@ -237,7 +245,7 @@ def _measure_one(name: str, plan: dict, steps: int, warmup: int) -> dict:
 
 
 def cmd_measure(args) -> int:
-    plans_path = Path(args.plans) if args.plans else plans_file(args.device)
+    plans_path = Path(args.plans) if args.plans else plans_file(args.device, args.compile)
     if not args.cases or "," in args.cases:  # one process per case: nothing one leaves allocated counts
         import subprocess
         import tempfile
@@ -246,7 +254,8 @@ def cmd_measure(args) -> int:
         for i, name in enumerate(args.cases.split(",") if args.cases else json.loads(plans_path.read_text())):
             part = str(parts / f"{name}.json")
             subprocess.run([sys.executable, __file__, "measure", "--cases", name, "--out", part,
-                            "--plans", str(plans_path), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                            "--plans", str(plans_path), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                            *(["--compile"] if args.compile else [])],
                            env={**os.environ, "MASTER_PORT": str(29533 + i)}, check=False)
             got = json.loads(Path(part).read_text()) if Path(part).exists() else None
             if results is None and got:
@@ -270,7 +279,7 @@ def cmd_measure(args) -> int:
                "cuda": torch.version.cuda, "steps": args.steps, "warmup": args.warmup, "cases": {}}
     for name in names:
         try:
-            r = _measure_one(name, plans[name], args.steps, args.warmup)
+            r = _measure_one(name, plans[name], args.steps, args.warmup, args.compile)
             print(f"{name:16s} step {r['median_s'] * 1e3:8.1f} ms  peak {r['peak_allocated_bytes'] / 2**30:6.2f} GiB"
                   f"  (predicted {plans[name]['predicted']['step_time_s'] * 1e3:8.1f} ms, "
                   f"{max(plans[name]['predicted']['peak_memory_bytes']) / 2**30:6.2f} GiB)", flush=True)
@@ -299,7 +308,7 @@ def cmd_table(args) -> int:
                                ("profile", one_gpu(args.device, profile) if profile else None)):
             if cluster is None:
                 continue
-            p = predict(name, cluster)["predicted"]
+            p = predict(name, cluster, args.compile)["predicted"]
             # allocated bytes, as max_memory_allocated counts them: the peak less the
             # allocator's fragmentation (reserved, not allocated), which the plan keeps free
             fullest = max(range(len(p["peak_memory_bytes"])), key=lambda r: p["peak_memory_bytes"][r])
@@ -329,7 +338,7 @@ def write_table(rows, measured, args) -> None:
         if len(sets) > 1:  # a table of several sets: each set's own figures too
             by_set[lab] = {s: summarise([r[lab] for r in rows if lab in r and SET_OF[r["case"]] == s])
                            for s in sets}
-    command = "python3 benchmarks/gpu_step_time.py table " + args.measured + (
+    command = "python3 benchmarks/gpu_step_time.py table " + args.measured + (" --compile" if args.compile else "") + (
         f" --profile {args.profile}" if args.profile else "") + (
         f" --device {args.device} --out {args.out}" if args.device != "h100-sxm" else "")
     Path(args.out + ".json").write_text(json.dumps(
@@ -389,6 +398,8 @@ def main() -> int:
     t.add_argument("--out", default=str(OUT))
     for p in (pl, m, t):  # the cost model's device name: h100-sxm (default) or h200
         p.add_argument("--device", default="h100-sxm")
+        p.add_argument("--compile", action="store_true",
+                       help="blocks torch.compile'd: priced with autopar plan --compile, run with torch_compile=True")
     args = ap.parse_args()
     return {"plan": cmd_plan, "measure": cmd_measure, "table": cmd_table}[args.cmd](args)
 
