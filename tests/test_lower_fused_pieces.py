@@ -131,3 +131,17 @@ def test_timm_style_vit_trains_under_tp_dp_x_tp_and_pp():
                 assert r[name]["restored"], (name, r[name])
     assert all(r[n]["resharded"] for r in two + four for n in ("tp", "dp_tp") if n in r)
     assert "_StridedShard(dim=0, sf=3)" in two[0]["tp"]["qkv"]  # each rank its heads of q, k and v
+
+
+def test_a_model_that_is_one_sequential_is_not_a_block_stack():
+    """Its numbered children are the whole model (input projection and head too):
+    no stack, so tp is refused with the reason instead of splitting the ends as blocks."""
+    from autopar.errors import PlanMismatchError
+    from autopar.lower.manual_plan import plan_for_model
+    from autopar.lower.model_layers import resolve
+
+    m = nn.Sequential(nn.Linear(8, DIM), Block(), Block(), nn.Linear(DIM, 4))
+    inputs = lambda b: (torch.randn(b, 5, 8),)  # noqa: E731
+    assert all(l.position == "pre" for l in resolve(m, plan_for_model(m, example_inputs=inputs)).layers)
+    with pytest.raises(PlanMismatchError, match="no repeated blocks"):
+        plan_for_model(m, example_inputs=inputs, tp=2)

@@ -94,7 +94,8 @@ def block_stacks(layer_paths: list[list[str]], modules: dict[str, nn.Module]) ->
         paths = [p for p in paths if p in modules]
         if len(paths) == 1:
             parent, leaf = _parent(paths[0])
-            if parent in modules and isinstance(modules[parent], STACKS) and leaf.isdigit():
+            # (not the model itself: a root Sequential is the whole model, embeddings and head too)
+            if parent and parent in modules and isinstance(modules[parent], STACKS) and leaf.isdigit():
                 containers[parent] = containers.get(parent, 0) + 1
     if not containers:
         return []
