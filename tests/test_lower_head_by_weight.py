@@ -202,3 +202,27 @@ def test_a_tied_weight_read_by_either_holder_is_not_read_outside():
 
     m = Tied()
     assert read_outside(m, {"emb": m.emb, "head": m.head}, (torch.zeros(2, SEQ, dtype=torch.long),), {}) == set()
+
+
+def test_an_in_place_op_on_a_new_tensor_is_not_a_write_into_a_freed_output():
+    """Outputs are known by id: a freed layer output's id taken by a later tensor that an
+    in-place op writes (ResNet's ReLU(inplace=True)) was read as a write into that layer's
+    output, on some ranks and not others, so the ranks built different FSDP2 units and
+    their all-gathers did not match (a gloo abort under load, test_train_vision)."""
+    from autopar.lower.weight_reads import read_outside
+
+    class Freed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            for _ in range(20):  # many chances for an id to come back
+                y = self.a(x)
+                z = y * 2
+                del y
+                x = torch.relu_(z + 1)
+            return self.b(x)
+
+    m = Freed()
+    assert read_outside(m, {"a": m.a, "b": m.b}, (torch.randn(2, HIDDEN),), {}) == set()

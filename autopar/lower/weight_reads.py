@@ -63,6 +63,11 @@ class _ParamReads(TorchDispatchMode):
         super().__init__()
         self.owner, self.running, self.outputs = owner, [], {}
         self.called, self.read, self.written = set(), set(), set()
+        # The layers' outputs, kept alive: they are known by id, and a freed output's id
+        # is reused by a later tensor (ResNet's in-place ReLU on it read as a write into
+        # that layer's output, on some ranks and not others: FSDP2 units that differ by
+        # rank, all-gathers that do not match)
+        self.kept: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_flatten((args, kwargs or {}))[0]:
@@ -83,7 +88,9 @@ def _entered(reads: _ParamReads, path: str) -> None:
 
 def _left(reads: _ParamReads, path: str, out) -> None:
     reads.running.remove(path)
-    reads.outputs.update({id(t): path for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)})
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    reads.outputs.update({id(t): path for t in outs})
+    reads.kept += outs
 
 
 def _watch(model, modules: dict[str, nn.Module], owners: dict[str, nn.Module], example_args, model_kwargs):
