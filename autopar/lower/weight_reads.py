@@ -42,12 +42,13 @@ def read_by_weight(model, tp_layers, holders, args) -> tuple[frozenset, dict[str
     linears = {f"{p}.{n}" if n else p: m for p, e in ends.items() for n, m in e.named_modules() if is_linear(m)}
     if not ends:
         return frozenset(), {}
-    reads = _watch(model, {**ends, **linears}, ends, args, forward_kwargs(model))
+    watched = {**ends, **linears}
+    reads = _watch(model, watched, ends, args, forward_kwargs(model))
     if reads is None:  # unknown: split as planned (the lowering's other checks judge the model)
         return frozenset(), {}
     why = {p: "the model reads its weight instead of calling it" for p in sorted(set(linears) - reads.called)}
     why.update({p: "the model reads its parameters outside its forward" for p in sorted(reads.read)})
-    whole = {id(m) for p in why for m in {**ends, **linears}[p].modules()}
+    whole = {id(m) for p in why for m in watched[p].modules()}
     for hs in holders.values():
         if any(id(m) in whole for m, _ in hs):
             whole.update(id(m) for m, _ in hs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections import Counter
 
 from cost_models.workload import B, S
 
@@ -82,8 +83,6 @@ def charge_compiled_blocks(spec):
     "compiled_kernels_fwd"; backward as twice as many). Blocks are the layers
     that repeat (a stack's, by signature); embeddings and head stay eager, as
     the lowering runs them."""
-    from collections import Counter
-
     repeats = Counter(l.signature for l in spec.layers if l.signature)
     layers = []
     for layer in spec.layers:
