@@ -68,11 +68,16 @@ class Engine:
     # Priced so only when asked (`autopar plan --compile`, plan(engine=COMPILED)) until
     # measured on a GPU: the eager pricing is the one the validation set checks.
     compiled_blocks: bool = False
+    # autopar's compiled program with float8 GEMMs (torchao's Float8Linear, tensorwise
+    # scaling) for each layer whose nn.Linears run faster so on this device
+    # (cost_models/float8.py; `autopar plan --compile --float8`). Only with compiled
+    # blocks: eager, each cast is several unfused passes (torchao's own advice).
+    float8: bool = False
 
     @property
     def is_autopar(self) -> bool:
         """autopar's own program, its blocks compiled or not: the one the lowering runs."""
-        return replace(self, compiled_blocks=False) == AUTOPAR
+        return replace(self, compiled_blocks=False, float8=False) == AUTOPAR
 
     def runs_fused(self, pattern: str) -> bool:
         """Whether this engine runs the fusion pass's chain `pattern` as one kernel."""
@@ -81,7 +86,7 @@ class Engine:
     def layout_fields(self) -> dict:
         """The Layout fields this engine sets (the rest of a Layout is the plan's)."""
         return {"tp_comm_overlap": self.tp_comm_overlap, "main_grads": self.main_grads,
-                "optimizer_impl": self.optimizer_impl}
+                "optimizer_impl": self.optimizer_impl, "float8": self.float8}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +102,7 @@ class Engine:
 
 AUTOPAR = Engine()
 COMPILED = Engine(compiled_blocks=True)  # autopar's program, blocks compiled (what CUDA runs by default)
+COMPILED_FLOAT8 = Engine(compiled_blocks=True, float8=True)  # and float8 Linears where they win
 # Presets a user names with --engine; the flags below it override single fields.
 ENGINES = {
     "autopar": AUTOPAR,
@@ -125,16 +131,22 @@ ENGINES = {
 
 def engine_from_options(name: str | None = None, *, tp_comm_overlap: bool | None = None,
                         main_grads: str | None = None, optimizer_impl: str | None = None,
-                        attention_kernel: str | None = None, compiled_blocks: bool | None = None) -> Engine:
+                        attention_kernel: str | None = None, compiled_blocks: bool | None = None,
+                        float8: bool | None = None) -> Engine:
     """The engine a user named (`--engine`) with single fields overridden. Any override
     without `--engine` prices another engine too: it starts from "pytorch".
-    `compiled_blocks` (`--compile`): autopar's own program with compiled blocks."""
+    `compiled_blocks` (`--compile`): autopar's own program with compiled blocks;
+    `float8` (`--float8`): and float8 GEMMs where they are faster."""
+    if float8 and not compiled_blocks:
+        raise AutoparError("--float8 needs --compile: torchao's float8 casts are fast only fused by torch.compile "
+                           "(eager, each cast is several passes over the tensor and costs more than the float8 "
+                           "GEMM saves)", hint="add --compile (what autopar compile runs on a GPU by default)")
     if compiled_blocks:
         if name not in (None, "autopar") or any(v is not None for v in (tp_comm_overlap, main_grads,
                                                                            optimizer_impl, attention_kernel)):
             raise AutoparError("--compile prices autopar's own program with compiled blocks; it does not "
                                "describe another engine", hint="drop --compile, or the other engine's flags")
-        return COMPILED
+        return COMPILED_FLOAT8 if float8 else COMPILED
     overrides = {k: v for k, v in (("tp_comm_overlap", tp_comm_overlap), ("main_grads", main_grads),
                                    ("optimizer_impl", optimizer_impl), ("attention_kernel", attention_kernel))
                  if v is not None}
@@ -216,6 +228,8 @@ def priced_for(plan) -> str:
     engine = plan_engine(plan)
     if engine.is_autopar:
         blocks = "blocks torch.compile'd" if engine.compiled_blocks else "blocks eager"
+        if engine.float8:
+            blocks += ", float8 Linears where faster"
         return (f"autopar's own program (what autopar compile emits; priced with its {blocks}); to compare "
                 "with a run made on Megatron-LM / NeMo or plain PyTorch, price it as that engine ran it "
                 "(--engine, docs/cli.md)")

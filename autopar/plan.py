@@ -59,6 +59,9 @@ class LayerChoice:
     checkpoint: str = "none"
     offload: str = "none"
     tp_style: str = "replicate"
+    # the layer's nn.Linear modules (paths in the user's model) that run their GEMMs in
+    # float8 (torchao's Float8Linear, tensorwise scaling); empty: none
+    float8: list[str] = field(default_factory=list)
 
 
 @dataclass

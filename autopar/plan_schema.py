@@ -58,7 +58,8 @@ _PREDICTED = ("object", {"step_time_s": "number", "tokens_per_s": "number?", "sa
                          "memory_breakdown": ("list", _NUMBERS), "time_breakdown": _TIMES,
                          "comm": ("list", _COMM)}, "closed")
 _LAYER = ("object", {"name": "str", "kind": "str", "module_paths": "strlist", "zero": "int",
-                     "reshard_after_forward": "bool", "checkpoint": "str", "offload": "str", "tp_style": "str"},
+                     "reshard_after_forward": "bool", "checkpoint": "str", "offload": "str", "tp_style": "str",
+                     "float8": "strlist"},
           "closed", ("name",))
 _STAGE = ("object", {"index": "int", "pp_rank": "int", "layers": ("list", _LAYER),
                      "predicted": ("object", {"*_s": "number", "*_bytes": "number",

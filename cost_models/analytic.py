@@ -46,12 +46,13 @@ def _divisors_for_tp(*sizes: int) -> tuple:
     return tuple(t for t in (1, 2, 4, 8, 16, 32, 64) if all(x % t == 0 for x in sizes if x))
 
 
-def _gemm(name: str, m, n: int, k: int, *, tp_sharded: bool = True) -> OpSpec:
+def _gemm(name: str, m, n: int, k: int, *, tp_sharded: bool = True, linear: bool = True) -> OpSpec:
+    # linear: an nn.Linear of its own weight (what float8 training converts)
     flops = 2 * m * n * k
     return OpSpec(name=name, kind="gemm", fwd_flops=flops, bwd_flops=2 * flops,
                   # forward reads input and weight, writes output; backward twice
                   fwd_bytes=BYTES * (m * k + k * n + m * n), bwd_bytes=2 * BYTES * (m * k + k * n + m * n),
-                  gemm=(m, n, k), tp_sharded=tp_sharded)
+                  gemm=(m, n, k), tp_sharded=tp_sharded, linear=linear)
 
 
 def _elementwise(name: str, kind: str, reads, writes, *, tp_sharded: bool, count: int = 1, flops=0,
@@ -349,7 +350,7 @@ def head(*, hidden: int, vocab_size: int, tied: bool, norm: str = "layernorm") -
     norm_params = 2 * h if norm == "layernorm" else h
     ops = [
         _elementwise("final_norm", "norm", act * h, act * h, tp_sharded=False),
-        _gemm("lm_head", T, v, h),
+        _gemm("lm_head", T, v, h, linear=not tied),
         # cross-entropy over fp32 logits: read bf16 logits, write the fp32 softmax it saves
         OpSpec(name="cross_entropy", kind="softmax", fwd_flops=5 * T * v, bwd_flops=2 * T * v,
                fwd_bytes=6 * T * v, bwd_bytes=6 * T * v, tp_sharded=True, count=3),

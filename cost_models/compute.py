@@ -136,7 +136,7 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     launch = device.kernel_launch_s * max(1, op.count)
 
     if op.kind == "gemm" and op.gemm is not None:
-        m, n, k, nb = _gemm_dims(op, batch, s, gemm_split)
+        m, n, k, nb = gemm_dims(op, batch, s, gemm_split)
         eff = lambda a, b, c: gemm_efficiency(round(a), round(b), round(c), device.num_sms, device.gemm_max_efficiency)
         # C = A @ B (m x k @ k x n). backward = dA = dC @ B^T (m x k, reduce over n)
         # + dB = A^T @ dC (k x n, reduce over m); independent matrices of a batch tile side by side.
@@ -170,7 +170,7 @@ def _aligned(n: float, k: float, dtype: str) -> bool:
 _BYTES_CLASS = {"norm": "norm", "softmax": "softmax", "embedding": "embedding"}
 
 
-def _gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
+def gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
     """(m, n, k, batch of matrices) of the local shard of a GEMM op: tp degree
     `gemm_split` shards the matrices (heads), or n (column-parallel), or k (row)."""
     dims = [fast(x)(batch, s) for x in op.gemm]
@@ -179,7 +179,7 @@ def _gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
     if gemm_split > 1:
         if len(dims) > 3:  # heads are split: fewer matrices per rank
             nb = nb / gemm_split
-        elif n > k:  # column-parallel shards n
+        elif op.tp_split == "column" or (not op.tp_split and n > k):  # column-parallel shards n
             n = n / gemm_split
         else:  # row-parallel shards k
             k = k / gemm_split
@@ -195,7 +195,7 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
     calls = max(1, op.count)
     fwd = bwd = None
     if op.kind == "gemm" and op.gemm is not None:
-        m, n, k, nb = _gemm_dims(op, batch, s, gemm_split)
+        m, n, k, nb = gemm_dims(op, batch, s, gemm_split)
         one = meas.gemm_time(nb * m, n, k, dtype)
         if one is not None and m * n * k > 0:
             # as many calls of this shape as the counted FLOPs hold (op.count, or fewer under tp)

@@ -53,6 +53,7 @@ class Estimate:
     peak_in_flight: list = field(default_factory=list)  # micro-batches per pp rank (simulated)
     why_not_fit: str = ""
     assumptions: dict = field(default_factory=dict)
+    layer_float8: list = field(default_factory=list)  # per layer: its Linears priced in float8
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,8 +221,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     zeros = _resolve_per_layer(layout.layer_zero, layout.zero, n)
     ckpts = _resolve_per_layer(layout.layer_checkpoint, layout.checkpoint, n)
     offs = _resolve_per_layer(layout.layer_offload, layout.offload, n)
-    costs = [layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o)
-             for layer, z, c, o in zip(layers, zeros, ckpts, offs)]
+    float8 = _resolve_per_layer(layout.layer_float8, None, n)  # None: the faster, where layout.float8
+    costs = [layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o, float8=f)
+             for layer, z, c, o, f in zip(layers, zeros, ckpts, offs, float8)]
     byte_scale = DTYPE_BYTES[layout.precision] / (model.dtype_bytes or 2)
     pipe = pipeline(model, layout, cluster, costs, byte_scale)
 
@@ -258,6 +260,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         global_batch_size=gbs,
         peak_in_flight=list(pipe.sim.peak_in_flight),
         why_not_fit=why,
+        layer_float8=[c.float8 for c in costs],
         assumptions={"device": cluster.device, "peak_flops": peak, "precision": layout.precision,
                      "grad_reduce_overlap": C.GRAD_REDUCE_OVERLAP, "fsdp_prefetch_overlap": C.FSDP_PREFETCH_OVERLAP,
                      "tp_overlap": C.TP_OVERLAP, "fragmentation": FRAGMENTATION,

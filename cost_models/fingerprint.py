@@ -18,12 +18,12 @@ from cost_models.workload import LayerSpec, ModelSpec
 # those known not to change one layer's cost, and the cluster's cache key. A field
 # added later to LayerSpec, OpSpec, ModelSpec or Layout therefore enters the key by
 # default (a signature that forgot `fused_qkv` once returned another layer's cost).
-_LAYER_FIELDS_NOT_READ = frozenset({"name", "module_paths", "signature"})
+_LAYER_FIELDS_NOT_READ = frozenset({"name", "module_paths", "signature", "op_prefix"})
 _MODEL_FIELDS_NOT_READ = frozenset({"name", "layers"})
 # whole-model / per-layer layout fields: layer_cost receives its zero/checkpoint/offload
 # as arguments, and schedule / virtual stages / stage split only matter to the pipeline
 _LAYOUT_FIELDS_NOT_READ = frozenset({"schedule", "virtual_stages", "stage_layers", "layer_zero", "layer_checkpoint",
-                                     "layer_offload", "zero", "checkpoint", "offload", "extra"})
+                                     "layer_offload", "layer_float8", "zero", "checkpoint", "offload", "extra"})
 _FINGERPRINT_IDS: dict = {}  # layer content -> small int (never reused: see _next_id)
 _next_id = itertools.count()
 _FINGERPRINT_MEMO: dict = {}  # id(layer) -> (weakref, identity of its field values, fingerprint id)
@@ -72,11 +72,11 @@ _LAYOUT_KEY_FIELDS = tuple(k for k in Layout.__dataclass_fields__ if k not in _L
 
 
 def layer_cost_key(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster, zero: int, checkpoint: str,
-                   offload: str):
+                   offload: str, float8: bool | None = None):
     """The memo key of `layer`'s cost: hashable (a field holding a list or a dict is
     compared by its contents)."""
     key = (layer_fingerprint(layer), _fields_key(model, _MODEL_KEY_FIELDS), _fields_key(layout, _LAYOUT_KEY_FIELDS),
-           zero, checkpoint, offload, cluster.cache_key())
+           zero, checkpoint, offload, float8, cluster.cache_key())
     try:
         hash(key)
     except TypeError:  # a field holding a list or dict: compare its contents

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from cost_models.compute import fast
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_cost_key
+from cost_models.float8 import converted_ops, device_runs_float8
 from cost_models.hardware import ClusterSpec
 from cost_models.layer_comm import dp_comm, tp_comm
 from cost_models.layer_compute import layer_times, optimizer_step_s, recompute, tp_for
@@ -66,6 +67,7 @@ class LayerCost:
     recompute_flops: float = 0.0  # per micro-batch per GPU
     dp_collectives: tuple = ()  # ((collective, bytes per step, time per step), ...)
     tier: dict = field(default_factory=dict)  # axis -> 'intra_node' | 'inter_node'
+    float8: bool = False  # its nn.Linear GEMMs priced in float8 (cost_models/float8.py)
 
     @property
     def compute_s(self) -> float:
@@ -79,23 +81,34 @@ _LAYER_CACHE: dict = {}
 
 
 def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: ClusterSpec, *, zero: int | None = None,
-               checkpoint: str | None = None, offload: str | None = None) -> LayerCost:
-    """Cost of `layer` under `layout` on `cluster` (see LayerCost for units)."""
+               checkpoint: str | None = None, offload: str | None = None, float8: bool | None = None) -> LayerCost:
+    """Cost of `layer` under `layout` on `cluster` (see LayerCost for units). `float8`:
+    whether its Linears run in float8; None: as `layout.float8` decides (the faster)."""
     zero = layout.zero if zero is None else zero
     checkpoint = layout.checkpoint if checkpoint is None else checkpoint
     offload = layout.offload if offload is None else offload
-    key = layer_cost_key(layer, model, layout, cluster, zero, checkpoint, offload)
+    key = layer_cost_key(layer, model, layout, cluster, zero, checkpoint, offload, float8)
     hit = _LAYER_CACHE.get(key)
     if hit is not None:
         return hit
-    cost = _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload)
+    if float8 is None and layout.float8 and _converts_any(layer, layout, model, cluster):
+        # float8 changes the Linears' time, not what is held: the faster of the two
+        cost = min((_layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, f8) for f8 in (False, True)),
+                   key=lambda c: c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s)
+    else:
+        cost = _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, bool(float8))
     if len(_LAYER_CACHE) > 200_000:
         _LAYER_CACHE.clear()
     _LAYER_CACHE[key] = cost
     return cost
 
 
-def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> LayerCost:
+def _converts_any(layer, layout, model, cluster) -> bool:
+    return (device_runs_float8(cluster.device_profile)
+            and bool(converted_ops(layer, layout.micro_batch_size, model.seq_len, tp_for(layer, layout.tp))))
+
+
+def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8) -> LayerCost:
     if zero not in (0, 1, 2, 3):
         raise CostModelError(f"zero must be 0-3, got {zero!r} for layer '{layer.name}'")
     device = cluster.device_profile
@@ -105,8 +118,9 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
     tp = tp_for(layer, layout.tp)
     sp = layout.sequence_parallel and tp > 1
 
-    fwd_s, bwd_s, parts = layer_times(layer, layout, device, seq, zero, tp, sp, byte_scale)
-    tpc = tp_comm(layer, layout, cluster, tp, b, s1, byte_scale, sp, parts["gemm_fwd"])
+    float8 = float8 and device_runs_float8(device)
+    fwd_s, bwd_s, parts = layer_times(layer, layout, device, seq, zero, tp, sp, byte_scale, float8)
+    tpc = tp_comm(layer, layout, cluster, tp, b, s1, byte_scale, sp, parts["gemm_fwd"], float8)
     recompute_s, recompute_flops = recompute(layer, checkpoint, fwd_s, tpc.fwd_s, parts, b, s1, tp)
 
     # Parameters of a layer tensor parallelism splits are divided by tp
@@ -133,5 +147,5 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload) -> Lay
         optimizer_temp_bytes=optimizer_temp_bytes(layout, device, opt_params, offload),
         loss_grad_bytes=loss_grad_bytes(layer, b, s1, byte_scale, tp),
         model_flops=3 * fast(layer.fwd_flops)(b, s1) / tp, recompute_flops=recompute_flops,
-        dp_collectives=tuple(dp.collectives), tier={"tp": tpc.place.tier, "dp": dp.place.tier},
+        dp_collectives=tuple(dp.collectives), tier={"tp": tpc.place.tier, "dp": dp.place.tier}, float8=float8,
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from cost_models import comm as C
 from cost_models.compute import fast
+from cost_models.float8 import amax_all_reduces
 from cost_models.overlap import (all_reduce_exposed, fsdp_exposed, gradient_window_share, prefetch_exposed,
                                  sharded_optimizer_exposed, tp_overlapped)
 from cost_models.workload import LayerSpec
@@ -57,12 +58,15 @@ class TpComm:
 
 
 def tp_comm(layer: LayerSpec, layout, cluster, tp: int, b: int, s1: int, byte_scale: float, sp: bool,
-            gemm_fwd_s: float) -> TpComm:
+            gemm_fwd_s: float, float8: bool = False) -> TpComm:
     """The collectives one micro-batch issues (`tp_collectives`), each priced on the tp
-    group's link, plus DTensor's measured cost per collective."""
+    group's link, plus DTensor's measured cost per collective; with `float8`, the
+    all-reduces of its tensorwise scales too (cost_models/float8.py)."""
     device = cluster.device_profile
     tp_place = C.group_placement("tp", layout.tp, layout.dp, layout.pp, cluster)
     issued = tp_collectives(layer, tp, b, s1, byte_scale, sp) if tp > 1 else []
+    if float8:
+        issued = issued + amax_all_reduces(layer, b, s1, tp)
     per_call = device.measured.dtensor_collective_overhead_s if device.measured is not None else 0.0
     tp_fwd, tp_bwd = (sum((C.collective_time(kind, nbytes, tp_place, cluster) + per_call
                            for kind, nbytes, when in issued if when == phase), 0.0) for phase in ("fwd", "bwd"))

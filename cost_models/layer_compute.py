@@ -14,6 +14,7 @@ import sympy
 
 from cost_models.compute import fast, host_times, op_times
 from cost_models.fingerprint import layer_fingerprint
+from cost_models.float8 import converts, linear_times
 from cost_models.memory import fp32_main_grads, state_bytes_per_param
 from cost_models.workload import S, LayerSpec, OpSpec
 
@@ -47,9 +48,11 @@ def tp_for(layer: LayerSpec, tp: int) -> int:
     return tp if tp in tuple(layer.tp_degrees or (1,)) else 1
 
 
-def _op_parts(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: int, sp: bool, byte_scale: float):
+def _op_parts(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: int, sp: bool, byte_scale: float,
+              float8: bool = False):
     """The layer's ops summed: forward and backward seconds, and the shares that
-    checkpointing and fusion read (attention core, GEMMs, cheap ops, memory-bound bytes)."""
+    checkpointing and fusion read (attention core, GEMMs, cheap ops, memory-bound bytes).
+    `float8`: its nn.Linear GEMMs run in float8 (cost_models/float8.py)."""
     parts = {"fwd": 0.0, "bwd": 0.0, "core_fwd": 0.0, "core_flops": 0.0, "cheap_fwd": 0.0, "gemm_fwd": 0.0,
              "gemm_flops": 0.0}
     # memory-bound ops (what fused kernels shrink): unsharded bytes, local byte time, time above launch floor
@@ -66,8 +69,13 @@ def _op_parts(layer: LayerSpec, batch: int, seq, device, dtype: str, tp: int, sp
     for op, core in zip(layer.ops, _core_flags(layer)):
         # sequence parallelism splits what tp leaves whole, except what tp had to gather
         divisor = tp if (op.tp_sharded or (sp and not op.tp_replicated)) else 1
-        f, b = op_times(op, batch, seq, device, dtype=dtype, work_divisor=divisor, byte_scale=byte_scale,
-                        gemm_split=tp if op.tp_sharded else 1)
+        split = tp if op.tp_sharded else 1
+        if float8 and converts(op, batch, seq, split):
+            f, b = linear_times(op, batch, seq, device, hp=dtype, work_divisor=divisor, byte_scale=byte_scale,
+                                gemm_split=split)
+        else:
+            f, b = op_times(op, batch, seq, device, dtype=dtype, work_divisor=divisor, byte_scale=byte_scale,
+                            gemm_split=split)
         parts["fwd"] += f
         parts["bwd"] += b
         if core:
@@ -126,11 +134,11 @@ def fused_savings_s(layer: LayerSpec, parts: dict, batch: int, seq: int) -> tupl
 
 
 def layer_times(layer: LayerSpec, layout, device, seq, zero: int, tp: int, sp: bool,
-                byte_scale: float) -> tuple[float, float, dict]:
+                byte_scale: float, float8: bool = False) -> tuple[float, float, dict]:
     """(forward s, backward s, parts) of one micro-batch through `layer` on one GPU:
     its ops less what fused kernels save, plus the gradient passes accumulation adds."""
     b, s1, m = layout.micro_batch_size, seq or 1, layout.num_micro_batches
-    parts = _op_parts(layer, b, seq, device, layout.precision, tp, sp, byte_scale)
+    parts = _op_parts(layer, b, seq, device, layout.precision, tp, sp, byte_scale, float8)
     if layer.ops:
         save_fwd, save_bwd = fused_savings_s(layer, parts, b, s1)
         parts["fwd"] -= save_fwd

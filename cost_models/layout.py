@@ -38,6 +38,11 @@ class Layout:
     layer_zero: list | None = None  # per-layer overrides aligned with model.layers
     layer_checkpoint: list | None = None
     layer_offload: list | None = None
+    # Float8 GEMMs for the nn.Linears (torchao, cost_models/float8.py): with `float8`, each
+    # layer runs in float8 where that is faster on this device at its shapes, unless
+    # `layer_float8` (per layer, True/False) says which layers do
+    float8: bool = False
+    layer_float8: list | None = None
     # Pipeline sends: False = asynchronous isend/irecv (torch.distributed.pipelining,
     # what autopar lowers to); True = blocking rendezvous (Megatron, DeepSpeed).
     p2p_blocking: bool = False
@@ -106,7 +111,7 @@ class Layout:
                     f"layout.stage_layers sums to {sum(self.stage_layers)}, the model has {num_layers} layers")
         elif num_layers is not None and num_layers < self.num_stages:
             raise CostModelError(f"{self.num_stages} pipeline stages but only {num_layers} layers")
-        for key in ("layer_zero", "layer_checkpoint", "layer_offload"):
+        for key in ("layer_zero", "layer_checkpoint", "layer_offload", "layer_float8"):
             values = getattr(self, key)
             if values is not None and num_layers is not None and len(values) != num_layers:
                 raise CostModelError(f"layout.{key} has {len(values)} entries, the model has {num_layers} layers")

@@ -92,6 +92,18 @@ class OpSpec:
     # kind 'attention' only: which fused kernel runs it (None: FlashAttention-2's
     # generation, what torch's SDPA runs today; see compute.ATTENTION_IMPL_SPEED).
     impl: str | None = None
+    # kind 'gemm' only: the forward GEMM of an nn.Linear module on its own weight (gemm =
+    # (tokens, out_features, in_features)), which float8 training can run in float8
+    # (cost_models/float8.py); its name is "<module path relative to the layer's
+    # LayerSpec.op_prefix>:<op>"
+    linear: bool = False
+    # a column GEMM whose output the model cuts into this many pieces: under tp its weight
+    # is split piecewise and the lowering runs the GEMM itself, not the module's forward
+    tp_pieces: int = 1
+    # kind 'gemm', tp_sharded: which dim tensor parallelism splits, "column" (n) or "row"
+    # (k), as the capture's dataflow found; "": not known (a hand-written model), guessed
+    # from the shape (compute.gemm_dims)
+    tp_split: str = ""
 
 
 @dataclass
@@ -183,6 +195,9 @@ class LayerSpec:
     signature: str = ""
     module_paths: list = field(default_factory=list)
     shared_params: list = field(default_factory=list)
+    # the module path its ops' names are relative to: a block's own path (so identical
+    # blocks have identical ops), "" for the layers before and after the blocks
+    op_prefix: str = ""
     fused_bytes_saved_fwd: Expr = 0  # see the class docstring
     fused_bytes_saved_bwd: Expr = 0
     module_fusion_saved_fwd: Expr = 0  # see the class docstring

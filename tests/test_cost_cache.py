@@ -49,11 +49,11 @@ def test_a_cached_cost_is_the_fresh_cost_of_a_layer_with_another_qkv(setting):
 
 
 def test_every_layer_field_is_in_the_key(setting):
-    """Change any one field (but the name, module paths and signature label): the
+    """Change any one field (but the name, module paths, op prefix and signature label): the
     fingerprint changes, so no cached cost of the original layer is returned."""
     base = block(0, **SHAPE)
     fp = F.layer_fingerprint(base)
-    changed = {"name": False, "module_paths": False, "signature": False}
+    changed = {"name": False, "module_paths": False, "signature": False, "op_prefix": False}
     for f in dataclasses.fields(LayerSpec):
         value = getattr(base, f.name)
         if f.name in changed:

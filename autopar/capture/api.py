@@ -181,7 +181,7 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
             # no module, no weight to split: a head the root computes from another layer's weight
             tp_degrees=tp_degrees(attrs, kind) if paths else (1,), ops=ops, attrs=attrs,
             signature=hashlib.sha1(repr(sig_src).encode()).hexdigest()[:12],
-            module_paths=paths, shared_params=sorted(shared.get(layer, ())),
+            module_paths=paths, shared_params=sorted(shared.get(layer, ())), op_prefix=prefix.get(layer, ""),
         ))
     return layers, indices, base
 
@@ -339,7 +339,8 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
                           fwd_bytes=fit(get("fwd_bytes"), grid, f"{key} in {what}"),
                           bwd_bytes=fit(get("bwd_bytes"), grid, f"{key} in {what}"),
                           gemm=gemm, tp_sharded=op["tp_sharded"], tp_replicated=op["tp_replicated"],
-                          count=op["count"],
+                          count=op["count"], linear=op["linear"] and gemm is not None, tp_pieces=op["tp_pieces"],
+                          tp_split=op["tp_split"] if op["tp_sharded"] else "",
                           **({"causal": op["causal"]} if op["kind"] == "attention" else {})))
     assert set(fields) >= set(EXPR_FIELDS)
     return fields, ops

@@ -239,7 +239,12 @@ def _op_table(m: LayerMetrics, fwd: list, bwd: list, flow, prefix: str) -> None:
         if op is None:
             op = m.ops[key] = dict(kind=r.kind, fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0,
                                    gemm=r.gemm if r.uses_param or r.kind == "gemm" else None,
-                                   tp_sharded=False, tp_replicated=False, count=0, causal=r.causal)
+                                   tp_sharded=False, tp_replicated=False, count=0, causal=r.causal,
+                                   linear=r.linear, tp_pieces=1, tp_split="")
+        op["tp_pieces"] = max(op["tp_pieces"], flow.pieces.get(r.idx, 1))
+        if r.kind == "gemm":  # which dim tp splits: a row GEMM's k, a column GEMM's n
+            op["tp_split"] = "row" if r.idx in row_ids else "column" if r.idx in flow.cols else op.get("tp_split", "")
+        op["linear"] = op["linear"] and r.linear  # every call of it ran in the Linear's forward
         op["fwd_flops"] += r.flops
         op["fwd_bytes"] += r.nbytes
         op["count"] += 1
@@ -247,7 +252,8 @@ def _op_table(m: LayerMetrics, fwd: list, bwd: list, flow, prefix: str) -> None:
         op["tp_replicated"] |= r.idx in flow.replicated
         by_idx[r.idx] = key
     unattributed = dict(kind="other", fwd_flops=0, bwd_flops=0, fwd_bytes=0, bwd_bytes=0, gemm=None,
-                        tp_sharded=False, tp_replicated=False, count=0, causal=None)
+                        tp_sharded=False, tp_replicated=False, count=0, causal=None, linear=False,
+                        tp_pieces=1, tp_split="")
     for r in bwd:
         op = m.ops.get(by_idx.get(r.fwd_ref), unattributed)
         op["bwd_flops"] += r.flops

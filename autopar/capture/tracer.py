@@ -72,6 +72,9 @@ class OpRecord:
     in_producers: tuple = ()
     fwd_ref: int | None = None  # backward op: index of the forward op it differentiates
     causal: bool | None = None  # attention kernels: is_causal
+    # a GEMM an nn.Linear's own forward runs on its own (untied) weight: what torchao's
+    # float8 training converts (convert_to_float8_training swaps the module)
+    linear: bool = False
     # Forward layout ops (split, slice, transpose, permute...): their dimension
     # arguments by schema name, so tensor-parallel capture can follow which dim is sharded.
     dims: dict | None = None
@@ -237,6 +240,12 @@ class Tracer:
             self.param_storage.setdefault(p.untyped_storage()._cdata, name)
             self.param_bytes[name] = p.numel() * p.element_size()
         self.state_storage = set(self.param_storage) | {b.untyped_storage()._cdata for b in model.buffers()}
+        # nn.Linear modules whose weight is their own (a weight tied to an embedding is
+        # another module's parameter first: converting it would untie the two)
+        self.linear_weights = {
+            path: f"{path}.weight" if path else "weight" for path, m in model.named_modules()
+            if isinstance(m, nn.Linear) and self.param_storage.get(m.weight.untyped_storage()._cdata)
+            == (f"{path}.weight" if path else "weight")}
         self._install()
 
     # -- hooks ---------------------------------------------------------------
@@ -397,6 +406,7 @@ class Tracer:
         )
         if self.phase == "fwd":
             rec.dims = _dim_args(func, args, kwargs)
+            rec.linear = rec.kind == "gemm" and self.linear_weights.get(rec.module) in params
             if packet is aten.gelu and kwargs.get("approximate", "none") != "none":
                 rec.variant = kwargs["approximate"]
         if rec.kind == "attention" and self.phase == "fwd":

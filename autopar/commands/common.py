@@ -88,12 +88,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--compile", dest="compiled_blocks", action="store_const", const=True, default=None,
                      help="price autopar's program with every block torch.compile'd (as it runs on CUDA by "
                           "default): inductor's fused memory-bound chains and fewer kernel launches")
+    eng.add_argument("--float8", dest="float8", action="store_const", const=True, default=None,
+                     help="with --compile: run each layer's nn.Linear GEMMs in float8 (torchao, tensorwise "
+                          "scaling) where that is faster on this GPU at the layer's shapes; GPUs with float8 "
+                          "tensor cores only (H100, H200, B200, L40S)")
     eng.add_argument("--attention-kernel", default=None, choices=ATTENTION_KERNELS,
                      help="the fused attention kernel the run used: flash2 (SDPA's, the default), flash1, "
                           "flash-triton (the 2022 Triton kernel, e.g. MPT's attn_impl: triton)")
 
 
-ENGINE_OPTIONS = ("engine", "tp_comm_overlap", "main_grads", "optimizer_impl", "attention_kernel", "compiled_blocks")
+ENGINE_OPTIONS = ("engine", "tp_comm_overlap", "main_grads", "optimizer_impl", "attention_kernel", "compiled_blocks",
+                  "float8")
 
 
 def engine_from_args(args):

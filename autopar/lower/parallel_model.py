@@ -3,6 +3,7 @@
 `lower(model, plan, ...)` composes the parallelisms in torchtitan's order,
 each from its own file, on one DeviceMesh ("pp", "dp", "tp"):
 
+  0. float8     swap the plan's float8 Linears for torchao's Float8Linear (float8)
   1. pipeline   cut the model into this rank's stage modules (pipeline_parallel)
   2. tensor     parallelize_module on the local blocks, embeddings, head (tensor_parallel)
   3. checkpoint wrap the local layers the plan recomputes (checkpointing)
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, grad_norm, loss_scaling,
+from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, float8, grad_norm, loss_scaling,
                            pipeline_parallel, preflight, state_dict, tensor_parallel, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
@@ -347,6 +348,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     _check_example_inputs(example_inputs)
     if init_fn is None:
         init_fn = default_init_fn(model)  # meta Hugging Face models: their own _init_weights
+    # 0. float8 Linears swapped in first, as torchtitan converts before it parallelizes
+    float8.convert(model, plan)
     # Every check that needs no process group runs first: ranks fail together
     # with a message instead of some of them waiting in a collective.
     layout = resolve(model, plan)
@@ -380,6 +383,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     tp_mesh = mesh["tp"]
     use_loss_parallel = tp > 1 and _apply_tp(model, plan, layout, tp_layers, found, tp_mesh, loss_fn,
                                              example_inputs)
+    float8.check_runs(model, plan)
 
     # Tied weights: re-tie the ends that share this rank (parallelize_module
     # swaps in new Parameter objects); ends on other pp ranks sync gradients.

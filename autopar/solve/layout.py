@@ -119,5 +119,8 @@ def layout_of(plan) -> Layout:
     engine = plan_engine(plan)
     if not choices:
         return candidate_layout(cand, precision=plan.precision, optimizer=optimizer, engine=engine)
-    return assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
-                             optimizer=optimizer, engine=engine)
+    layout = assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
+                               optimizer=optimizer, engine=engine)
+    # which layers run float8 is the plan's (a hand-edited plan is priced as edited)
+    layout.layer_float8 = [bool(c.float8) for c in plan.layer_choices]
+    return layout

@@ -4,6 +4,9 @@ what the numbers assume (`assumptions`).
 """
 from __future__ import annotations
 
+from cost_models.float8 import linear_paths
+from cost_models.layer_compute import tp_for
+
 from autopar.plan import LayerChoice, Mesh, Plan, Predicted, Stage
 from autopar.solve.refine import assignment_of
 from autopar.solve.search import SearchResult
@@ -37,10 +40,13 @@ def build_plan(spec, cluster, pins, gbs, precision, optimizer, winner, result, s
         for i in range(start, start + count):
             layer = spec.layers[i]
             zero, ckpt, off = choices[i]
+            float8 = est.layer_float8[i] if i < len(est.layer_float8) else False
             layers.append(LayerChoice(name=layer.name, kind=layer.kind,
                                       module_paths=list(layer.module_paths or [layer.name]), zero=zero,
                                       reshard_after_forward=zero == 3, checkpoint=ckpt, offload=off,
-                                      tp_style=tp_style(layer, c.tp, c.sequence_parallel)))
+                                      tp_style=tp_style(layer, c.tp, c.sequence_parallel),
+                                      float8=linear_paths(layer, c.micro_batch_size, spec.seq_len,
+                                                          tp_for(layer, c.tp)) if float8 else []))
         start += count
         stages.append(Stage(index=s, pp_rank=s % c.pp, layers=layers,
                             predicted=_plain(per_stage[s]) if s < len(per_stage) else {}))

@@ -23,6 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
+from autopar.solve import float8_choice
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
 from autopar.solve.layout import assignment_layout, root_held_layers
@@ -289,6 +290,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     `Plan.assumptions["engine"]`, and such a plan is refused by the lowering.
     """
     cluster = resolve_cluster(cluster_spec)
+    float8_choice.check_device(engine, cluster)
     pins = parse_constraints(constraints)
     headroom = resolve_headroom(memory_headroom, pins)
     spec, unfused_spec, lowering_limits, fusions, no_fusion_why = _priced_graph(
@@ -313,7 +315,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                                               found.result, top_k, req.limit)
     plan_obj.set_throughput()  # samples/s everywhere, tokens/s only for a token model (seq_len set)
     plan_obj.fusions = fusions
-    _note_assumptions(plan_obj, pins, engine, fusion=fusion, fusions=fusions, no_fusion_why=no_fusion_why,
+    _note_assumptions(plan_obj, spec, pins, engine, fusion=fusion, fusions=fusions, no_fusion_why=no_fusion_why,
                       charged=spec is not unfused_spec, assumed_batch=cluster.world_size if batch_assumed else None)
     # No wall-clock times in the Plan: the same inputs must give the same JSON.
     plan_obj.solver["layer_cost_calls"] = found.builder.layer_cost_calls
@@ -491,13 +493,15 @@ def _choose(req: _Request, found: _Found):
     return chosen, winner, selection, uniform
 
 
-def _note_assumptions(plan_obj: Plan, pins: Constraints, engine: Engine, *, fusion: bool, fusions: list,
+def _note_assumptions(plan_obj: Plan, spec, pins: Constraints, engine: Engine, *, fusion: bool, fusions: list,
                       no_fusion_why: str, charged: bool, assumed_batch: int | None) -> None:
     """What the Plan runs differently from what was asked, said in its assumptions:
     another engine, a pinned ZeRO 0/1 run as ZeRO 2, a pinned checkpoint a layer cannot
     take, the fusions, an assumed global batch."""
     if engine != AUTOPAR:  # another engine, or autopar's program priced with compiled blocks
         plan_obj.assumptions["engine"] = engine.to_dict()
+    if engine.float8:
+        plan_obj.assumptions["float8"] = float8_choice.account(spec, plan_obj)
     if pins.zero in (0, 1) and any(c.zero != pins.zero for c in plan_obj.layer_choices):
         plan_obj.assumptions["zero"] = (
             f"ZeRO {pins.zero} was pinned; on this mesh the lowering runs it as ZeRO 2 (FSDP2, the only data "
