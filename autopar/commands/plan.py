@@ -110,7 +110,7 @@ def collapse_runs(layers) -> list[tuple[list, object]]:
     """Consecutive layers with the same kind and choices, as (layers, first)."""
     runs = []
     for c in layers:
-        key = (c.kind, c.zero, c.checkpoint, c.offload, c.tp_style)
+        key = (c.kind, c.zero, c.checkpoint, c.offload, c.tp_style, len(c.float8 or []))
         if runs and runs[-1][0] == key:
             runs[-1][1].append(c)
         else:
@@ -215,14 +215,19 @@ def _print_memory(plan, console) -> None:
 
 
 def _print_stages(plan, console) -> None:
+    float8 = any(c.float8 for c in plan.layer_choices)  # the column only for a plan that runs float8
     st = _table("Stages and per-layer choices", ("stage", "rank", "layers", "zero", "checkpoint", "offload",
-                                                  "tensor parallel"))
+                                                  "tensor parallel") + (("float8 Linears",) if float8 else ()))
     for stage in plan.stages:
         for i, (group, c) in enumerate(collapse_runs(stage.layers)):
             label = name_range([x.name for x in group]) + (f" ({len(group)})" if len(group) > 1 else "")
             st.add_row(str(stage.index) if i == 0 else "", str(stage.pp_rank) if i == 0 else "", label,
-                       str(c.zero), c.checkpoint, c.offload, c.tp_style)
+                       str(c.zero), c.checkpoint, c.offload, c.tp_style,
+                       *((str(len(c.float8)) if c.float8 else "-",) if float8 else ()))
     console.print(st)
+    account = plan.assumptions.get("float8") if isinstance(plan.assumptions, dict) else None
+    for layer, why in sorted(((account or {}).get("kept_bf16") or {}).items()):
+        console.print(f"  {layer} keeps bf16: {why}", markup=False)
 
 
 def _print_alternatives(plan, console, top: int) -> None:

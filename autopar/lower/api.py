@@ -55,7 +55,8 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
             constraints: dict | None = None, fusion: bool = False, init_fn=None,
             local_batch: bool = False, precision: str | None = None, memory_headroom: float | None = None,
             no_weight_decay_1d: bool = False, torch_compile: bool | str = "auto",
-            torch_compile_backend: str = "inductor", torch_compile_mode: str | None = None) -> ParallelModel:
+            torch_compile_backend: str = "inductor", torch_compile_mode: str | None = None,
+            float8: bool = False) -> ParallelModel:
     """Return this rank's ParallelModel for `model` under `plan` (planned here if None).
 
     Call it in every process of a torchrun/SLURM job (or after
@@ -79,6 +80,9 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     each block runs as `torch.compile`d code (`torch_compile_backend`, `torch_compile_mode`,
     the names of Hugging Face's TrainingArguments); a block that does not compile runs
     eager and is named in `ParallelModel.notes` (autopar/lower/compile_blocks.py).
+    `float8`: when planning here, let each layer run its nn.Linears in float8 where that
+    is faster on the planned device (torchao; compiled blocks and a GPU with float8
+    tensor cores only, refused otherwise); a given plan runs the float8 Linears it names.
     """
     if precision is not None:
         check_precision(precision)
@@ -94,12 +98,13 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         if cluster_spec is None or global_batch_size is None:
             raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)")
         from autopar.lower.what_runs import limits
-        from autopar.engine import AUTOPAR, COMPILED
+        from autopar.engine import engine_from_options
         from autopar.lower.compile_blocks import wanted
         from autopar.lower.mesh import local_device
+        compiling = wanted(torch_compile, local_device())
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
                   "check_lowering": limits,  # and priced as the blocks will run
-                  "engine": COMPILED if wanted(torch_compile, local_device()) else AUTOPAR}
+                  "engine": engine_from_options(compiled_blocks=compiling or None, float8=float8 or None)}
         if constraints:
             kwargs["constraints"] = constraints
         if precision is not None:
