@@ -108,6 +108,24 @@ def test_fused_plan_predicts_a_faster_step_on_a_gpu(mid_plans):
     assert fused.predicted.peak_memory_bytes == pytest.approx(eager.predicted.peak_memory_bytes)
 
 
+def test_the_lowering_says_when_priced_fused_kernels_run_unfused(mid_plans):
+    """What is priced is what runs: a plan charged with fused kernels, lowered without
+    them (autopar.compile's fusion=False) and its blocks eager, says so; swapped in, or
+    priced compiled and compiled (inductor fuses the blocks' chains), it does not."""
+    from autopar.engine import COMPILED
+    from autopar.lower.api import fusions_priced_otherwise
+
+    fused, eager = mid_plans["fused"], mid_plans["eager"]
+    note = fusions_priced_otherwise(fused, fusion=False, compiling=False)
+    assert len(note) == 1 and f"{len(fused.fusions)} fused kernel chains" in note[0]
+    assert fusions_priced_otherwise(fused, fusion=True, compiling=False) == []
+    assert fusions_priced_otherwise(eager, fusion=False, compiling=False) == []  # --no-fusion: nothing charged
+    compiled = copy.deepcopy(fused)
+    compiled.assumptions["engine"] = COMPILED.to_dict()
+    assert fusions_priced_otherwise(compiled, fusion=False, compiling=True) == []
+    assert fusions_priced_otherwise(compiled, fusion=False, compiling=False) != []
+
+
 def test_cpu_profile_runs_the_torch_fallback_and_saves_nothing():
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, seq_len=256, hidden=256, layers=2, heads=4)

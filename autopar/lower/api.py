@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from autopar.engine import check_runs_on_autopar
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower.model_io import check_output
-from autopar.lower.parallel_model import ParallelModel, lower
+from autopar.lower.parallel_model import LoweringWarning, ParallelModel, lower
 from autopar.plan import Plan, check_precision
 
 
@@ -103,6 +104,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         from autopar.lower.mesh import local_device
         compiling = wanted(torch_compile, local_device())
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
+                  "fusion": fusion,  # fused kernels priced only when they are swapped in below
                   "check_lowering": limits,  # and priced as the blocks will run
                   "engine": engine_from_options(compiled_blocks=compiling or None, float8=float8 or None)}
         if constraints:
@@ -136,10 +138,34 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     split = positional_inputs(model, example_inputs)
     if split is not None:  # capture's inferred keyword inputs: labels become train_step's targets
         example_inputs = lambda batch: split(batch)[0]  # noqa: E731
-    return lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                 optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch,
-                 no_weight_decay_1d=no_weight_decay_1d, torch_compile=torch_compile,
-                 torch_compile_backend=torch_compile_backend, torch_compile_mode=torch_compile_mode)
+    pm = lower(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+               optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch,
+               no_weight_decay_1d=no_weight_decay_1d, torch_compile=torch_compile,
+               torch_compile_backend=torch_compile_backend, torch_compile_mode=torch_compile_mode)
+    from autopar.lower.compile_blocks import wanted
+    from autopar.lower.mesh import local_device
+    unfused = fusions_priced_otherwise(plan, fusion, wanted(torch_compile, local_device()))
+    if unfused:
+        import torch.distributed as dist
+
+        pm.notes += unfused
+        if dist.get_rank() == 0:
+            warnings.warn(unfused[0], LoweringWarning, stacklevel=2)
+    return pm
+
+
+def fusions_priced_otherwise(plan, fusion: bool, compiling: bool) -> list[str]:
+    """A sentence when the plan's step time counts fused kernels (`Plan.fusions`, charged on a
+    GPU profile) that this program does not swap in (fusion=False), its blocks eager (priced
+    compiled and compiled, inductor fuses the blocks' chains itself)."""
+    from autopar.engine import plan_engine
+
+    charged = (plan.assumptions.get("fusion") or {}).get("charged") if isinstance(plan.assumptions, dict) else None
+    if fusion or not plan.fusions or not charged or (compiling and plan_engine(plan).compiled_blocks):
+        return []
+    return [f"the plan was priced with {len(plan.fusions)} fused kernel chains (Plan.fusions), and fusion=False "
+            f"runs them unfused: expect the step time to be longer than the plan's; pass fusion=True, or re-plan "
+            f"with --no-fusion to price what runs"]
 
 
 def captured_with_loss(model, example_inputs, loss_fn, precision: str = "bf16"):
