@@ -22,6 +22,13 @@ amax of a sharded operand is all-reduced over the tp group (one 4-byte all-reduc
 latency-bound) before its cast: for a column-parallel Linear the weight in forward,
 the output gradient twice and the weight in backward; for a row-parallel one the
 input and the weight in forward, the weight and the input in backward.
+
+Where FSDP2 shards the layer (ZeRO >= 2 over dp > 1, no tp), it all-gathers the converted
+weights in float8 (torchao's float8 all-gather: one byte per element on the wire
+instead of the training dtype's; `weight_elements`), their scales computed in one
+all-reduce per step after the optimizer (not priced: one small collective). The
+casts are still priced on the whole weight (the lowering casts each shard before the
+all-gather: a little less).
 """
 from __future__ import annotations
 
@@ -113,6 +120,17 @@ def cast_times(op: OpSpec, batch: int, seq, device, *, hp: str, work_divisor: fl
     launch = device.kernel_launch_s
     return (calls * max(fwd_bytes / hbm, CAST_KERNELS[0] * launch),
             calls * max(bwd_bytes / hbm, CAST_KERNELS[1] * launch))
+
+
+def weight_elements(layer: LayerSpec, batch: int, seq, tp: int) -> float:
+    """Elements of the converted Linears' weights one tp rank holds: what FSDP2 all-gathers
+    in float8 when it shards them (one byte each instead of the training dtype's)."""
+    s1 = seq if seq is not None else 1
+    total = 0.0
+    for op in converted_ops(layer, batch, seq, tp):
+        _, n, k, _ = gemm_dims(op, batch, s1, tp if op.tp_sharded else 1)
+        total += n * k
+    return total
 
 
 def amax_all_reduces(layer: LayerSpec, batch: int, seq, tp: int) -> list[tuple]:

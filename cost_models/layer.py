@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from cost_models.compute import fast
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_cost_key
-from cost_models.float8 import converted_ops, device_runs_float8
+from cost_models.float8 import converted_ops, device_runs_float8, weight_elements
 from cost_models.hardware import ClusterSpec
 from cost_models.layer_comm import dp_comm, tp_comm
 from cost_models.layer_compute import layer_times, optimizer_step_s, recompute, tp_for
@@ -130,7 +130,10 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
     act = activation_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint, byte_scale=byte_scale)
     working = recompute_working_bytes(layer, b, seq, tp=tp, sequence_parallel=sp, checkpoint=checkpoint,
                                       byte_scale=byte_scale)
-    dp = dp_comm(layer, layout, cluster, zero, offload, params_local, state_bytes, fwd_s, bwd_s + recompute_s)
+    # FSDP2 all-gathers float8 weights in float8 without tp (autopar/lower/float8.py: gathers_in_float8)
+    float8_params = weight_elements(layer, b, seq, tp) if float8 and layout.tp == 1 else 0.0
+    dp = dp_comm(layer, layout, cluster, zero, offload, params_local, state_bytes, fwd_s, bwd_s + recompute_s,
+                 float8_params)
     opt_params = params_local / (layout.dp if zero >= 1 else 1)
     m = layout.num_micro_batches
     return LayerCost(

@@ -197,22 +197,27 @@ def _fsdp_one_rank(dp: DpComm, layer: LayerSpec, params_local: float, device) ->
 
 
 def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_local: float, state_bytes: tuple,
-            fwd_s: float, bwd_window: float) -> DpComm:
+            fwd_s: float, bwd_window: float, float8_params: float = 0.0) -> DpComm:
     """The layer's data-parallel traffic under ZeRO level `zero` (nccl-tests sizes: the
     full, unsharded buffer), with what stays exposed. `state_bytes`: (param, gradient,
-    optimizer) bytes per parameter as held; `bwd_window`: backward plus recomputation."""
+    optimizer) bytes per parameter as held; `bwd_window`: backward plus recomputation;
+    `float8_params`: elements of float8 Linears' weights, which FSDP2 (ZeRO >= 2) all-gathers
+    in float8, one byte each (cost_models/float8.py)."""
     device = cluster.device_profile
     p_bytes, g_bytes, _ = state_bytes
     dp = DpComm(C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster))
     full_params = params_local * p_bytes
     full_grads = params_local * g_bytes
     if layout.dp > 1 and params_local > 0:
+        gathered = full_params - min(float8_params, params_local) * max(0.0, p_bytes - 1)
         if zero == 0:
             _ddp(dp, full_grads, layout, cluster, bwd_window)
-        elif zero in (1, 2):
+        elif zero == 1:
             _sharded_optimizer(dp, full_params, full_grads, layout, cluster, fwd_s, bwd_window)
+        elif zero == 2:  # FSDP2 beside tp / pp (ZeroRedundancyOptimizer is zero 1, DDP's)
+            _sharded_optimizer(dp, gathered, full_grads, layout, cluster, fwd_s, bwd_window)
         else:
-            _fsdp(dp, layer, full_params, full_grads, layout, cluster, fwd_s, bwd_window)
+            _fsdp(dp, layer, gathered, full_grads, layout, cluster, fwd_s, bwd_window)
     if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         _fsdp_one_rank(dp, layer, params_local, device)
     if offload == "params":

@@ -52,6 +52,8 @@ class ParallelModel:
     max_grad_norm, lr_scheduler,           what train_step does between backward and step:
     before_optimizer_step                  clip by the global norm, hooks(pm), then step
                                            the optimizer and the schedule
+    after_optimizer_step                   hooks(pm) after the optimizer's step (float8: the
+                                           weights' scales for the next all-gathers)
     clip_grad_norm_(max_norm) -> norm      the global norm over every dp / tp / pp shard
     grad_scaler                            fp16 plans: the dynamic loss scaler (loss_scaling);
                                            last_step_skipped says whether the step overflowed
@@ -81,6 +83,7 @@ class ParallelModel:
         self.track_grad_norm = False  # compute last_grad_norm even without clipping (metrics)
         self.last_grad_norm: float | None = None
         self.before_optimizer_step: list = []  # callables(ParallelModel)
+        self.after_optimizer_step: list = []  # callables(ParallelModel)
         self.lr_scheduler = None  # stepped after every optimizer step the loss scaler does not skip
         self.grad_scaler = grad_scaler
         self.last_step_skipped = False
@@ -155,6 +158,8 @@ class ParallelModel:
             self.grad_scaler.update()
         else:
             self.optimizer.step()
+        for hook in self.after_optimizer_step:
+            hook(self)
         self.last_step_skipped = skip
         if self.lr_scheduler is not None and not skip:  # as Megatron: a skipped step does not advance the schedule
             self.lr_scheduler.step()
@@ -424,6 +429,8 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm.notes = (data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
                 + compile_blocks.priced_otherwise(plan, compiling))
     pm.compiled_blocks = compiled
+    if float8.gathers_in_float8(plan):
+        pm.after_optimizer_step.append(float8.precompute_scales)
     compile_note = [compiled.start_note()] if compiled is not None else []
     if dist.get_rank() == 0:  # once per job, not once per GPU
         for note in pm.notes:
