@@ -28,6 +28,14 @@ MAIN_GRADS = ("same", "fp32")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 
 
+# The chains autopar's program swaps its own kernel in for (autopar.kernels.RUNS, which
+# says what was measured; stated here too because the CLI builds its parser without
+# importing the kernels: a test keeps the two equal). Eager blocks: where the kernel beats
+# eager; compiled blocks: where it beats inductor's own fusion of the chain.
+AUTOPAR_FUSED = ("swiglu", "add_rmsnorm", "scaled_softmax", "dropout_add", "linear_cross_entropy")
+AUTOPAR_FUSED_COMPILED = ("swiglu", "add_layernorm", "linear_cross_entropy")
+
+
 @dataclass(frozen=True)
 class Engine:
     name: str = "autopar"
@@ -56,8 +64,9 @@ class Engine:
     # (s b h / t)(34 + 5 a s / h) with it)
     head_parallel_attention: bool = False
     # The fusion pass's chains (autopar.kernels.fusion.PATTERNS) the engine runs as one
-    # kernel; None: all of them, as autopar's program swaps its Triton kernels in. Any
-    # other engine is priced with only the chains it fuses itself: the rest run eager.
+    # kernel; None: autopar's own, the chains its Triton kernels win for where its blocks
+    # run (AUTOPAR_FUSED eager, AUTOPAR_FUSED_COMPILED compiled). Any other engine is
+    # priced with only the chains it fuses itself: the rest run eager.
     fused_patterns: tuple[str, ...] | None = None
     # The engine runs its own kernels, not the model's code: each chain of memory-bound ops
     # in a module (a norm, an activation, RoPE) as one kernel (LayerSpec.module_fusion_saved_*)
@@ -81,7 +90,9 @@ class Engine:
 
     def runs_fused(self, pattern: str) -> bool:
         """Whether this engine runs the fusion pass's chain `pattern` as one kernel."""
-        return self.fused_patterns is None or pattern in self.fused_patterns
+        if self.fused_patterns is None:
+            return pattern in (AUTOPAR_FUSED_COMPILED if self.compiled_blocks else AUTOPAR_FUSED)
+        return pattern in self.fused_patterns
 
     def layout_fields(self) -> dict:
         """The Layout fields this engine sets (the rest of a Layout is the plan's)."""

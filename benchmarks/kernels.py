@@ -53,7 +53,6 @@ def _ideal_bytes(name: str, m: int, n: int, e: int) -> tuple[float, float]:
     """(forward, backward) bytes the fused kernel has to move at minimum."""
     mn = m * n * e
     return {
-        "bias_gelu": (2 * mn, 3 * mn), "bias_gelu_erf": (2 * mn, 3 * mn), "bias_silu": (2 * mn, 3 * mn),
         "swiglu": (3 * mn, 5 * mn),
         "add_layernorm": (4 * mn, 4 * mn), "add_rmsnorm": (4 * mn, 4 * mn),
         "scaled_masked_softmax": (2 * mn, 3 * mn),
@@ -143,9 +142,15 @@ def bench_one(name, m, n, dtype, device, iters, warmup, with_compile):
         row["triton_fwd_GBps"] = fwd_b / row["triton_fwd_s"] / 1e9
     if row.get("triton_fwd_bwd_s"):
         row["triton_fwd_bwd_GBps"] = (fwd_b + bwd_b) / row["triton_fwd_bwd_s"] / 1e9
+    for impl in impls:  # backward alone: forward + backward less the forward
+        if row.get(f"{impl}_fwd_bwd_s") and row.get(f"{impl}_fwd_s"):
+            row[f"{impl}_bwd_s"] = max(0.0, row[f"{impl}_fwd_bwd_s"] - row[f"{impl}_fwd_s"])
     for base in ("eager", "compile"):
         if row.get(f"{base}_fwd_bwd_s") and row.get("triton_fwd_bwd_s"):
             row[f"speedup_vs_{base}"] = row[f"{base}_fwd_bwd_s"] / row["triton_fwd_bwd_s"]
+        for phase in ("fwd", "bwd"):
+            if row.get(f"{base}_{phase}_s") and row.get(f"triton_{phase}_s"):
+                row[f"{phase}_speedup_vs_{base}"] = row[f"{base}_{phase}_s"] / row[f"triton_{phase}_s"]
     return row
 
 
@@ -156,7 +161,8 @@ def _markdown(result) -> str:
     if result["smoke"]:
         lines += ["**Smoke run (Triton interpreter on CPU): these timings say nothing about GPU speed.**", ""]
     lines += ["| kernel | rows x width | triton fwd+bwd ms | eager ms | compile ms | vs eager | vs compile | "
-              "GB/s fwd | % of copy bw (fwd) | max rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "fwd vs eager / compile | bwd vs eager / compile | GB/s fwd | % of copy bw (fwd) | max rel err |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(v):
         return f"{v * 1e3:.3f}" if v else "-"
@@ -170,6 +176,8 @@ def _markdown(result) -> str:
         lines.append(
             f"| {r['kernel']} | {r['rows']}x{r['width']} | {ms(r.get('triton_fwd_bwd_s'))} | {ms(r.get('eager_fwd_bwd_s'))} "
             f"| {ms(r.get('compile_fwd_bwd_s'))} | {x(r.get('speedup_vs_eager'))} | {x(r.get('speedup_vs_compile'))} "
+            f"| {x(r.get('fwd_speedup_vs_eager'))} / {x(r.get('fwd_speedup_vs_compile'))} "
+            f"| {x(r.get('bwd_speedup_vs_eager'))} / {x(r.get('bwd_speedup_vs_compile'))} "
             f"| {f'{gbps:.1f}' if gbps and gbps == gbps else '-'} | {frac} | {r['max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 

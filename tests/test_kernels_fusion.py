@@ -77,29 +77,48 @@ def test_llama_chains_found_per_block():
 
 def test_fused_graph_calls_the_fused_modules():
     model, _ = gpt_tiny()
-    fused = apply_fusions(model, find_fusions(model))
+    fused = apply_fusions(model, find_fusions(model), compiled=True)  # add + LayerNorm: a compiled blocks' kernel
     block = fused.blocks[0]
     assert isinstance(block, torch.fx.GraphModule)
     assert isinstance(block.ln_2, nn.LayerNorm) and type(block.ln_2).__name__ == "FusedLayerNorm"
-    assert isinstance(block.mlp.fc, nn.Linear) and type(block.mlp.fc).__name__ == "FusedLinear"
+    # bias + GELU has no kernel of autopar's (it lost to eager and to compile): the MLP is untouched
+    assert type(block.mlp.fc) is nn.Linear and type(block.mlp).__name__ == "MLP"
     # each chain is rewritten in the module it lives in: the block keeps its
     # children and calls them (TP's data-flow probe of attn / mlp still works)
     assert [n for n, _ in block.named_children()] == ["ln_1", "attn", "ln_2", "mlp", "drop"]
     code = block.code
     assert "self.attn(" in code and "self.mlp(" in code  # attention's `self.training` check runs at call time
     assert "residual =" in code  # ln_2 gets the residual as a keyword
-    assert isinstance(block.mlp, torch.fx.GraphModule) and "gelu" not in block.mlp.code
     assert type(block.attn).__name__ == "CausalSelfAttention"  # untouched
+
+
+def test_only_the_chains_whose_kernel_wins_where_the_blocks_run_are_swapped_in():
+    """Issue 31: a kernel runs only where its benchmark beats what it replaces
+    (autopar.kernels.RUNS): add + LayerNorm beat torch.compile but lost to eager;
+    add + RMSNorm beat eager but lost to compile; SwiGLU beat both."""
+    from autopar.kernels import RUNS
+    from autopar.engine import AUTOPAR_FUSED, AUTOPAR_FUSED_COMPILED
+
+    assert (RUNS["eager"], RUNS["compiled"]) == (AUTOPAR_FUSED, AUTOPAR_FUSED_COMPILED)
+    gpt, _ = gpt_tiny()
+    eager = apply_fusions(copy.deepcopy(gpt), find_fusions(gpt))
+    assert type(eager.blocks[0].ln_2) is nn.LayerNorm
+    assert type(apply_fusions(gpt, find_fusions(gpt), compiled=True).blocks[0].ln_2).__name__ == "FusedLayerNorm"
+    llama, _ = llama_tiny()
+    kinds = lambda m: {type(x).__name__ for x in m.modules()}  # noqa: E731
+    assert "FusedRMSNorm" in kinds(apply_fusions(copy.deepcopy(llama), find_fusions(llama)))
+    compiled = apply_fusions(llama, find_fusions(llama), compiled=True)
+    assert "FusedRMSNorm" not in kinds(compiled) and "swiglu" in compiled.layers[0].feed_forward.code
 
 
 def test_patterns_filter_and_only_listed_fusions_apply():
     model, _ = gpt_tiny()
-    only = find_fusions(model, patterns=["bias_gelu"])
-    assert {f["pattern"] for f in only} == {"bias_gelu"}
-    fused = apply_fusions(model, only[:1])  # just blocks.0
-    assert type(fused.blocks[0].mlp.fc).__name__ == "FusedLinear"
-    assert type(fused.blocks[1].mlp.fc) is nn.Linear
-    assert type(fused.blocks[0].ln_2) is nn.LayerNorm
+    only = find_fusions(model, patterns=["add_layernorm"])
+    assert {f["pattern"] for f in only} == {"add_layernorm"}
+    fused = apply_fusions(model, only[:1], compiled=True)  # just blocks.0
+    assert type(fused.blocks[0].ln_2).__name__ == "FusedLayerNorm"
+    assert type(fused.blocks[1].ln_2) is nn.LayerNorm
+    assert {f["pattern"] for f in find_fusions(model, patterns=["bias_gelu"])} == {"bias_gelu"}  # found, for others
 
 
 def test_dropout_fused_in_training_is_seeded_and_drops():
@@ -327,7 +346,7 @@ def test_autopar_compile_with_fusion_trains_like_without(monkeypatch):
     try:
         for fusion in (False, True):
             torch.manual_seed(0)
-            model, example = gpt_tiny()
+            model, example = llama_tiny()  # add + RMSNorm and SwiGLU: kernels of eager blocks
             initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
             plan = plan_for_model(model, micro_batch_size=2)
             plan.fusions = find_fusions(model)
@@ -342,7 +361,7 @@ def test_autopar_compile_with_fusion_trains_like_without(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
     (plain_losses, plain_state, _), (fused_losses, fused_state, names) = results[False], results[True]
-    assert "FusedLayerNorm" in names and "FusedLinear" in names  # the fused modules are what runs
+    assert "FusedRMSNorm" in names  # the fused modules are what runs
     assert set(fused_state) == set(plain_state)
     for a, b in zip(fused_losses, plain_losses):
         assert abs(a - b) <= 1e-5 * abs(b)
@@ -350,7 +369,9 @@ def test_autopar_compile_with_fusion_trains_like_without(monkeypatch):
         want, got = ref - initial[k], fused_state[k] - initial[k]
         assert want.abs().max() > 0, f"{k} was not trained"
         rel = float((got - want).abs().max() / want.abs().max())
-        assert rel < 1e-4, f"{k}: update differs by {rel:.2e} of its scale"
+        # RMSNorm weights' gradients are sums over every row of cancelling terms: the kernel's
+        # fp32 partial sums in another order reach ~1e-4 of their scale (measured 1.1e-4)
+        assert rel < 5e-4, f"{k}: update differs by {rel:.2e} of its scale"
 
 
 def test_savings_per_layer_for_the_cost_model():
@@ -398,17 +419,17 @@ def test_rmsnorm_lookalike_is_not_fused():
 
 
 def _tp_fusion_world(rank, world):
-    """Two ranks, tp=2 with sequence parallelism: GPT-tiny and Llama-tiny with
-    and without fusion through autopar.compile; losses and SGD updates."""
+    """Two ranks, tp=2 with sequence parallelism: Llama-tiny with and without fusion
+    through autopar.compile (eager blocks: add + RMSNorm, SwiGLU); losses and SGD updates."""
     import autopar
-    import autopar.kernels.bias_act as bias_act
+    import autopar.kernels.add_norm as add_norm
+    import importlib
+    swiglu = importlib.import_module("autopar.kernels.swiglu")  # the package's `swiglu` is the function
     from autopar.lower.manual_plan import plan_for_model
 
     # Count kernel launches from inside TP's DTensor MLPs: the shard-local
     # path must run the Triton kernels, not quietly fall back to the reference.
-    import autopar.kernels.add_norm as add_norm
-
-    calls = {"bias_act": 0, "swiglu": 0, "add_norm": 0}
+    calls = {"swiglu": 0, "add_norm": 0}
 
     def counting(fn, key):
         def apply(*args):
@@ -416,11 +437,10 @@ def _tp_fusion_world(rank, world):
             return fn(*args)
         return apply
 
-    bias_act._BiasAct.apply = counting(bias_act._BiasAct.apply, "bias_act")
-    bias_act._SwiGLU.apply = counting(bias_act._SwiGLU.apply, "swiglu")
-    add_norm._AddNorm.apply = counting(add_norm._AddNorm.apply, "add_norm")
+    swiglu._swiglu_op = counting(swiglu._swiglu_op, "swiglu")
+    add_norm._apply = counting(add_norm._apply, "add_norm")
     results = {}
-    for model_name, factory in (("gpt", gpt_tiny), ("llama", llama_tiny)):
+    for model_name, factory in (("llama", llama_tiny),):
         out = {}
         for fusion in (False, True):
             torch.manual_seed(0)
@@ -457,12 +477,10 @@ def test_fusion_under_tensor_and_sequence_parallelism():
     from dist_utils import run_world
 
     for per_rank in run_world(_tp_fusion_world, 2, timeout=280):
-        assert per_rank["calls"]["bias_act"] >= 8  # GPT: 4 blocks x 2 steps, on the column shards
-        assert per_rank["calls"]["swiglu"] >= 8  # Llama: likewise
-        assert per_rank["calls"]["add_norm"] >= 16  # both models, on the sequence shards
-        assert {"FusedLayerNorm", "FusedLinear"} <= set(per_rank["gpt"]["fused_modules"])
+        assert per_rank["calls"]["swiglu"] >= 8  # 4 blocks x 2 steps, on the column shards
+        assert per_rank["calls"]["add_norm"] >= 8  # on the sequence shards
         assert "FusedRMSNorm" in per_rank["llama"]["fused_modules"]
-        for name in ("gpt", "llama"):
+        for name in ("llama",):
             r = per_rank[name]
             assert r["loss_rel"] <= 1e-5, name
             assert r["same_keys"] and r["update_rel"]

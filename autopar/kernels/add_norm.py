@@ -14,6 +14,8 @@ storage dtype before it is normalised, exactly as eager does.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -93,54 +95,133 @@ if HAVE_TRITON:
         tl.store(DB_PART + pid * N + cols, db_acc, mask=mask)
 
 
-class _AddNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms):
-        n = x.shape[-1]
-        x2 = rows_of(x)
-        m = x2.shape[0]
-        h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-        out_dtype = torch.promote_types(h_dtype, weight.dtype) if (rms and weight is not None) else h_dtype
-        r2 = rows_of(residual) if residual is not None else x2
-        h2 = new_empty((m, n), h_dtype, x.device) if residual is not None else x2
-        y = new_empty((m, n), out_dtype, x.device)
-        mean = new_empty((m,), torch.float32, x.device)
-        rstd = new_empty((m,), torch.float32, x.device)
-        block = next_pow2(n)
-        w = weight.contiguous() if weight is not None else x2
-        b = bias.contiguous() if bias is not None else x2
-        _add_norm_fwd_kernel[(m,)](
-            x2, r2, w, b, y, h2, mean, rstd, n, eps,
-            HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-            RMS=rms, BLOCK=block, num_warps=num_warps_for(block))
-        ctx.save_for_backward(h2, weight, mean, rstd)
-        ctx.rms, ctx.has_bias, ctx.shape = rms, bias is not None, x.shape
-        ctx.x_dtype = x.dtype
-        ctx.r_dtype = residual.dtype if residual is not None else None
-        if residual is None:
-            return y.view(x.shape)  # h is x itself: the caller returns x
-        return y.view(x.shape), h2.view(x.shape)
+def _launch_forward(x, residual, weight, bias, eps: float, rms: bool):
+    """-> (y, h, mean, rstd) as (m, n) rows; h is x's rows when there is no residual."""
+    n = x.shape[-1]
+    x2 = rows_of(x)
+    m = x2.shape[0]
+    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = torch.promote_types(h_dtype, weight.dtype) if (rms and weight is not None) else h_dtype
+    r2 = rows_of(residual) if residual is not None else x2
+    h2 = new_empty((m, n), h_dtype, x.device) if residual is not None else x2
+    y = new_empty((m, n), out_dtype, x.device)
+    mean = new_empty((m,), torch.float32, x.device)
+    rstd = new_empty((m,), torch.float32, x.device)
+    block = next_pow2(n)
+    w = weight.contiguous() if weight is not None else x2
+    b = bias.contiguous() if bias is not None else x2
+    _add_norm_fwd_kernel[(m,)](
+        x2, r2, w, b, y, h2, mean, rstd, n, eps,
+        HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        RMS=rms, BLOCK=block, num_warps=num_warps_for(block))
+    return y, h2, mean, rstd
 
-    @staticmethod
-    def backward(ctx, dy, dh=None):
-        h2, weight, mean, rstd = ctx.saved_tensors
-        m, n = h2.shape
-        g = reduce_programs(m, h2.device)
-        dx = new_empty((m, n), h2.dtype, h2.device)
-        dw_part = new_empty((g, n), torch.float32, h2.device)
-        db_part = new_empty((g, n), torch.float32, h2.device)
-        block = next_pow2(n)
-        dy2 = rows_of(dy)
-        dh2 = rows_of(dh) if (dh is not None and ctx.r_dtype is not None) else dy2
-        _add_norm_bwd_kernel[(g,)](
-            dy2, dh2, h2, weight if weight is not None else h2, mean, rstd, dx, dw_part, db_part, m, n,
-            HAS_DH=dh is not None and ctx.r_dtype is not None, HAS_W=weight is not None, RMS=ctx.rms,
-            G=g, BLOCK=block, num_warps=num_warps_for(block))
-        dx = dx.view(ctx.shape)
-        dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-        db = db_part.sum(0).to(weight.dtype if weight is not None else h2.dtype) if ctx.has_bias else None
-        dres = dx.to(ctx.r_dtype) if ctx.r_dtype is not None else None
-        return dx.to(ctx.x_dtype), dres, dw, db, None, None
+
+def _add_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor], eps: float, rms: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, h2, mean, rstd = _launch_forward(x, residual, weight, bias, eps, rms)
+    return y.view(x.shape), h2.view(x.shape), mean, rstd
+
+
+def _norm_forward(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                  rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, _, mean, rstd = _launch_forward(x, None, weight, bias, eps, rms)
+    return y.view(x.shape), mean, rstd
+
+
+def _norm_backward(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: Optional[torch.Tensor],
+                   mean: torch.Tensor, rstd: torch.Tensor, rms: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx in h's dtype, shaped as h; dweight and dbias as fp32 column sums)."""
+    h2 = rows_of(h)
+    m, n = h2.shape
+    g = reduce_programs(m, h2.device)
+    dx = new_empty((m, n), h2.dtype, h2.device)
+    dw_part = new_empty((g, n), torch.float32, h2.device)
+    db_part = new_empty((g, n), torch.float32, h2.device)
+    block = next_pow2(n)
+    dy2 = rows_of(dy)
+    dh2 = rows_of(dh) if dh is not None else dy2
+    _add_norm_bwd_kernel[(g,)](
+        dy2, dh2, h2, weight if weight is not None else h2, mean, rstd, dx, dw_part, db_part, m, n,
+        HAS_DH=dh is not None, HAS_W=weight is not None, RMS=rms,
+        G=g, BLOCK=block, num_warps=num_warps_for(block))
+    return dx.view(h.shape), dw_part.sum(0), db_part.sum(0)
+
+
+def _out_dtype(x, residual, weight, rms):
+    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return (torch.promote_types(h_dtype, weight.dtype) if (rms and weight is not None) else h_dtype), h_dtype
+
+
+def _add_norm_fake(x, residual, weight, bias, eps, rms):
+    out_dtype, h_dtype = _out_dtype(x, residual, weight, rms)
+    rows = x.numel() // x.shape[-1]
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=h_dtype),
+            x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
+
+
+def _norm_fake(x, weight, bias, eps, rms):
+    y, _, mean, rstd = _add_norm_fake(x, None, weight, bias, eps, rms)
+    return y, mean, rstd
+
+
+def _norm_backward_fake(dy, dh, h, weight, mean, rstd, rms):
+    n = h.shape[-1]
+    return h.new_empty(h.shape), h.new_empty((n,), dtype=torch.float32), h.new_empty((n,), dtype=torch.float32)
+
+
+# torch.library ops: compiled code (a torch.compile'd block) calls them as opaque ops,
+# with their fake (shape-only) versions for tracing and the backward op for autograd
+_add_norm_op = torch.library.custom_op("autopar::add_norm", _add_norm_forward, mutates_args=())
+_add_norm_op.register_fake(_add_norm_fake)
+_norm_op = torch.library.custom_op("autopar::norm", _norm_forward, mutates_args=())
+_norm_op.register_fake(_norm_fake)
+_norm_backward_op = torch.library.custom_op("autopar::norm_backward", _norm_backward, mutates_args=())
+_norm_backward_op.register_fake(_norm_backward_fake)
+
+
+def _setup(ctx, inputs, output):
+    if len(inputs) == 6:  # add_norm: (x, residual, weight, bias, eps, rms) -> (y, h, mean, rstd)
+        x, residual, weight, bias, _, rms = inputs
+        h = output[1]
+    else:  # norm: (x, weight, bias, eps, rms) -> (y, mean, rstd)
+        (x, weight, bias, _, rms), residual = inputs, None
+        h = x
+    ctx.save_for_backward(h, weight, output[-2], output[-1])
+    ctx.rms, ctx.has_bias = rms, bias is not None
+    ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype if residual is not None else None
+
+
+def _grads(ctx, dy, dh):
+    h, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _norm_backward_op(dy, dh, h, weight, mean, rstd, ctx.rms)
+    dw = dw.to(weight.dtype) if weight is not None else None
+    db = db.to(weight.dtype if weight is not None else h.dtype) if ctx.has_bias else None
+    return dx.to(ctx.x_dtype), (dx.to(ctx.r_dtype) if ctx.r_dtype is not None else None), dw, db
+
+
+def _add_norm_grad(ctx, dy, dh, _dmean, _drstd):
+    dx, dres, dw, db = _grads(ctx, dy, dh)
+    return dx, dres, dw, db, None, None
+
+
+def _norm_grad(ctx, dy, _dmean, _drstd):
+    dx, _, dw, db = _grads(ctx, dy, None)
+    return dx, dw, db, None, None
+
+
+_add_norm_op.register_autograd(_add_norm_grad, setup_context=_setup)
+_norm_op.register_autograd(_norm_grad, setup_context=_setup)
+
+
+def _apply(x, residual, weight, bias, eps: float, rms: bool):
+    """(out, h): the op with a residual, or the norm alone (h is x)."""
+    if residual is None:
+        return _norm_op(x, weight, bias, float(eps), rms)[0], x
+    out, h, _, _ = _add_norm_op(x, residual, weight, bias, float(eps), rms)
+    return out, h
 
 
 def _local_add_norm(x, residual, weight, bias, eps, rms):
@@ -166,7 +247,7 @@ def _local_add_norm(x, residual, weight, bias, eps, rms):
     bl = bias.to_local(grad_placements=grad_pl) if bias is not None else None
     if not use_triton(xl, rl, wl, bl):
         return None
-    out, h = _AddNorm.apply(xl, rl, wl, bl, float(eps), rms)
+    out, h = _apply(xl, rl, wl, bl, eps, rms)
 
     def wrap(t):
         return DTensor.from_local(t, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
@@ -202,9 +283,7 @@ def add_layernorm(x, residual, weight, bias, eps: float = 1e-5):
             return pair
     if not use_triton(x, residual, weight, bias) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return add_layernorm_reference(x, residual, weight, bias, eps)
-    if residual is None:
-        return _AddNorm.apply(x, None, weight, bias, float(eps), False), x
-    return _AddNorm.apply(x, residual, weight, bias, float(eps), False)
+    return _apply(x, residual, weight, bias, eps, False)
 
 
 def add_rmsnorm_reference(x, residual, weight, eps: float = 1e-6):
@@ -224,9 +303,7 @@ def add_rmsnorm(x, residual, weight, eps: float = 1e-6):
             return pair
     if not use_triton(x, residual, weight) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return add_rmsnorm_reference(x, residual, weight, eps)
-    if residual is None:
-        return _AddNorm.apply(x, None, weight, None, float(eps), True), x
-    return _AddNorm.apply(x, residual, weight, None, float(eps), True)
+    return _apply(x, residual, weight, None, eps, True)
 
 
 def make_add_layernorm_inputs(seed: int, shape=None, dtype=torch.float32):

@@ -117,30 +117,50 @@ def _reduce(loss_rows, targets, ignore_index, reduction, dtype):
     return (total / (targets != ignore_index).sum()).to(dtype)
 
 
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction):
-        x2 = rows_of(logits)
-        t = targets.contiguous().view(-1)
-        n, v = x2.shape
-        loss = new_empty((n,), torch.float32, x2.device)
-        lse = new_empty((n,), torch.float32, x2.device)
-        _ce_fwd_kernel[(n,)](x2, t, loss, lse, x2, v, ignore_index, 0.0, WRITE_GRAD=False, BLOCK=_block(v))
-        ctx.save_for_backward(x2, t, lse)
-        ctx.ignore_index, ctx.reduction, ctx.shape = ignore_index, reduction, logits.shape
-        return _reduce(loss, targets, ignore_index, reduction, logits.dtype)
+def _ce_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (loss per row, log-sum-exp per row), fp32; the reduction is the caller's."""
+    _check_range(targets, logits.shape[-1], ignore_index, "cross_entropy")  # in the op: real tensors
+    x2 = rows_of(logits)
+    t = targets.contiguous().view(-1)
+    n, v = x2.shape
+    loss = new_empty((n,), torch.float32, x2.device)
+    lse = new_empty((n,), torch.float32, x2.device)
+    _ce_fwd_kernel[(n,)](x2, t, loss, lse, x2, v, ignore_index, 0.0, WRITE_GRAD=False, BLOCK=_block(v))
+    return loss, lse
 
-    @staticmethod
-    def backward(ctx, dloss):
-        x2, t, lse = ctx.saved_tensors
-        n, v = x2.shape
-        if ctx.reduction == "mean":
-            dloss = dloss / (t != ctx.ignore_index).sum()
-        dloss = dloss.float().contiguous().view(-1)
-        dx = new_empty((n, v), x2.dtype, x2.device)
-        _ce_bwd_kernel[(n,)](x2, t, lse, dloss, dx, v, ctx.ignore_index,
-                             PER_ROW_GRAD=ctx.reduction == "none", BLOCK=_block(v))
-        return dx.view(ctx.shape), None, None, None
+
+def _ce_backward(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                 ignore_index: int) -> torch.Tensor:
+    x2 = rows_of(logits)
+    t = targets.contiguous().view(-1)
+    n, v = x2.shape
+    dx = new_empty((n, v), x2.dtype, x2.device)
+    _ce_bwd_kernel[(n,)](x2, t, lse, dloss.float().contiguous().view(-1), dx, v, ignore_index,
+                         PER_ROW_GRAD=True, BLOCK=_block(v))
+    return dx.view(logits.shape)
+
+
+# torch.library ops: compiled code calls them as opaque ops (fake versions for tracing)
+_ce_op = torch.library.custom_op("autopar::cross_entropy", _ce_forward, mutates_args=())
+_ce_op.register_fake(lambda logits, targets, ignore_index: (
+    logits.new_empty((logits.numel() // logits.shape[-1],), dtype=torch.float32),
+    logits.new_empty((logits.numel() // logits.shape[-1],), dtype=torch.float32)))
+_ce_backward_op = torch.library.custom_op("autopar::cross_entropy_backward", _ce_backward, mutates_args=())
+_ce_backward_op.register_fake(lambda dloss, logits, targets, lse, ignore_index: torch.empty_like(logits))
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, targets, ignore_index = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.ignore_index = ignore_index
+
+
+def _ce_grad(ctx, dloss, _dlse):
+    logits, targets, lse = ctx.saved_tensors
+    return _ce_backward_op(dloss, logits, targets, lse, ctx.ignore_index), None, None
+
+
+_ce_op.register_autograd(_ce_grad, setup_context=_ce_setup)
 
 
 def cross_entropy_reference(logits, targets, ignore_index: int = -100, reduction: str = "mean"):
@@ -157,46 +177,63 @@ def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "m
         raise AutoparError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not use_triton(logits, targets):
         return cross_entropy_reference(logits, targets, ignore_index, reduction)
-    _check_range(targets, logits.shape[-1], ignore_index, "cross_entropy")
-    return _CrossEntropy.apply(logits, targets, int(ignore_index), reduction)
+    loss, _ = _ce_op(logits, targets, int(ignore_index))
+    return _reduce(loss, targets, ignore_index, reduction, logits.dtype)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk_rows):
-        h2 = rows_of(hidden)
-        t = targets.contiguous().view(-1)
-        n, _ = h2.shape
-        v = weight.shape[0]
-        n_valid = int((t != ignore_index).sum())
-        grad_scale = 1.0 / n_valid if (reduction == "mean" and n_valid > 0) else 1.0
-        loss = new_empty((n,), torch.float32, h2.device)
-        lse = new_empty((n,), torch.float32, h2.device)
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        dh = new_empty(h2.shape, hidden.dtype, h2.device) if need_grad else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=h2.device) if need_grad else None
-        for start in range(0, n, chunk_rows):
-            end = min(n, start + chunk_rows)
-            logits = h2[start:end] @ weight.t()  # (rows, V): the only logits in memory
-            _ce_fwd_kernel[(end - start,)](
-                logits, t[start:end], loss[start:], lse[start:], logits, v, ignore_index, grad_scale,
-                WRITE_GRAD=need_grad, BLOCK=_block(v))
-            if need_grad:  # logits now hold d(loss)/d(logits) for this chunk
-                dh[start:end] = logits @ weight
-                dw += (logits.t() @ h2[start:end]).float()  # fp32-accumulated GEMM, summed in fp32
-        ctx.save_for_backward(dh, dw)
-        ctx.shape, ctx.w_dtype = hidden.shape, weight.dtype
-        if reduction == "mean" and n_valid == 0:
-            return (loss.sum() / 0.0).to(hidden.dtype)  # nan, as F.cross_entropy
-        return _reduce(loss, targets, ignore_index, reduction, hidden.dtype)
+def _lce_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, mean: bool,
+                 chunk_rows: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (the reduced loss, fp32 scalar; d(loss)/d(hidden); d(loss)/d(weight), fp32), the
+    gradients made chunk by chunk while the loss is (empty when not needed)."""
+    _check_range(targets, weight.shape[0], ignore_index, "linear_cross_entropy")  # in the op: real tensors
+    h2 = rows_of(hidden)
+    t = targets.contiguous().view(-1)
+    n, _ = h2.shape
+    v = weight.shape[0]
+    n_valid = int((t != ignore_index).sum())
+    grad_scale = 1.0 / n_valid if (mean and n_valid > 0) else 1.0
+    loss = new_empty((n,), torch.float32, h2.device)
+    lse = new_empty((n,), torch.float32, h2.device)
+    dh = new_empty(h2.shape if need_grad else (0,), hidden.dtype, h2.device)
+    dw = torch.zeros(weight.shape if need_grad else (0,), dtype=torch.float32, device=h2.device)
+    for start in range(0, n, chunk_rows):
+        end = min(n, start + chunk_rows)
+        logits = h2[start:end] @ weight.t()  # (rows, V): the only logits in memory
+        _ce_fwd_kernel[(end - start,)](
+            logits, t[start:end], loss[start:], lse[start:], logits, v, ignore_index, grad_scale,
+            WRITE_GRAD=need_grad, BLOCK=_block(v))
+        if need_grad:  # logits now hold d(loss)/d(logits) for this chunk
+            dh[start:end] = logits @ weight
+            dw += (logits.t() @ h2[start:end]).float()  # fp32-accumulated GEMM, summed in fp32
+    total = loss.sum()
+    if mean:  # n_valid = 0: nan, as F.cross_entropy
+        total = total / n_valid if n_valid > 0 else total / 0.0
+    return total, dh.view(hidden.shape) if need_grad else dh, dw
 
-    @staticmethod
-    def backward(ctx, dloss):
-        dh, dw = ctx.saved_tensors
-        g = dloss.float()
-        dh_out = (dh.float() * g).to(dh.dtype).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        dw_out = (dw * g).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return dh_out, dw_out, None, None, None, None
+
+def _lce_fake(hidden, weight, targets, ignore_index, mean, chunk_rows, need_grad):
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape if need_grad else (0,)),
+            hidden.new_empty(weight.shape if need_grad else (0,), dtype=torch.float32))
+
+
+# a torch.library op: compiled code calls it as one opaque op; its backward only scales
+# the gradients the forward made (plain torch ops, traced)
+_lce_op = torch.library.custom_op("autopar::linear_cross_entropy", _lce_forward, mutates_args=())
+_lce_op.register_fake(_lce_fake)
+
+
+def _lce_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.w_dtype = inputs[1].dtype
+
+
+def _lce_grad(ctx, dloss, _ddh, _ddw):
+    dh, dw = ctx.saved_tensors
+    g = dloss.float()
+    return (dh.float() * g).to(dh.dtype), (dw * g).to(ctx.w_dtype), None, None, None, None, None
+
+
+_lce_op.register_autograd(_lce_grad, setup_context=_lce_setup)
 
 
 def linear_cross_entropy_reference(hidden, weight, targets, ignore_index: int = -100, reduction: str = "mean",
@@ -223,8 +260,9 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, redu
         raise AutoparError(f"linear_cross_entropy: chunk_rows must be >= 1, got {chunk_rows}")
     if not use_triton(hidden, weight, targets):
         return linear_cross_entropy_reference(hidden, weight, targets, ignore_index, reduction)
-    _check_range(targets, weight.shape[0], ignore_index, "linear_cross_entropy")
-    return _LinearCrossEntropy.apply(hidden, weight, targets, int(ignore_index), reduction, int(chunk_rows))
+    loss, _, _ = _lce_op(hidden, weight, targets, int(ignore_index), reduction == "mean", int(chunk_rows),
+                         hidden.requires_grad or weight.requires_grad)
+    return loss.to(hidden.dtype)
 
 
 def make_cross_entropy_inputs(seed: int, shape=None, dtype=torch.float32):

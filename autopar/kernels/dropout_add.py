@@ -87,23 +87,41 @@ def dropout_mask(seed: int, shape, p: float, device=None) -> torch.Tensor:
     return (philox_uniform(seed, torch.arange(n, device=device)) >= p).view(shape)
 
 
-class _DropoutAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, p, seed):
-        x1, r1 = x.contiguous(), residual.contiguous()
-        y = new_empty(x.shape, torch.promote_types(x.dtype, residual.dtype), x.device)
-        block = 1024
-        _dropout_add_fwd_kernel[(triton.cdiv(x.numel(), block),)](x1, r1, y, x.numel(), p, seed, BLOCK=block)
-        ctx.p, ctx.seed, ctx.x_dtype, ctx.r_dtype = p, seed, x.dtype, residual.dtype
-        return y
+def _dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    x1, r1 = x.contiguous(), residual.contiguous()
+    y = new_empty(x.shape, torch.promote_types(x.dtype, residual.dtype), x.device)
+    block = 1024
+    _dropout_add_fwd_kernel[(triton.cdiv(x.numel(), block),)](x1, r1, y, x.numel(), p, seed, BLOCK=block)
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        dy1 = dy.contiguous()
-        dx = new_empty(dy.shape, ctx.x_dtype, dy.device)
-        block = 1024
-        _dropout_bwd_kernel[(triton.cdiv(dy.numel(), block),)](dy1, dx, dy.numel(), ctx.p, ctx.seed, BLOCK=block)
-        return dx, dy.to(ctx.r_dtype), None, None
+
+def _dropout_backward(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """d(dropout(x))/dx: the same mask, from (seed, element index); in dy's dtype."""
+    dy1 = dy.contiguous()
+    dx = new_empty(dy.shape, dy.dtype, dy.device)
+    block = 1024
+    _dropout_bwd_kernel[(triton.cdiv(dy.numel(), block),)](dy1, dx, dy.numel(), p, seed, BLOCK=block)
+    return dx
+
+
+# torch.library ops: compiled code calls them as opaque ops (fake versions for tracing)
+_dropout_add_op = torch.library.custom_op("autopar::dropout_add", _dropout_add_forward, mutates_args=())
+_dropout_add_op.register_fake(lambda x, residual, p, seed: x.new_empty(
+    x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
+_dropout_backward_op = torch.library.custom_op("autopar::dropout_backward", _dropout_backward, mutates_args=())
+_dropout_backward_op.register_fake(lambda dy, p, seed: torch.empty_like(dy, memory_format=torch.contiguous_format))
+
+
+def _dropout_add_setup(ctx, inputs, output):
+    x, residual, ctx.p, ctx.seed = inputs
+    ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype
+
+
+def _dropout_add_grad(ctx, dy):
+    return _dropout_backward_op(dy, ctx.p, ctx.seed).to(ctx.x_dtype), dy.to(ctx.r_dtype), None, None
+
+
+_dropout_add_op.register_autograd(_dropout_add_grad, setup_context=_dropout_add_setup)
 
 
 def dropout_add_reference(x, residual, p: float = 0.1, seed: int = 0, training: bool = True):
@@ -132,7 +150,7 @@ def dropout_add(x, residual, p: float = 0.1, seed: int = 0, training: bool = Tru
     x, residual = plain(x), plain(residual)
     if not use_triton(x, residual):
         return dropout_add_reference(x, residual, p, seed, training)
-    return _DropoutAdd.apply(x, residual, float(p), int(seed))
+    return _dropout_add_op(x, residual, float(p), int(seed))
 
 
 def new_seed() -> int:

@@ -15,7 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.kernels.add_norm import add_layernorm, add_rmsnorm
-from autopar.kernels.bias_act import bias_gelu, bias_silu
 from autopar.kernels.dropout_add import dropout_add, new_seed
 
 
@@ -70,18 +69,6 @@ class _FusedAddRMSNormMixin:
         return _Pair(add_rmsnorm(x, residual, self.weight, norm_eps(self)))
 
 
-class _FusedBiasActLinearMixin:
-    """Linear whose bias is added by the activation kernel (act is 'gelu_tanh', 'gelu' or 'silu')."""
-
-    fused_act = "gelu_tanh"
-
-    def forward(self, x):
-        y = F.linear(x, self.weight)
-        if self.fused_act == "silu":
-            return bias_silu(y, self.bias)
-        return bias_gelu(y, self.bias, approximate="tanh" if self.fused_act == "gelu_tanh" else "none")
-
-
 class _FusedDropoutAddMixin:
     def forward(self, x, residual=None):
         if residual is None:
@@ -94,7 +81,6 @@ class _FusedDropoutAddMixin:
 _MIXINS = {
     "add_layernorm": _FusedAddLayerNormMixin,
     "add_rmsnorm": _FusedAddRMSNormMixin,
-    "bias_act": _FusedBiasActLinearMixin,
     "dropout_add": _FusedDropoutAddMixin,
 }
 _CLASSES: dict[tuple[str, type], type] = {}
@@ -182,7 +168,7 @@ def fused_scaled_softmax(scores, scale, dim=-1):
 
 @_fx_leaf
 def swiglu_fn(gate, up):
-    from autopar.kernels.bias_act import swiglu
+    from autopar.kernels.swiglu import swiglu
 
     return swiglu(gate, up)
 

@@ -6,8 +6,8 @@ torch.fx and matches the memory-bound chains that eager PyTorch runs as
 several kernels:
 
   pattern          chain in the block's graph                    kernel
-  bias_gelu        Linear(bias) -> gelu                          bias_gelu
-  bias_silu        Linear(bias) -> silu                          bias_silu
+  bias_gelu        Linear(bias) -> gelu                          (none: found for other engines)
+  bias_silu        Linear(bias) -> silu                          (none: found for other engines)
   swiglu           silu(a) * b                                   swiglu
   add_layernorm    x + y -> LayerNorm                            add_layernorm
   add_rmsnorm      x + y -> RMSNorm (torch's or a Llama-style)   add_rmsnorm
@@ -27,7 +27,9 @@ graph, the module path, which is how capture names a one-module layer);
 `_stable_anchors`); `width` is the row width the kernel runs on (None where
 it is only known at run time, e.g. softmax keys).
 
-`apply_fusions(model, fusions)` rewrites each target module in place and
+`apply_fusions(model, fusions, compiled=...)` swaps in the chains autopar runs
+with its own kernel when the blocks run so (`autopar.kernels.RUNS`: where the
+kernel beats eager, or beats inductor's own fusion of the chain), rewrites each target module in place and
 returns the model: the target becomes an fx GraphModule with the same
 submodules and parameter names, matched modules get their fused class
 (`fused_modules.swap_class`), and only the modules a chain lives in are
@@ -51,7 +53,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.errors import AutoparError
-from autopar.kernels import patterns
+from autopar.kernels import RUNS, patterns
 from autopar.kernels.fx_ops import is_norm
 
 PATTERNS = ("bias_gelu", "bias_silu", "swiglu", "add_layernorm", "add_rmsnorm", "scaled_softmax",
@@ -327,21 +329,24 @@ def _keep_order(old: nn.Module, new: nn.Module) -> None:
             have.update(reordered)
 
 
-def apply_fusions(model: nn.Module, fusions: list[dict]) -> nn.Module:
+def apply_fusions(model: nn.Module, fusions: list[dict], *, compiled: bool = False) -> nn.Module:
     """Rewrite `model` in place so the listed chains run fused; returns it.
 
-    Parameter and buffer names are unchanged. Entries whose layer or chain
-    is not found (a different model, or a layer that no longer traces) are
-    skipped, never half-applied; `linear_cross_entropy` entries are for the
-    loss path and are skipped here."""
+    Only the chains autopar has a kernel for that wins where the blocks run
+    (`RUNS["compiled"]` when they are torch.compile'd, else `RUNS["eager"]`) are
+    swapped in; the rest stay as the model wrote them. Parameter and buffer names
+    are unchanged. Entries whose layer or chain is not found (a different model, or
+    a layer that no longer traces) are skipped, never half-applied;
+    `linear_cross_entropy` entries are for the loss path and are skipped here."""
     if not isinstance(model, nn.Module):
         raise AutoparError(f"apply_fusions expects an nn.Module, got {type(model).__name__}")
+    runs = RUNS["compiled" if compiled else "eager"]
     groups: dict[str, list[dict]] = {}
     for f in fusions:
         if not isinstance(f, dict) or "module" not in f or "pattern" not in f or "anchor" not in f:
             raise AutoparError(f"apply_fusions: malformed fusion record {f!r}",
                                hint="pass the dicts find_fusions returned (Plan.fusions)")
-        if f.get("params", {}).get("applied_by") == "loss":
+        if f.get("params", {}).get("applied_by") == "loss" or f["pattern"] not in runs:
             continue
         target = f.get("target", "")
         groups.setdefault(_join(f["module"] + "." if f["module"] else "", target), []).append(f)

@@ -43,27 +43,44 @@ if HAVE_TRITON:
         tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-class _ScaledMaskedSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale, causal):
-        x2 = rows_of(x)
-        m, n = x2.shape
-        sq = x.shape[-2] if x.dim() >= 2 else 1
-        y = new_empty((m, n), x.dtype, x.device)
-        block = next_pow2(n)
-        _softmax_fwd_kernel[(m,)](x2, y, sq, n, scale, CAUSAL=causal, BLOCK=block, num_warps=num_warps_for(block))
-        ctx.save_for_backward(y)
-        ctx.scale, ctx.shape = scale, x.shape
-        return y.view(x.shape)
+def _softmax_forward(x: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    x2 = rows_of(x)
+    m, n = x2.shape
+    sq = x.shape[-2] if x.dim() >= 2 else 1
+    y = new_empty((m, n), x.dtype, x.device)
+    block = next_pow2(n)
+    _softmax_fwd_kernel[(m,)](x2, y, sq, n, scale, CAUSAL=causal, BLOCK=block, num_warps=num_warps_for(block))
+    return y.view(x.shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        m, n = y.shape
-        dx = new_empty((m, n), y.dtype, y.device)
-        block = next_pow2(n)
-        _softmax_bwd_kernel[(m,)](rows_of(dy), y, dx, n, ctx.scale, BLOCK=block, num_warps=num_warps_for(block))
-        return dx.view(ctx.shape), None, None
+
+def _softmax_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    y2 = rows_of(y)
+    m, n = y2.shape
+    dx = new_empty((m, n), y.dtype, y.device)
+    block = next_pow2(n)
+    _softmax_bwd_kernel[(m,)](rows_of(dy), y2, dx, n, scale, BLOCK=block, num_warps=num_warps_for(block))
+    return dx.view(y.shape)
+
+
+# torch.library ops: compiled code calls them as opaque ops (fake versions for tracing)
+_softmax_op = torch.library.custom_op("autopar::scaled_masked_softmax", _softmax_forward, mutates_args=())
+_softmax_op.register_fake(lambda x, scale, causal: torch.empty_like(x, memory_format=torch.contiguous_format))
+_softmax_backward_op = torch.library.custom_op("autopar::scaled_masked_softmax_backward", _softmax_backward,
+                                               mutates_args=())
+_softmax_backward_op.register_fake(lambda dy, y, scale: torch.empty_like(y, memory_format=torch.contiguous_format))
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _softmax_grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return _softmax_backward_op(dy, y, ctx.scale), None, None
+
+
+_softmax_op.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 
 
 def scaled_masked_softmax_reference(x, scale: float = 1.0, causal: bool = True):
@@ -83,7 +100,7 @@ def scaled_masked_softmax(x, scale: float = 1.0, causal: bool = True):
         raise AutoparError(f"scaled_masked_softmax: causal masking needs (..., q, k) scores, got shape {tuple(x.shape)}")
     if not use_triton(x) or next_pow2(x.shape[-1]) > MAX_ROW_BLOCK:
         return scaled_masked_softmax_reference(x, scale, causal)
-    return _ScaledMaskedSoftmax.apply(x, float(scale), bool(causal))
+    return _softmax_op(x, float(scale), bool(causal))
 
 
 def make_softmax_inputs(seed: int, shape=None, dtype=torch.float32):

@@ -133,7 +133,9 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         from autopar.kernels.fusion import apply_fusions, find_fusions
         # A hand-written plan (or one saved with --no-fusion) lists no chains:
         # find them on the model itself, as the planner would have.
-        model = apply_fusions(model, plan.fusions or find_fusions(model))
+        from autopar.lower.compile_blocks import wanted as compiles
+        from autopar.lower.mesh import local_device as device_here
+        model = apply_fusions(model, plan.fusions or find_fusions(model), compiled=compiles(torch_compile, device_here()))
     from autopar.lower.model_io import positional_inputs
     split = positional_inputs(model, example_inputs)
     if split is not None:  # capture's inferred keyword inputs: labels become train_step's targets

@@ -1,10 +1,13 @@
-"""Linear(bias) -> gelu / silu: the bias add and the activation in one kernel after the GEMM."""
+"""Linear(bias) -> gelu / silu: the bias add and the activation in one kernel after the GEMM.
+
+Found, not rewritten: autopar's own kernel for it lost to eager and to torch.compile and
+was deleted (autopar/kernels/swiglu.py); the chain is still found because another engine
+runs it fused (Megatron-LM's --bias-gelu-fusion), which `autopar plan --engine` prices."""
 from __future__ import annotations
 
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.kernels import fused_modules as fm
 from autopar.kernels.fx_ops import GELU, SILU, is_fn, module_of, only_user
 
 
@@ -28,7 +31,7 @@ def match(nodes: list, modules: dict, used: set) -> list[dict]:
         pattern, act = kind
         src = n.args[0]
         lin = module_of(src, modules) if isinstance(src, fx.Node) else None
-        if type(lin) not in (nn.Linear,) and not isinstance(lin, fm._FusedBiasActLinearMixin) or lin.bias is None:
+        if type(lin) is not nn.Linear or lin.bias is None:
             continue
         if not only_user(src, n) or src in used:
             continue
@@ -36,10 +39,3 @@ def match(nodes: list, modules: dict, used: set) -> list[dict]:
                           width=lin.out_features, params={"act": act}, modules=[src.target]))
         used.update([src, n])
     return found
-
-
-def rewrite(graph: fx.Graph, modules: dict, match: dict, block=None) -> None:
-    lin, act = match["nodes"]
-    fm.swap_class(modules[lin.target], "bias_act", fused_act=match["params"]["act"])
-    act.replace_all_uses_with(lin)
-    graph.erase_node(act)
