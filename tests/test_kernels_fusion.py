@@ -327,10 +327,12 @@ def test_records_name_the_captured_layers():
     assert [f["module"] for f in blocks] == [f"blocks.{i}" for i in range(4)]
 
 
-def test_autopar_compile_with_fusion_trains_like_without(monkeypatch):
+@pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
+def test_autopar_compile_with_fusion_trains_like_without(monkeypatch, torch_compile):
     """autopar.compile(..., fusion=True) on one process: same losses and the
     same parameter updates (SGD, so an update is lr x gradient) over two
-    steps as fusion=False."""
+    steps as fusion=False; with compiled blocks, the fused blocks compile whole
+    (the kernels are opaque ops in their graphs) instead of falling back to eager."""
     import torch.distributed as dist
 
     import autopar
@@ -351,17 +353,21 @@ def test_autopar_compile_with_fusion_trains_like_without(monkeypatch):
             plan = plan_for_model(model, micro_batch_size=2)
             plan.fusions = find_fusions(model)
             pm = autopar.compile(model, example_inputs=example, loss_fn=gpt_loss_fn, plan=plan, fusion=fusion,
-                                 optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5})
+                                 optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5}, torch_compile=torch_compile)
             g = torch.Generator().manual_seed(1)
             losses = [pm.train_step((torch.randint(0, 128, (2, 16), generator=g),),
                                     torch.randint(0, 128, (2, 16), generator=g)) for _ in range(2)]
             fused_modules = [type(m).__name__ for s in pm.stages for m in s.modules()]
+            if torch_compile:
+                assert pm.compiled_blocks.compiled_paths() == [f"layers.{i}" for i in range(4)]
+                assert not pm.compiled_blocks.fell_back, pm.compiled_blocks.fell_back
             results[fusion] = (losses, pm.full_state_dict(), fused_modules)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     (plain_losses, plain_state, _), (fused_losses, fused_state, names) = results[False], results[True]
-    assert "FusedRMSNorm" in names  # the fused modules are what runs
+    # the fused modules are what runs: add + RMSNorm's kernel in eager blocks, SwiGLU's in both
+    assert ("FusedRMSNorm" in names) != torch_compile and any(n.startswith("Fused") for n in names)
     assert set(fused_state) == set(plain_state)
     for a, b in zip(fused_losses, plain_losses):
         assert abs(a - b) <= 1e-5 * abs(b)
