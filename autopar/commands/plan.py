@@ -52,8 +52,9 @@ def run(args) -> int:
 
 
 def _plan_with_progress(args):
-    if not stderr_is_tty():
-        return plan_from_args(args)
+    if not stderr_is_tty():  # a log file or a CI runner: a line at each phase and every few seconds
+        print("autopar plan: capturing the model and pricing its layers ...", file=sys.stderr, flush=True)
+        return plan_from_args(args, progress=progress_lines(sys.stderr))
     from rich.console import Console
 
     err = Console(stderr=True)
@@ -62,6 +63,23 @@ def _plan_with_progress(args):
             best = f", best {best_s:.3f} s/step" if best_s else ""
             status.update(f"{phase} layouts: {done}/{total}{best}")
         return plan_from_args(args, progress=progress)
+
+
+def progress_lines(stream, every_s: float = 5.0):
+    """progress(phase, done, total, best_s) writing a line to `stream` when the phase
+    changes, at the end of a phase and at most every `every_s` seconds between: long
+    planning says it is alive where no spinner can draw (stderr not a terminal)."""
+    t0, state = time.monotonic(), {"phase": None, "at": -every_s}
+
+    def progress(phase, done, total, best_s):
+        now = time.monotonic()
+        if phase == state["phase"] and done < total and now - state["at"] < every_s:
+            return
+        state.update(phase=phase, at=now)
+        best = f", best {best_s:.3f} s/step" if best_s else ""
+        stream.write(f"autopar plan: {phase} layouts {done}/{total}{best} ({now - t0:.0f} s)\n")
+        stream.flush()
+    return progress
 
 
 def _write_html(plan, path, graph) -> None:

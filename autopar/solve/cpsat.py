@@ -84,6 +84,11 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     solver.parameters.random_seed = seed
     solver.parameters.max_deterministic_time = time_limit_s
     solver.parameters.max_time_in_seconds = max(60.0, 20 * time_limit_s)  # backstop only: the deterministic limit binds
+    # Ctrl-C is the user's, not this one solve's: CP-SAT's default catches SIGINT and ends
+    # only the current solve, so the search went on to the next candidate (a 175B plan ran
+    # its 31 s to the end through two Ctrl-C); left to Python, it raises KeyboardInterrupt
+    # as the solve returns (the CLI exits 130)
+    solver.parameters.catch_sigint_signal = False
     code = solver.Solve(m)
     wall = time.perf_counter() - t0
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
