@@ -252,6 +252,42 @@ def test_sigterm_saves_stops_and_the_same_command_continues(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_ctrl_c_finishes_the_step_saves_and_the_same_command_continues(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the job's whole process group: launch.sh, torchrun
+    and every rank): as SIGTERM, every rank finishes the step in flight and saves it, and
+    the same command continues to the uninterrupted run's weights bit for bit (issue 32:
+    before, every rank printed a KeyboardInterrupt traceback and nothing was saved)."""
+    import signal
+    import subprocess
+    import time
+    from dist_utils import free_port
+    build, argv, ref = _slow_job(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    log = open(tmp_path / "job.log", "w")
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "MAX_RESTARTS": "0"}
+    job = subprocess.Popen([str(build / "launch.sh"), *argv, "--save-dir", str(ckpt), "--export",
+                            str(tmp_path / "final.safetensors")], stdout=log, stderr=subprocess.STDOUT, env=env,
+                           start_new_session=True)  # its own process group, as a terminal's foreground job
+    sent, deadline = False, time.monotonic() + 240
+    while not sent and job.poll() is None and time.monotonic() < deadline:
+        metrics = ckpt / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            os.killpg(job.pid, signal.SIGINT)
+            sent = True
+        time.sleep(0.01)
+    job.wait(timeout=300)
+    text = (tmp_path / "job.log").read_text()
+    assert sent and "stopped by signal after step" in text and "KeyboardInterrupt" not in text, text[-3000:]
+    stopped = snapshot.complete(str(ckpt))[-1][0]
+    assert 2 <= stopped < 16 and f"snapshot at step {stopped}" in text, (stopped, text[-2000:])
+    log = open(tmp_path / "job2.log", "w")
+    assert _launch(build, argv, ckpt, tmp_path / "final.safetensors", log).wait(timeout=300) == 0
+    assert f"at step {stopped}" in (tmp_path / "job2.log").read_text()
+    _assert_as_uninterrupted(tmp_path, ckpt, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_killed_rank_restarts_and_finishes_as_uninterrupted(tmp_path):
     """launch.sh (torchrun --max_restarts) on 2 ranks: rank 1 is SIGKILLed after the
     first snapshot, torchrun restarts both, train.py resumes from the newest complete

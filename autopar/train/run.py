@@ -9,7 +9,8 @@ under any plan: `snapshot`), read this dp rank's share of global batch k at
 step k (`data.GlobalBatches`), step with clipping by the global norm and the
 learning-rate schedule, log each step beside the plan's prediction
 (`metrics.Metrics`), and snapshot every --save-every steps, at the end, and
-when SIGTERM / SIGUSR1 arrives (a scheduler's preemption notice).
+when SIGTERM / SIGUSR1 arrives (a scheduler's preemption notice) or on a first
+Ctrl-C (a second stops at once).
 """
 from __future__ import annotations
 
@@ -283,11 +284,14 @@ def _resume(args, pm, batches) -> tuple[int, int]:
 
 
 class _StopSignal:
-    """SIGTERM / SIGUSR1 (torchrun and SLURM pass them on before killing) only set a
-    flag: the step in flight finishes, every rank learns of it at the step's end, and
-    all save the same step."""
+    """SIGTERM / SIGUSR1 (torchrun and SLURM pass them on before killing) and a first
+    Ctrl-C (SIGINT, which a terminal sends every rank and torchrun) only set a flag: the
+    step in flight finishes, every rank learns of it at the step's end, and all save the
+    same step. A second Ctrl-C stops at once (KeyboardInterrupt), as a user pressing it
+    twice means."""
 
-    SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None),
+                                getattr(signal, "SIGINT", None)) if s)
 
     def __init__(self):
         self.received = False
@@ -299,6 +303,13 @@ class _StopSignal:
                 pass
 
     def _handle(self, signum, frame):
+        if signum == getattr(signal, "SIGINT", None):
+            if self.received:
+                signal.signal(signum, signal.default_int_handler)
+                raise KeyboardInterrupt
+            if os.environ.get("RANK", "0") == "0":
+                print("autopar: Ctrl-C: finishing this step and saving a snapshot before stopping (Ctrl-C again "
+                      "to stop now, unsaved)", file=sys.stderr, flush=True)
         self.received = True
 
     def restore(self):
