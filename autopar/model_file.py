@@ -108,12 +108,22 @@ def import_model_file(path: str):
         raise ModelFileError(f"model file not found: {path}",
                              hint="pass the path of a .py file that defines build_model() and example_inputs(batch_size)")
     name = "_autopar_model_" + os.path.splitext(os.path.basename(path))[0]
+    # Its directory first on the path, as Python puts a script's: a model file importing its
+    # neighbours (`from model import GPT`, as nanoGPT-style repositories do) imports them, also
+    # later (a build_model that imports inside the function)
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up
     try:
         with _prints_to_stderr():
             module_spec.loader.exec_module(module)
+    except ModuleNotFoundError as exc:  # a neighbour it imports is not beside it, nor installed
+        raise ModelFileError(f"importing {path} failed: {type(exc).__name__}: {exc}",
+                             hint=f"the file's own folder ({folder}) is searched first: put {exc.name!r} there, "
+                                  f"install it, or add its folder to PYTHONPATH") from exc
     except Exception as exc:  # the user's file failed: say where, keep it short
         raise ModelFileError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
     return module

@@ -154,3 +154,31 @@ def test_tiny_models_print_memory_in_a_unit_that_shows_it(capsys):
     # gpt_tiny needs kilobytes: a GB table would print 0.0 everywhere
     assert "Memory per GPU (GB)" not in out and ("Memory per GPU (MB)" in out or "Memory per GPU (kB)" in out)
     assert "(1 node x 2)" in out
+
+
+def test_a_model_file_imports_its_neighbours(capsys, tmp_path):
+    """Issue 32: nanoGPT-style repositories split the model and the script
+    (`from model import GPT`); the file's folder is searched first, as Python does
+    for a script, and a neighbour that is missing is named with the fix."""
+    (tmp_path / "neighbour_net_issue32.py").write_text(
+        "import torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])\n"
+        "    def forward(self, x):\n"
+        "        for b in self.blocks:\n"
+        "            x = b(x).relu()\n"
+        "        return x\n")
+    script = tmp_path / "train_me.py"
+    script.write_text("import torch\nfrom neighbour_net_issue32 import Net\n"
+                      "def build_model():\n    return Net()\n"
+                      "def example_inputs(batch_size):\n    return (torch.randn(batch_size, 32),)\n")
+    code, out, err = run_cli(capsys, "plan", str(script), "--gpus", "2", "--device", "cpu", "--batch-size", "8",
+                             "--json")
+    assert code == 0, err
+    assert Plan.from_json(out).mesh.world_size == 2
+    broken = tmp_path / "broken.py"
+    broken.write_text("from not_beside_me_issue32 import Net\n")
+    code, _, err = run_cli(capsys, "plan", str(broken), "--gpus", "2", "--device", "cpu")
+    assert code == 2 and "not_beside_me_issue32" in err and str(tmp_path) in err and "Traceback" not in err, err
