@@ -40,6 +40,28 @@ def test_token_file_windows_and_next_token_targets(tmp_path):
         TokenFile(path, 200)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_with_their_place(tmp_path, monkeypatch):
+    """Issue 32: an id >= the vocabulary gave a bare `IndexError: index out of range in
+    self` on one rank in the first step. Refused when the file is opened, with its
+    token and byte offset; a file too large to scan is checked sample by sample."""
+    from autopar.train.run import _vocab_size
+
+    ids = np.arange(100, dtype=np.uint16) % 50
+    ids[73] = 50
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    assert len(TokenFile(str(path), 8)) == 12  # no vocabulary given: not checked
+    with pytest.raises(AutoparError, match="token 50 at token offset 73 \\(byte 146\\) .* vocabulary of 50"):
+        TokenFile(str(path), 8, vocab_size=50)
+    monkeypatch.setattr(TokenFile, "SCAN_TOKENS", 10)  # a large file: each sample as it is read
+    data = TokenFile(str(path), 8, vocab_size=50)
+    assert data[0][0][0].shape == (8,)
+    with pytest.raises(AutoparError, match="token offset 73"):
+        data[9]  # tokens 72..80
+    emb = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Embedding(16, 4))  # tokens, positions
+    assert _vocab_size(emb) == 50 and _vocab_size(torch.nn.Linear(2, 2)) is None
+
+
 def test_each_dp_rank_reads_its_share_of_the_same_global_batches(tmp_path):
     """Step k trains on global batch k whatever dp is: the dp ranks' shares, in rank
     order, are the dp = 1 batch; the order is the seed's; a new epoch reshuffles."""

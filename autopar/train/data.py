@@ -35,7 +35,12 @@ class TokenFile(Dataset):
     mapped: a rank touches only the pages of its own samples. `shift=False`: targets
     are the inputs themselves (a Hugging Face causal LM shifts its labels itself)."""
 
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", shift: bool = True):
+    # a file up to this many tokens is scanned for its largest id when it is opened (a
+    # second or so); a larger one is checked sample by sample as it is read
+    SCAN_TOKENS = 1 << 28
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", shift: bool = True,
+                 vocab_size: int | None = None):
         if dtype not in TOKEN_DTYPES:
             raise AutoparError(f"--data-dtype {dtype}: unknown", hint=f"choose from {', '.join(TOKEN_DTYPES)}")
         if not os.path.isfile(path):
@@ -51,13 +56,33 @@ class TokenFile(Dataset):
         if len(self) < 1:
             raise AutoparError(f"--data {path}: {len(self.tokens)} tokens, fewer than one sample of "
                                f"{seq_len + 1} (the plan's sequence length + 1 target)")
+        self.vocab_size = vocab_size
+        if vocab_size is not None and len(self.tokens) <= self.SCAN_TOKENS:
+            self._check_ids(self.tokens, 0)
+
+    def _check_ids(self, ids, offset: int) -> None:
+        """Refuse token ids the model's vocabulary has no row for (an embedding lookup
+        would fail on one rank with a bare IndexError), naming the first one's place."""
+        chunk = 1 << 24
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            bad = np.flatnonzero(part >= self.vocab_size)
+            if len(bad):
+                at = offset + start + int(bad[0])
+                raise AutoparError(
+                    f"--data {self.path}: token {int(part[bad[0]])} at token offset {at} (byte "
+                    f"{at * self.tokens.itemsize}) is outside the model's vocabulary of {self.vocab_size}",
+                    hint="was the file made with this model's tokenizer, and is --data-dtype right?")
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, i: int):
         s = self.seq_len
-        window = torch.from_numpy(self.tokens[i * s: i * s + s + 1].astype(np.int64))
+        ids = self.tokens[i * s: i * s + s + 1]
+        if self.vocab_size is not None and len(self.tokens) > self.SCAN_TOKENS:
+            self._check_ids(ids, i * s)
+        window = torch.from_numpy(ids.astype(np.int64))
         return (window[:-1],), (window[1:] if self.shift else window[:-1])
 
 

@@ -109,6 +109,17 @@ def _build(args, model_spec: str, plan):
     return load_model(model_spec, device="cpu", seq_len=plan.seq_len), None
 
 
+def _vocab_size(model) -> int | None:
+    """Rows of the model's token embedding: a Hugging Face model's own input embedding,
+    else the largest nn.Embedding (position tables are shorter); None without one."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if isinstance(emb, torch.nn.Embedding):
+        return emb.num_embeddings
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    return max(sizes) if sizes else None
+
+
 def _dataset(args, loaded, plan, module_dataset):
     shift = loaded.loss_fn is not None  # a Hugging Face causal LM's own loss shifts its labels itself
     if args.data:
@@ -121,7 +132,7 @@ def _dataset(args, loaded, plan, module_dataset):
         if seq is None:
             raise AutoparError("--data is a token file, and this model's inputs are not token ids",
                                hint="define dataset() in the model file returning (inputs, targets) samples")
-        return TokenFile(args.data, seq, args.data_dtype, shift=shift)
+        return TokenFile(args.data, seq, args.data_dtype, shift=shift, vocab_size=_vocab_size(loaded.model))
     if module_dataset is not None:
         takes_model = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                           for p in inspect.signature(module_dataset).parameters.values())
