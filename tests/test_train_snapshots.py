@@ -59,6 +59,11 @@ def test_resume_exact_and_on_other_plans_and_world_sizes(tmp_path):
     assert cli(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "step8.safetensors")]) == 0
     exported = load_safetensors(str(tmp_path / "step8.safetensors"))
     assert exported.keys() == ref_weights.keys() and all(torch.equal(exported[k], ref_weights[k]) for k in exported)
+    # every key state_dict() has, the tied head too (issue 32: it was missing, so a strict load failed)
+    import gpt
+    fresh = gpt.gpt_tiny()[0]
+    fresh.load_state_dict(exported, strict=True)
+    assert "lm_head.weight" in exported and fresh.lm_head.weight is fresh.wte.weight  # still tied after the load
 
     others = [(4, write_plan(str(tmp_path / "pp2tp2.json"), pp=2, tp=2, micro_batch_size=4, num_micro_batches=2,
                                     schedule="1f1b"), "pp2_tp2"),

@@ -84,6 +84,7 @@ class ParallelModel:
         self.last_grad_norm: float | None = None
         self.before_optimizer_step: list = []  # callables(ParallelModel)
         self.after_optimizer_step: list = []  # callables(ParallelModel)
+        self.tied_aliases: dict[str, str] = {}  # state_dict name -> the name it is tied to
         self.lr_scheduler = None  # stepped after every optimizer step the loss scaler does not skip
         self.grad_scaler = grad_scaler
         self.last_step_skipped = False
@@ -368,6 +369,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     local = sorted(st.index for st in plan.stages if st.pp_rank == pp_rank)
     holders = weight_reads.param_holders(model)
     buffers = state_dict.buffer_holders(model)
+    aliases = state_dict.tied_aliases(model)  # before tp / FSDP swap the tensors
 
     tp_layers = [l for l in layout.layers if l.stage in local and l.choice.tp_style != "replicate"]
     found = preflight.probe(model, plan, layout, _example_args(example_inputs, plan.micro_batch_size), mesh,
@@ -429,6 +431,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm.notes = (data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
                 + compile_blocks.priced_otherwise(plan, compiling))
     pm.compiled_blocks = compiled
+    pm.tied_aliases = aliases
     if float8.gathers_in_float8(plan):
         pm.after_optimizer_step.append(float8.precompute_scales)
     compile_note = [compiled.start_note()] if compiled is not None else []

@@ -39,6 +39,21 @@ def buffer_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
     return holders
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{name: the name it is tied to} for every state_dict entry of `model` that is another
+    name of a tensor held earlier (a head tied to the embedding): `full_state_dict` holds
+    each tensor once, under its first name, and an export writes it under both, so
+    `model.load_state_dict(load_file(...))` finds every key. Read before lowering."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return aliases
+
+
 def local_tensors(pm, holders: dict) -> dict[str, torch.Tensor]:
     """name -> this rank's tensor, for the names whose holder module is on this rank."""
     local_modules = {id(m) for s in pm.stages for m in s.modules()}

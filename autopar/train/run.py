@@ -257,7 +257,7 @@ def _finish(args, pm, plan, metrics: Metrics, losses: list, saved_at) -> None:
         full = pm.full_state_dict(buffers=True)  # collective
         if rank == 0:
             snapshot.export_safetensors(full, args.export, {"autopar_step": saved_at or args.steps,
-                                                            "model": plan.model.get("name")})
+                                                            "model": plan.model.get("name")}, pm.tied_aliases)
     if rank == 0:
         print(metrics.summary(), flush=True)
         if args.losses_out:

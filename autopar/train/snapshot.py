@@ -162,7 +162,7 @@ def save(pm, root: str, step: int, meta: dict, keep: int | None = None) -> str:
         plan = pm.plan
         record = {"format": FORMAT, "version": VERSION, "step": step, "world_size": dist.get_world_size(),
                   "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp},
-                  "model": plan.model.get("name"), **meta}
+                  "model": plan.model.get("name"), "tied_aliases": getattr(pm, "tied_aliases", {}), **meta}
         if pm.grad_scaler is not None:  # fp16: the scale every rank holds alike
             record["loss_scaler"] = pm.grad_scaler.snapshot()
         if pm.lr_scheduler is not None:  # steps the schedule took: fewer than `step` when fp16 skipped some
@@ -247,9 +247,14 @@ def load(pm, path: str) -> dict:
 
 
 # -- export ----------------------------------------------------------------
-def export_safetensors(full: dict[str, torch.Tensor], out: str, metadata: dict | None = None) -> None:
-    """One file of the whole model's tensors, loadable without autopar (safetensors)."""
+def export_safetensors(full: dict[str, torch.Tensor], out: str, metadata: dict | None = None,
+                       aliases: dict[str, str] | None = None) -> None:
+    """One file of the whole model's tensors, loadable without autopar (safetensors):
+    a tied tensor under each of its names (`aliases`: name -> the name it is tied to),
+    so `model.load_state_dict(load_file(out))` finds every key `state_dict()` has."""
     from safetensors.torch import save_file
+
+    full = {**full, **{a: full[to] for a, to in (aliases or {}).items() if to in full and a not in full}}
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".partial"
@@ -270,5 +275,6 @@ def snapshot_to_safetensors(path: str, out: str) -> list[str]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)
     full = {k[len(lsd.MODEL):]: v for k, v in sorted(state.items())}
-    export_safetensors(full, out, {"autopar_step": meta["step"], "model": meta.get("model")})
-    return list(full)
+    aliases = meta.get("tied_aliases") or {}
+    export_safetensors(full, out, {"autopar_step": meta["step"], "model": meta.get("model")}, aliases)
+    return sorted(set(full) | {a for a, to in aliases.items() if to in full})
