@@ -12,6 +12,7 @@ fails with a message instead of hanging.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,13 @@ def check_world_size(plan: Plan) -> None:
 def build_mesh(plan: Plan) -> DeviceMesh:
     check_world_size(plan)
     m = plan.mesh
+    if device_type() == "cpu":
+        # DTensor warns on every CPU mesh that its random ops are not offset-tracked there,
+        # once per compile and rank. autopar initialises weights whole, layer by layer
+        # (materialize.py), so the only DTensor random ops left are dropout masks under tp
+        # (on CPU ranks the tp shards draw from one generator state: still dropout, not one
+        # process's masks). docs/lowering.md says so once instead of every rank every run.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     return init_device_mesh(device_type(), (m.pp, m.dp, m.tp), mesh_dim_names=AXES)
 
 
