@@ -59,6 +59,28 @@ def test_compile_refuses_mismatched_plans(tmp_path, capsys):
     assert "schema version 0" in capsys.readouterr().err
 
 
+def test_launch_sh_stops_once_on_an_error_a_restart_cannot_fix(tmp_path):
+    """Issue 32: torchrun restarted every rank into the same import or data error
+    (4 times). launch.sh runs train.py --preflight in one process first: exit 2, one
+    message, torchrun never started."""
+    import time
+
+    plan_path, _ = _plan_file(tmp_path, dp=2)
+    out = tmp_path / "build"
+    assert cli(["compile", MODEL, "--plan", str(plan_path), "-o", str(out)]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MAX_RESTARTS="3",
+               MASTER_PORT=str(free_port()))
+    t0 = time.monotonic()
+    proc = subprocess.run([str(out / "launch.sh"), "--steps", "2", "--data", str(tmp_path / "missing.bin")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("no such file") == 1 and "torchrun" not in proc.stderr.lower(), proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    ok = subprocess.run([sys.executable, str(out / "train.py"), "--preflight", "--steps", "2", "--synthetic"],
+                        capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0 and "preflight passed" in ok.stderr, ok.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_emitted_build_runs_under_torchrun_and_matches_in_process_compile(tmp_path):

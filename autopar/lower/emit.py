@@ -58,6 +58,8 @@ set -euo pipefail
 HERE="$$(cd "$$(dirname "$${BASH_SOURCE[0]}")" && pwd)"
 NNODES="$${NNODES:-$nodes}"
 NPROC_PER_NODE="$${NPROC_PER_NODE:-$gpus_per_node}"
+# Errors a restart cannot fix (arguments, model file, plan, data) stop here, once, with exit 2.
+python3 "$$HERE/train.py" --preflight "$$@"
 exec torchrun \\
   --nnodes "$$NNODES" --nproc_per_node "$$NPROC_PER_NODE" --node_rank "$${NODE_RANK:-0}" \\
   --master_addr "$${MASTER_ADDR:-127.0.0.1}" --master_port "$${MASTER_PORT:-29500}" \\
@@ -80,6 +82,8 @@ LAUNCH_SBATCH = Template('''\
 set -euo pipefail
 HERE="$${SLURM_SUBMIT_DIR:-$$(pwd)}"
 HEAD_NODE="$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | head -n 1)"
+# Errors a restart cannot fix (arguments, model file, plan, data) stop here, once, with exit 2.
+python3 "$$HERE/train.py" --preflight "$$@"
 # One torchrun per node; torchrun starts $gpus_per_node ranks and rendezvouses on the head node.
 # A failed rank restarts every rank (MAX_RESTARTS, default 3), resuming from --save-dir's newest snapshot.
 srun torchrun \\

@@ -77,6 +77,9 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     snap.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                       help="auto (default): continue from the newest complete snapshot in --save-dir; "
                            "never: start over; PATH: a snapshot or a save dir (any plan's)")
+    ap.add_argument("--preflight", action="store_true",
+                    help="check the arguments, model, plan and data in one process and exit (launch.sh runs it "
+                         "before torchrun, so an error a restart cannot fix is not restarted)")
     snap.add_argument("--export", default=None, metavar="FILE.safetensors",
                       help="at the end, the whole model (parameters and buffers) in one safetensors file")
     out = ap.add_argument_group("output")
@@ -107,6 +110,20 @@ def _build(args, model_spec: str, plan):
               "reset_parameters is the model's whole init", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)  # the meta build drew nothing, but start from the seed exactly
     return load_model(model_spec, device="cpu", seq_len=plan.seq_len), None
+
+
+def _preflight(args, model_spec: str, plan) -> int:
+    """What launch.sh runs once, in one process, before torchrun: every refusal that a
+    restart cannot fix (the arguments, the model file, the model against its plan, the
+    data) exits 2 here, instead of torchrun restarting every rank into it again."""
+    from autopar.lower.model_layers import resolve
+    from autopar.model_file import load_model
+
+    loaded = load_model(model_spec, device="meta", seq_len=plan.seq_len)
+    resolve(loaded.model, plan)  # the layers the plan names are this model's
+    _dataset(args, loaded, plan, loaded.dataset)
+    print("autopar: preflight passed (model, plan, data, arguments)", file=sys.stderr, flush=True)
+    return 0
 
 
 def _vocab_size(model) -> int | None:
@@ -168,6 +185,8 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         raise AutoparError(f"--steps must be positive, got {args.steps}")
     if args.clip is not None and args.clip <= 0:
         raise AutoparError(f"--clip must be positive, got {args.clip}")
+    if args.preflight:
+        return _preflight(args, model_spec, plan)
     torch.manual_seed(args.seed)  # identical initial weights on every rank (and dropout streams)
     loaded, init_fn = _build(args, model_spec, plan)
     dataset = _dataset(args, loaded, plan, loaded.dataset)
