@@ -245,3 +245,19 @@ def get_device(name: str, extra: dict | None = None, *, file: str | None = None,
 def get_link(name: str, extra: dict | None = None, *, file: str | None = None, field: str = "link") -> LinkProfile:
     """A link profile by name (`extra` holds user-defined ones, checked first)."""
     return _lookup("link", name, shipped_links(), extra, file, field)
+
+
+# What torch.cuda.get_device_name() says -> the profile's name, most specific first
+_GPU_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("B200", "b200"),
+              ("A100-SXM4-40GB", "a100-40g"), ("A100-PCIE-40GB", "a100-40g"), ("A100", "a100-80g"),
+              ("V100", "v100-32g"), ("MI300X", "mi300x"))
+
+
+def device_for_gpu_name(name: str) -> str | None:
+    """The shipped profile for a GPU as torch names it ('NVIDIA H100 80GB HBM3' -> 'h100-sxm');
+    None for a GPU without one."""
+    for part, device in _GPU_NAMES:
+        if part.lower() in (name or "").lower():
+            return device
+    return None
+

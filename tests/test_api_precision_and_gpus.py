@@ -110,3 +110,24 @@ def test_compile_refuses_a_precision_that_contradicts_its_plan():
     plan = plan_for_model(model, precision="fp32", example_inputs=inputs(1))
     with pytest.raises(AutoparError, match="precision bf16 was asked for, but the plan.s is fp32"):
         autopar.compile(model, example_inputs=inputs, plan=plan, precision="bf16")
+
+
+def test_compile_inside_a_job_plans_for_the_job(monkeypatch):
+    """Issue 32: `autopar.compile(model, "cpu", ...)` inside a 2-rank torchrun planned for
+    8 ranks (a device name meant one node of 8) and failed on every rank with a CLI hint.
+    Inside a job a device name (or nothing, on the CPU) means the job's ranks; a cluster
+    of another size is refused with the Python call that plans for the job."""
+    from autopar.lower.api import job_cluster
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert job_cluster("cpu") == "cpu"  # not in a job: as given
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for spec in ("cpu", None):
+        cluster = job_cluster(spec)
+        assert (cluster.nodes, cluster.gpus_per_node, cluster.device) == (2, 2, "cpu")
+    h100 = job_cluster("h100-sxm")
+    assert (h100.world_size, h100.gpus_per_node, h100.intra_node_link) == (4, 2, "nvlink4")
+    with pytest.raises(AutoparError, match="dgx-h100 has 8 GPUs, and this job runs 4 processes") as caught:
+        job_cluster("dgx-h100")
+    assert "autopar.compile(model, 'h100-sxm', ...)" in caught.value.hint

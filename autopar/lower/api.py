@@ -96,8 +96,11 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         except ImportError as exc:  # the solver is optional for lowering
             raise AutoparError("no plan given and the planner is not available",
                                hint="pass plan=Plan or a plan JSON path") from exc
+        cluster_spec = job_cluster(cluster_spec)
         if cluster_spec is None or global_batch_size is None:
-            raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)")
+            raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)",
+                               hint="e.g. autopar.compile(model, 'h100-sxm', example_inputs=..., "
+                                    "global_batch_size=256): a device name plans for this job's ranks")
         from autopar.lower.what_runs import limits
         from autopar.engine import engine_from_options
         from autopar.lower.compile_blocks import wanted
@@ -168,6 +171,39 @@ def fusions_priced_otherwise(plan, fusion: bool, compiling: bool) -> list[str]:
     return [f"the plan was priced with {len(plan.fusions)} fused kernel chains (Plan.fusions), and fusion=False "
             f"runs them unfused: expect the step time to be longer than the plan's; pass fusion=True, or re-plan "
             f"with --no-fusion to price what runs"]
+
+
+def job_cluster(cluster_spec):
+    """The cluster to plan for inside a job (a process group, or torchrun's WORLD_SIZE):
+    a device name, or nothing on a recognised device, means this job's ranks (nodes of
+    LOCAL_WORLD_SIZE); a preset, file or ClusterSpec of another size is refused with the
+    Python call that plans for the job. Outside a job, `cluster_spec` as given."""
+    import torch.distributed as dist
+
+    from cost_models.devices import device_for_gpu_name
+    from cost_models.hardware import ClusterSpec, shipped_devices
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if world < 1:
+        return cluster_spec
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world
+    if world % per_node:
+        per_node = world
+    if cluster_spec is None:
+        cluster_spec = device_for_gpu_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
+        if cluster_spec is None:
+            raise AutoparError(f"this job's GPU ({torch.cuda.get_device_name()}) is not one autopar has a profile "
+                               f"for", hint="name the nearest one: autopar.compile(model, 'h100-sxm', ...)")
+    if isinstance(cluster_spec, str) and cluster_spec in shipped_devices():
+        from autopar.solve.planner import scaled_cluster  # the device's own links, this job's shape
+        return scaled_cluster(ClusterSpec.resolve(cluster_spec), world // per_node, per_node)
+    cluster = ClusterSpec.resolve(cluster_spec)
+    if cluster.world_size != world:
+        name = cluster_spec if isinstance(cluster_spec, str) else f"a cluster of {cluster.world_size} GPUs"
+        raise AutoparError(f"{name} has {cluster.world_size} GPUs, and this job runs {world} processes",
+                           hint=f"plan for the job: autopar.compile(model, '{cluster.device}', ...) (its "
+                                f"{world} ranks, {per_node} per node), or pass a plan made for {cluster.world_size}")
+    return cluster
 
 
 def captured_with_loss(model, example_inputs, loss_fn, precision: str = "bf16"):
