@@ -338,3 +338,24 @@ def test_fresh_runs_start_from_the_same_weights_on_any_layout(tmp_path):
     assert all(torch.equal(weights["dp2"][k], weights["tp2"][k]) for k in weights["dp2"])
     w = weights["dp2"]["blocks.0.mlp.fc.weight"]
     assert abs(w.std().item() - 0.02) < 0.002 and not torch.equal(w[: w.shape[0] // 2], w[w.shape[0] // 2:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_snapshot_of_another_model_is_named_as_such(tmp_path, capfd):
+    """Issue 32: a Llama run resumed from a GPT snapshot with another global batch was
+    told 'the snapshot was trained on another data order'; the model is compared first."""
+    from autopar.lower.manual_plan import plan_for_model
+    from llama import llama_tiny
+
+    gpt_plan = write_plan(str(tmp_path / "gpt.json"), micro_batch_size=2)
+    _run(1, gpt_plan, tmp_path, "gpt", ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "4"])
+    model, example = llama_tiny()
+    llama_plan = str(tmp_path / "llama.json")
+    plan_for_model(model, example_inputs=example, name="llama_tiny", micro_batch_size=4).save(llama_plan)
+    capfd.readouterr()
+    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", "8", "--resume", str(tmp_path / "ckpt")]
+    spec = os.path.join(os.path.dirname(GPT_TINY.rpartition(":")[0]), "llama.py") + ":llama_tiny"
+    assert run_world(main_world, 1, spec, llama_plan, argv, timeout=200) == [2]
+    err = capfd.readouterr().err
+    assert "holds another model" in err and "data order" not in err, err[-2000:]

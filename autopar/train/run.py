@@ -301,6 +301,7 @@ def _resume(args, pm, batches) -> tuple[int, int]:
     if choice[0] is None:
         return 0, 0
     meta = snapshot.read_meta(choice[0])
+    snapshot.check_model(pm, choice[0])  # another model is named as such, before its data order is compared
     batches.check_resume(meta.get("data", {}))
     meta = snapshot.load(pm, choice[0])
     if dist.get_rank() == 0:

@@ -202,11 +202,10 @@ def _saved_tensors(reader) -> dict[str, tuple]:
             if isinstance(v, TensorStorageMetadata)}
 
 
-def load(pm, path: str) -> dict:
-    """Load a snapshot into this plan's shards (collective); returns its autopar.json."""
-    meta = read_meta(path)
-    reader = SafeFileSystemReader(path)
-    saved = _saved_tensors(reader)
+def check_model(pm, path: str, reader=None) -> dict:
+    """The snapshot's saved tensors, once it is shown to hold this model (names, shapes):
+    a snapshot of another model is named as such before anything else is compared."""
+    saved = _saved_tensors(reader or SafeFileSystemReader(path))
     have = {k for k in saved if k.startswith(lsd.MODEL)}
     want = lsd.all_model_names(pm)
     if have != want:
@@ -223,6 +222,15 @@ def load(pm, path: str) -> dict:
             raise AutoparError(f"snapshot {path}: {k[len(lsd.MODEL):]} is {list(saved[k][0])}, "
                                f"this model's is {list(t.shape)}",
                                hint="resume with the model configuration the snapshot was trained with")
+    return saved
+
+
+def load(pm, path: str) -> dict:
+    """Load a snapshot into this plan's shards (collective); returns its autopar.json."""
+    meta = read_meta(path)
+    reader = SafeFileSystemReader(path)
+    saved = check_model(pm, path, reader)
+    state = lsd.model_tensors(pm)
     targets, install = lsd.optimizer_targets(pm, saved)
     state.update(targets)
     same_ranks = meta.get("world_size") == dist.get_world_size() and meta.get("mesh") == {
