@@ -359,3 +359,20 @@ def test_a_snapshot_of_another_model_is_named_as_such(tmp_path, capfd):
     assert run_world(main_world, 1, spec, llama_plan, argv, timeout=200) == [2]
     err = capfd.readouterr().err
     assert "holds another model" in err and "data order" not in err, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_changed_schedule_on_resume_is_refused_or_rebuilt_when_asked(tmp_path, capfd):
+    """Issue 32: --steps changed on resume silently re-stretched the cosine schedule (lr
+    1.02e-4 at step 39, 2.05e-4 at step 40). Refused with the values that differ;
+    --reschedule rebuilds it and says so."""
+    plan = write_plan(str(tmp_path / "gpt.json"), micro_batch_size=2)
+    _run(1, plan, tmp_path, "first", ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "4"])
+    capfd.readouterr()
+    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", "12", "--resume", str(tmp_path / "ckpt" / "step-00000004")]
+    assert run_world(main_world, 1, GPT_TINY, plan, argv, timeout=200) == [2]
+    err = capfd.readouterr().err
+    assert "learning-rate schedule differs" in err and "--steps 8 -> 12" in err and "--reschedule" in err, err
+    assert run_world(main_world, 1, GPT_TINY, plan, argv + ["--reschedule"], timeout=200) == [0]
+    assert "the learning-rate schedule is rebuilt (--steps 8 -> 12)" in capfd.readouterr().err

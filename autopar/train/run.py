@@ -59,6 +59,10 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     opt.add_argument("--decay", default="constant", choices=DECAYS,
                      help="after warmup: cosine or linear down to --min-lr-ratio x lr at --steps (default constant)")
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="floor of the decay (default 0.1)")
+    opt.add_argument("--reschedule", action="store_true",
+                     help="on resume, rebuild the learning-rate schedule from these --steps / --lr / --warmup / "
+                          "--decay when they differ from the snapshot's (refused otherwise: the schedule's "
+                          "shape would change silently)")
     opt.add_argument("--weight-decay", type=float, default=0.0,
                      help="AdamW weight decay; biases and norm gains are never decayed (default 0)")
     opt.add_argument("--clip", type=float, default=None, metavar="NORM",
@@ -208,7 +212,8 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         losses.append(loss)
         done = step + 1
         if args.save_dir and (stopping or done == args.steps or (args.save_every and done % args.save_every == 0)):
-            path = snapshot.save(pm, args.save_dir, done, {"data": batches.state_dict(), "seed": args.seed},
+            path = snapshot.save(pm, args.save_dir, done, {"data": batches.state_dict(), "seed": args.seed,
+                                                           "schedule": _schedule(args)},
                                  keep=args.keep)
             saved_at = done
             if rank == 0 and not args.quiet:
@@ -303,6 +308,7 @@ def _resume(args, pm, batches) -> tuple[int, int]:
     meta = snapshot.read_meta(choice[0])
     snapshot.check_model(pm, choice[0])  # another model is named as such, before its data order is compared
     batches.check_resume(meta.get("data", {}))
+    _check_schedule(args, meta.get("schedule"))
     meta = snapshot.load(pm, choice[0])
     if dist.get_rank() == 0:
         saved = meta.get("mesh", {})
@@ -312,6 +318,29 @@ def _resume(args, pm, batches) -> tuple[int, int]:
         print(f"resuming from {choice[0]} at step {meta['step']}{layout}", flush=True)
     step = int(meta["step"])
     return step, int(meta.get("lr_scheduler", {}).get("last_epoch", step))
+
+
+def _schedule(args) -> dict:
+    """What shapes the learning-rate schedule (kept in each snapshot)."""
+    return {"steps": args.steps, "lr": args.lr, "warmup": args.warmup, "decay": args.decay,
+            "min_lr_ratio": args.min_lr_ratio}
+
+
+def _check_schedule(args, saved: dict | None) -> None:
+    """A resumed run keeps its schedule's shape: a changed --steps (or lr, warmup, decay)
+    would re-stretch it from the step it is at (lr jumping), so it is refused unless
+    --reschedule says it is meant, and then said."""
+    now = _schedule(args)
+    changed = {k: (saved[k], now[k]) for k in now if saved and k in saved and saved[k] != now[k]}
+    if not changed:
+        return
+    what = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items())
+    if not args.reschedule:
+        raise AutoparError(f"the snapshot's learning-rate schedule differs from this run's ({what}): resuming "
+                           f"would change its shape mid-run",
+                           hint="pass the snapshot's values, or --reschedule to rebuild the schedule from these")
+    if dist.get_rank() == 0:
+        print(f"autopar: --reschedule: the learning-rate schedule is rebuilt ({what})", file=sys.stderr, flush=True)
 
 
 class _StopSignal:
