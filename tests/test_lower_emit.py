@@ -172,3 +172,32 @@ def test_inferred_keyword_inputs_are_fed_positionally_with_labels_as_targets(tmp
         positional_inputs(model, lambda b: ({"labels": torch.zeros(b, 8), "inputs_embeds": torch.zeros(b, 8, 32)},))(2)
     (x,), labels = Synthetic(inferred, shift=False, split=split)[0]
     assert x.shape == (8,) and labels.shape == (8,) and not torch.equal(labels, x)
+
+
+def test_compile_refuses_a_model_file_with_no_loss_before_writing_a_build(tmp_path, capsys):
+    """Issue 32: a model file without loss_fn whose model returns logits got a build/
+    that train.py then refused at start ('autopar.compile needs loss_fn')."""
+    model_file = tmp_path / "noloss.py"
+    model_file.write_text(
+        "import torch, torch.nn as nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)\n"
+        "        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])\n"
+        "    def forward(self, x):\n"
+        "        h = self.emb(x)\n"
+        "        for b in self.blocks:\n"
+        "            h = b(h)\n"
+        "        return self.head(h)\n"
+        "def build_model():\n    return M()\n"
+        "def example_inputs(b):\n    return (torch.randint(0, 64, (b, 8)),)\n")
+    out = tmp_path / "build"
+    assert cli(["compile", str(model_file), "--gpus", "2", "--device", "cpu", "--batch-size", "4", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "needs loss_fn" in err and "define loss_fn(logits, targets) in the model file" in err, err
+    assert not out.exists()
+    with_loss = tmp_path / "withloss.py"
+    with_loss.write_text(model_file.read_text() + "import torch.nn.functional as F\n"
+                         "def loss_fn(logits, targets):\n    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())\n")
+    assert cli(["compile", str(with_loss), "--gpus", "2", "--device", "cpu", "--batch-size", "4", "-o", str(out)]) == 0

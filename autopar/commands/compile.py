@@ -56,7 +56,21 @@ def _plan_from_file(args):
     loaded = load_model(args.model)
     resolve(loaded.model, plan)  # the same model as planned? (names and shapes)
     check_output(loaded.model, loaded.example_inputs)  # an output loss_fn cannot read: refused here
+    _check_loss(loaded, args.model)
     return plan
+
+
+def _check_loss(loaded, spec: str) -> None:
+    """What train.py's start refuses, refused before a build is written: a model with no
+    loss to train (no loss_fn in the file, and not a model whose own loss autopar reproduces)."""
+    from autopar.lower.model_io import resolve_loss_fn
+
+    try:
+        resolve_loss_fn(loaded.model, loaded.loss_fn)
+    except AutoparError as exc:
+        raise AutoparError(f"{spec}: {exc.message}",
+                           hint="define loss_fn(logits, targets) in the model file (e.g. F.cross_entropy over "
+                                "the flattened logits)") from exc
 
 
 def run(args) -> int:
@@ -76,6 +90,7 @@ def run(args) -> int:
         plan, _graph = plan_from_args(args)  # bad flags fail first, before the model is built
         loaded = load_model(args.model)
         check_output(loaded.model, loaded.example_inputs)  # an output loss_fn cannot read: refused here
+        _check_loss(loaded, args.model)
         # Record parameter names and shapes so train.py refuses a different model.
         plan.model.setdefault("param_shapes", model_signature(loaded.model)["param_shapes"])
     check_runs_on_autopar(plan)  # a plan priced for another engine (autopar plan --engine) is not lowered
