@@ -112,7 +112,8 @@ def test_ctrl_c_stops_planning_within_seconds_with_exit_130_and_progress_shows_w
     finally:
         proc.kill()
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
-    assert waited < 5, f"planning went on {waited:.1f} s after Ctrl-C"
+    # 1.1 s on an idle machine (the solve in flight returns); the whole search takes 30 s and more
+    assert waited < 15, f"planning went on {waited:.1f} s after Ctrl-C"
 
 
 def test_collapsing_helpers():
