@@ -201,3 +201,40 @@ def test_compile_refuses_a_model_file_with_no_loss_before_writing_a_build(tmp_pa
     with_loss.write_text(model_file.read_text() + "import torch.nn.functional as F\n"
                          "def loss_fn(logits, targets):\n    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())\n")
     assert cli(["compile", str(with_loss), "--gpus", "2", "--device", "cpu", "--batch-size", "4", "-o", str(out)]) == 0
+
+
+def test_a_build_runs_after_it_is_moved_with_the_neighbours_its_model_imports(tmp_path, capsys):
+    """Issue 32: train.py hard-coded the folder the model file was in, so a build/ copied
+    to a cluster failed to import the model's neighbours. The neighbours it imports are
+    copied into build/src/; the build runs moved, the source folder gone."""
+    import shutil
+
+    src = tmp_path / "project"
+    (src / "pkg_issue32").mkdir(parents=True)
+    (src / "pkg_issue32" / "__init__.py").write_text("WIDTH = 32\n")
+    (src / "net_issue32.py").write_text(
+        "import torch.nn as nn\nfrom pkg_issue32 import WIDTH\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])\n"
+        "    def forward(self, x):\n"
+        "        for b in self.blocks:\n"
+        "            x = b(x)\n"
+        "        return x\n")
+    (src / "train_me.py").write_text(
+        "import torch\nimport torch.nn.functional as F\nfrom net_issue32 import Net\n"
+        "def build_model():\n    return Net()\n"
+        "def example_inputs(b):\n    return (torch.randn(b, 32),)\n"
+        "def loss_fn(out, y):\n    return F.mse_loss(out, y)\n")
+    out = src / "build"
+    assert cli(["compile", str(src / "train_me.py"), "--gpus", "1", "--device", "cpu", "--batch-size", "2",
+                "-o", str(out)]) == 0
+    assert sorted(os.listdir(out / "src")) == ["net_issue32.py", "pkg_issue32"]
+    moved = tmp_path / "elsewhere" / "build"
+    shutil.move(str(out), str(moved))
+    shutil.rmtree(src)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(moved / "train.py"), "--preflight", "--synthetic", "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and "preflight passed" in proc.stderr, proc.stderr[-2000:]

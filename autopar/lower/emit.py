@@ -3,6 +3,7 @@
 build/
   plan.json      the Plan (the only input train.py needs besides the model)
   model.py       a copy of the model file (the build is self-contained)
+  src/           copies of the model file's neighbours it imports (`from model import GPT`)
   train.py       loads model + plan and runs autopar.train.run: data (a token
                  file, the model file's dataset(), or --synthetic), schedule,
                  clipping, metrics beside the plan's predictions
@@ -35,7 +36,12 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, $source_dir)  # the model file's own imports (siblings) resolve as at plan time
+# The model file's own modules (the neighbours it imports), copied into src/: the build
+# runs wherever it is copied. Its original folder, where it still exists, comes last, for
+# a neighbour imported only later (inside a function) and so not copied.
+sys.path.insert(0, os.path.join(HERE, "src"))
+if os.path.isdir($source_dir):
+    sys.path.append($source_dir)
 
 from autopar.train import main  # noqa: E402
 
@@ -107,6 +113,7 @@ def write_build(out_dir: str, plan: Plan, model_spec: str, gpus_per_node: int | 
     path, factory = split_spec(model_spec)
     os.makedirs(out_dir, exist_ok=True)
     shutil.copyfile(path, os.path.join(out_dir, "model.py"))
+    neighbours = _copy_neighbours(path, os.path.join(out_dir, "src"))
     plan.save(os.path.join(out_dir, "plan.json"))
     nodes, gpn = cluster_shape(plan, gpus_per_node)
     values = dict(name=plan.model.get("name", "model"), pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp,
@@ -124,4 +131,49 @@ def write_build(out_dir: str, plan: Plan, model_spec: str, gpus_per_node: int | 
         if fname.startswith("launch"):
             os.chmod(target, os.stat(target).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         written.append(target)
-    return [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "model.py")] + written
+    return [os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "model.py")] + neighbours + written
+
+
+def _copy_neighbours(model_path: str, dest: str) -> list[str]:
+    """Copy the modules of the model file's own folder that it imports (`import model`,
+    `from model import GPT`, in a function too), and theirs, at their relative paths;
+    a package is copied whole (its .py files)."""
+    folder = os.path.dirname(os.path.abspath(model_path))
+    copied, queue, seen = [], [os.path.abspath(model_path)], set()
+    while queue:
+        for source in _local_imports(queue.pop(), folder):
+            if source in seen or source == os.path.abspath(model_path):
+                continue
+            seen.add(source)
+            files = ([os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs if f.endswith(".py")]
+                     if os.path.isdir(source) else [source])
+            for f in files:
+                target = os.path.join(dest, os.path.relpath(f, folder))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(f, target)
+                copied.append(target)
+                queue.append(f)
+    return sorted(copied)
+
+
+def _local_imports(path: str, folder: str) -> list[str]:
+    """The files or packages of `folder` that the Python file `path` imports by name."""
+    import ast
+
+    try:
+        tree = ast.parse(open(path).read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    found = []
+    for top in dict.fromkeys(n.split(".")[0] for n in names):
+        for candidate in (os.path.join(folder, top + ".py"), os.path.join(folder, top)):
+            if os.path.isfile(candidate) or os.path.isfile(os.path.join(candidate, "__init__.py")):
+                found.append(candidate)
+                break
+    return found
