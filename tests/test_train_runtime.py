@@ -218,3 +218,34 @@ def test_fp16_loss_scaling_skips_together_and_matches_one_process(tmp_path):
         assert r["param_rel"] < 1e-4, (name, r["param_rel"])
     results[1].pop("ref")
     assert results[1] == results[0]  # every rank reports the same steps, scales and losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_held_out_loss_every_n_steps_in_the_metrics(tmp_path):
+    """Issue 32: --eval-data FILE --eval-every N: the held-out loss and perplexity after
+    every N-th step and the last, in the step's metrics row, on the same batches each
+    time (the first held-out loss is the one the plan's eval_step gives on them)."""
+    import json
+
+    from train_worlds import GPT_TINY, main_world, write_plan
+
+    plan = write_plan(str(tmp_path / "dp2.json"), dp=2, zero=3, micro_batch_size=2)
+    def phrase_file(name, n, seed):  # a repeated phrase with 10% noise: what is learnt carries over
+        rng = np.random.default_rng(seed)
+        ids = np.tile(np.array([3, 14, 15, 92, 65, 35, 89], dtype=np.uint16), n // 7 + 1)[:n]
+        noise = rng.random(n) < 0.1
+        ids[noise] = rng.integers(0, 128, noise.sum())
+        ids.tofile(tmp_path / name)
+        return str(tmp_path / name)
+    train, held = phrase_file("train.bin", 4097, 0), phrase_file("held.bin", 2049, 5)
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--data", train, "--eval-data", held, "--eval-every", "2", "--eval-batches", "2", "--steps", "5",
+            "--lr", "3e-2", "--metrics", str(metrics), "--quiet"]
+    assert run_world(main_world, 2, GPT_TINY, plan, argv, timeout=250) == [0, 0]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert sorted(evals) == [1, 3, 4]  # after steps 2 and 4, and the last (5)
+    assert all(math.isfinite(v) and 0 < v < 10 for v in evals.values())
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in rows if "eval_loss" in r)
+    assert evals[4] < evals[1]  # it learns, and the held-out loss says so

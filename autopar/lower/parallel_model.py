@@ -49,6 +49,7 @@ class ParallelModel:
 
     train_step(inputs, targets) -> float   one optimizer step over the global batch;
                                            returns the global mean loss (same on every rank)
+    eval_step(inputs, targets) -> float    the same loss without training (eval mode, no grad)
     max_grad_norm, lr_scheduler,           what train_step does between backward and step:
     before_optimizer_step                  clip by the global norm, hooks(pm), then step
                                            the optimizer and the schedule
@@ -166,6 +167,39 @@ class ParallelModel:
             self.lr_scheduler.step()
         if self.compiled_blocks is not None and not self.compiled_blocks.agreed:
             self._agree_on_compiled_blocks()
+        return self._global_mean(local_loss)
+
+    def eval_step(self, inputs, targets) -> float:
+        """The global mean loss of one batch under this layout without training: the
+        modules in eval mode (no dropout, BatchNorm's running statistics), no gradients,
+        no optimizer step (train.py's --eval-data). Collective, like train_step."""
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        inputs = tuple(self._local_slice(x) for x in inputs)
+        targets = self._local_slice(targets)
+        if isinstance(self.loss_fn, TokenWeighedLoss):
+            self._weigh_by_tokens(targets)
+        modes = [(m, m.training) for s in self.stages for m in s.modules()]
+        for s in self.stages:
+            s.eval()
+        try:
+            with torch.no_grad(), (loss_parallel() if self.loss_parallel else contextlib.nullcontext()), \
+                    (tensor_parallel.tp_region() if self.plan.mesh.tp > 1 else contextlib.nullcontext()):
+                if self.schedule is None:
+                    n = self.plan.num_micro_batches
+                    chunks, tchunks = [x.tensor_split(n) for x in inputs], targets.tensor_split(n)
+                    local_loss = sum(_plain(self.loss_fn(self.stages[0](*(c[i] for c in chunks)), tchunks[i])).float()
+                                     for i in range(n)) / n
+                else:
+                    losses: list[torch.Tensor] = []
+                    kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                    self.schedule.eval(*(inputs if self.has_first else ()), **kwargs)
+                    local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
+                                  if self.has_last else None)
+                    if local_loss is not None and self.grad_scaler is not None:
+                        local_loss = local_loss / self.grad_scaler.current  # the schedule's loss is scaled
+        finally:
+            for m, training in modes:
+                m.training = training
         return self._global_mean(local_loss)
 
     def _agree_on_compiled_blocks(self) -> None:

@@ -89,7 +89,7 @@ class Metrics:
 
     def record(self, step: int, *, loss: float, step_time_s: float, rank_times: list | None = None,
                grad_norm: float | None = None, lr: float | None = None, loss_scale: float | None = None,
-               skipped: bool = False, peak_memory_bytes: int | None = None) -> dict:
+               skipped: bool = False, peak_memory_bytes: int | None = None, eval_loss: float | None = None) -> dict:
         throughput = self.items_per_step / step_time_s if step_time_s > 0 else None
         p = self.predicted
         mfu = p["mfu"] * p["step_time_s"] / step_time_s if p["mfu"] and p["step_time_s"] and step_time_s > 0 \
@@ -99,6 +99,8 @@ class Metrics:
                f"{self.unit}_per_s": throughput, f"predicted_{self.unit}_per_s": p["throughput"],
                "mfu": mfu, "predicted_mfu": p["mfu"], "peak_memory_bytes": peak_memory_bytes,
                "predicted_peak_memory_bytes": p["peak_memory_bytes"]}
+        if eval_loss is not None:  # --eval-data: the held-out loss after this step, and its perplexity
+            row.update(eval_loss=eval_loss, eval_perplexity=math.exp(min(eval_loss, 700.0)))
         self._check(step, loss, None if skipped else grad_norm, rank_times)  # fp16 overflow: expected, skipped
         self.skipped += bool(skipped)
         if self.rank == 0:
@@ -106,8 +108,9 @@ class Metrics:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")
             if self._tb is not None:
-                for k in ("loss", "grad_norm", "lr", "loss_scale", "step_time_s", f"{self.unit}_per_s", "mfu"):
-                    if isinstance(row[k], (int, float)) and math.isfinite(row[k]):
+                for k in ("loss", "grad_norm", "lr", "loss_scale", "step_time_s", f"{self.unit}_per_s", "mfu",
+                          "eval_loss"):
+                    if isinstance(row.get(k), (int, float)) and math.isfinite(row[k]):
                         self._tb.add_scalar(k, row[k], step)
         self._times.append(step_time_s)
         return row

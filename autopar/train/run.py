@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import signal
 import sys
@@ -37,6 +38,13 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     data = ap.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="FILE",
                       help="flat binary of token ids (nanoGPT / Megatron style), read by memory map")
+    data.add_argument("--eval-data", default=None, metavar="FILE",
+                      help="a held-out token file: its loss and perplexity every --eval-every steps and at the "
+                           "end (in the metrics as eval_loss, eval_perplexity)")
+    data.add_argument("--eval-every", type=int, default=0, metavar="N",
+                      help="evaluate every N steps (default 0: only at the end)")
+    data.add_argument("--eval-batches", type=int, default=8, metavar="K",
+                      help="global batches of --eval-data per evaluation, always the same ones (default 8)")
     data.add_argument("--data-dtype", default="uint16", choices=sorted(TOKEN_DTYPES),
                       help="token dtype of --data (default uint16)")
     data.add_argument("--synthetic", action="store_true",
@@ -141,18 +149,25 @@ def _vocab_size(model) -> int | None:
     return max(sizes) if sizes else None
 
 
+def _token_seq(loaded, plan, flag: str) -> int:
+    """The sequence length a token file is cut into: the plan's, or (a hand-written plan)
+    the example inputs' own length; refused for a model whose inputs are not token ids."""
+    seq = plan.seq_len
+    if seq is None:
+        first = loaded.example_inputs(1)
+        first = first[0] if isinstance(first, (tuple, list)) else first
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.dtype.is_floating_point:
+            seq = first.shape[1]
+    if seq is None:
+        raise AutoparError(f"{flag} is a token file, and this model's inputs are not token ids",
+                           hint="define dataset() in the model file returning (inputs, targets) samples")
+    return seq
+
+
 def _dataset(args, loaded, plan, module_dataset):
     shift = loaded.loss_fn is not None  # a Hugging Face causal LM's own loss shifts its labels itself
     if args.data:
-        seq = plan.seq_len
-        if seq is None:  # a hand-written plan: the example inputs' own length
-            first = loaded.example_inputs(1)
-            first = first[0] if isinstance(first, (tuple, list)) else first
-            if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.dtype.is_floating_point:
-                seq = first.shape[1]
-        if seq is None:
-            raise AutoparError("--data is a token file, and this model's inputs are not token ids",
-                               hint="define dataset() in the model file returning (inputs, targets) samples")
+        seq = _token_seq(loaded, plan, "--data")
         return TokenFile(args.data, seq, args.data_dtype, shift=shift, vocab_size=_vocab_size(loaded.model))
     if module_dataset is not None:
         takes_model = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -197,6 +212,7 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     pm = _compile(args, loaded, init_fn, plan)
     rank = dist.get_rank()
     batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
+    held_out = _eval_batches(args, loaded, plan, pm)
     start, schedule_at = _resume(args, pm, batches)
     pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=args.warmup, total=args.steps, decay=args.decay,
                                    min_ratio=args.min_lr_ratio, start_step=schedule_at)
@@ -208,7 +224,7 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     stop = _StopSignal()
     losses, saved_at = [], start if start else None
     for step in range(start, args.steps):
-        loss, stopping = _step(args, pm, batches, metrics, stop, step)
+        loss, stopping = _step(args, pm, batches, metrics, stop, step, held_out)
         losses.append(loss)
         done = step + 1
         if args.save_dir and (stopping or done == args.steps or (args.save_every and done % args.save_every == 0)):
@@ -246,9 +262,32 @@ def _compile(args, loaded, init_fn, plan):
     return pm
 
 
-def _step(args, pm, batches, metrics: Metrics, stop, step: int) -> tuple[float, bool]:
-    """One optimizer step on global batch `step`, recorded and (rank 0) printed.
-    -> (loss, whether a stop signal reached any rank)."""
+def _eval_batches(args, loaded, plan, pm):
+    """The held-out batches (--eval-data): the first --eval-batches global batches in file
+    order, each dp rank reading its share as in training; None without --eval-data."""
+    if not args.eval_data:
+        return None
+    if args.eval_every < 0 or args.eval_batches < 1:
+        raise AutoparError("--eval-every must be >= 0 and --eval-batches >= 1")
+    shift = loaded.loss_fn is not None
+    seq = _token_seq(loaded, plan, "--eval-data")
+    data = TokenFile(args.eval_data, seq, args.data_dtype, shift=shift, vocab_size=_vocab_size(loaded.model))
+    batches = GlobalBatches(data, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=0, shuffle=False)
+    count = min(args.eval_batches, batches.batches_per_epoch)
+    if count < 1:
+        raise AutoparError(f"--eval-data {args.eval_data}: fewer tokens than one global batch of "
+                           f"{plan.global_batch_size} x {seq}")
+    return [batches.batch(i) for i in range(count)]
+
+
+def _evaluate(pm, held_out) -> float:
+    """Mean loss over the held-out batches (the same ones every time), under the plan's layout."""
+    return sum(pm.eval_step(inputs, targets) for inputs, targets in held_out) / len(held_out)
+
+
+def _step(args, pm, batches, metrics: Metrics, stop, step: int, held_out=None) -> tuple[float, bool]:
+    """One optimizer step on global batch `step`, recorded and (rank 0) printed; the
+    held-out loss after it when due. -> (loss, whether a stop signal reached any rank)."""
     inputs, targets = batches.batch(step)
     lr = pm.optimizer.param_groups[0]["lr"]
     scale = pm.grad_scaler.scale_value() if pm.grad_scaler is not None else None
@@ -261,15 +300,21 @@ def _step(args, pm, batches, metrics: Metrics, stop, step: int) -> tuple[float, 
     dist.all_gather(gathered, mine)
     rank_times = [float(t[0].item()) for t in gathered]
     stopping = any(float(t[1].item()) for t in gathered)
+    done = step + 1
+    due = held_out is not None and (done == args.steps or stopping
+                                    or (args.eval_every and done % args.eval_every == 0))
+    eval_loss = _evaluate(pm, held_out) if due else None
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     metrics.record(step, loss=loss, step_time_s=max(rank_times), rank_times=rank_times,
                    grad_norm=pm.last_grad_norm, lr=lr, loss_scale=scale, skipped=pm.last_step_skipped,
-                   peak_memory_bytes=peak)
+                   peak_memory_bytes=peak, eval_loss=eval_loss)
     if dist.get_rank() == 0 and not args.quiet:
         fp16 = "" if scale is None else f"  scale {scale:.0f}" + ("  skipped (overflow)" if pm.last_step_skipped
                                                                     else "")
+        held = "" if eval_loss is None else \
+            f"  eval loss {eval_loss:.6f} (perplexity {math.exp(min(eval_loss, 700)):.4g})"
         print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}{fp16}  "
-              f"{max(rank_times) * 1e3:.1f} ms", flush=True)
+              f"{max(rank_times) * 1e3:.1f} ms{held}", flush=True)
     return loss, stopping
 
 
