@@ -136,11 +136,11 @@ def for_dcp(state: dict) -> tuple[dict, object]:
     def restore():
         with torch.no_grad():
             for t, stand_in in back:
-                t.to_local().copy_(_local_of(stand_in, list(t.placements)))
+                t.to_local().copy_(local_of(stand_in, list(t.placements)))
     return out, restore
 
 
-def _local_of(t, placements: list) -> torch.Tensor:
+def local_of(t, placements: list) -> torch.Tensor:
     """This rank's tensor of `t` in `placements`. An outer strided shard of a dim
     that an inner placement splits too (FSDP2 over a strided tp shard) is
     taken as FSDP2 takes it, a torch.chunk of the inner local tensor: DTensor

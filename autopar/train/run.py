@@ -89,6 +89,9 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     snap.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                       help="auto (default): continue from the newest complete snapshot in --save-dir; "
                            "never: start over; PATH: a snapshot or a save dir (any plan's)")
+    ap.add_argument("--init-from", default=None, metavar="SPEC",
+                    help="start from pretrained weights: safetensors:FILE, hf:FOLDER (a Hugging Face checkpoint, "
+                         "sharded or not), or a path; each rank reads only its shards, tensor by tensor")
     ap.add_argument("--preflight", action="store_true",
                     help="check the arguments, model, plan and data in one process and exit (launch.sh runs it "
                          "before torchrun, so an error a restart cannot fix is not restarted)")
@@ -214,6 +217,16 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
     held_out = _eval_batches(args, loaded, plan, pm)
     start, schedule_at = _resume(args, pm, batches)
+    if args.init_from:
+        if start:
+            if rank == 0:
+                print(f"autopar: --init-from {args.init_from} ignored: resuming at step {start}", file=sys.stderr)
+        else:
+            from autopar.train.pretrained import load_pretrained
+            count = load_pretrained(pm, args.init_from)
+            if rank == 0:
+                print(f"autopar: initialised from {args.init_from} ({count} tensors on rank 0)", file=sys.stderr,
+                      flush=True)
     pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=args.warmup, total=args.steps, decay=args.decay,
                                    min_ratio=args.min_lr_ratio, start_step=schedule_at)
     metrics_path = args.metrics or (os.path.join(args.save_dir, "metrics.jsonl") if args.save_dir else None)
