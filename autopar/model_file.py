@@ -64,6 +64,29 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
+@contextlib.contextmanager
+def _meta_builds_on_cpu():
+    """A factory that builds on the meta device itself (`with torch.device("meta"):
+    return Llama(cfg)`, as planning without weights recommends) computes no values: an
+    RMSNorm's `torch.ones(d)` and a RoPE table come out as meta, and nothing can fill them
+    later. Under this mode (entered below the factory's own device context, which hands it
+    each tensor it makes with device="meta") they are made on the CPU instead; then
+    `parameters_on_meta` keeps each parameter's constructor value and moves it to meta, as
+    for any model, and the buffers keep theirs (`keep_buffer_values`)."""
+    from torch.overrides import TorchFunctionMode
+
+    class MetaToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "meta":
+                kwargs = {**kwargs, "device": "cpu"}
+            return func(*args, **kwargs)
+
+    with MetaToCpu():
+        yield
+
+
 def keep_buffer_values(model: torch.nn.Module) -> None:
     """Move a model's real buffers to meta, each carrying the value its constructor
     computed (`.autopar_value`): the model is then all meta for the lowering's probes
@@ -154,7 +177,9 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
                   f"functions found in this file: {', '.join(available) or 'none'}"),
         )
     if device == "meta-params":
-        ctx = parameters_on_meta()
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(_meta_builds_on_cpu())  # below a factory's own `with torch.device("meta")`
+        ctx.enter_context(parameters_on_meta())
     else:
         ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     try:

@@ -249,3 +249,34 @@ def test_held_out_loss_every_n_steps_in_the_metrics(tmp_path):
     assert all(math.isfinite(v) and 0 < v < 10 for v in evals.values())
     assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in rows if "eval_loss" in r)
     assert evals[4] < evals[1]  # it learns, and the held-out loss says so
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_file_that_builds_on_the_meta_device_trains(tmp_path):
+    """Issue 32: build_model() under `with torch.device("meta")` (as planning without
+    weights recommends) left RMSNorm weights and RoPE tables without values ('the
+    meta-built model's init left layers.0.attention_norm.weight unfilled', --init cpu
+    too). The factory's meta tensors are made on the CPU while autopar loads it, so the
+    constructor's values are kept and the job trains."""
+    import json
+
+    from train_worlds import main_world
+
+    from autopar.lower.manual_plan import plan_for_model
+    from llama import PRESETS, Llama, example_inputs
+    from conftest import EXAMPLES
+
+    model_file = tmp_path / "meta_llama.py"
+    model_file.write_text(f"import sys, torch\nsys.path.insert(0, {str(EXAMPLES)!r})\nimport llama as L\n"
+                          "def build_model():\n    with torch.device('meta'):\n"
+                          "        return L.Llama(L.PRESETS['llama_tiny'])\n"
+                          "def example_inputs(b):\n    return L.example_inputs(b, L.PRESETS['llama_tiny'])\n"
+                          "loss_fn = L.loss_fn\n")
+    plan = str(tmp_path / "plan.json")
+    plan_for_model(Llama(PRESETS["llama_tiny"]), example_inputs=lambda b: example_inputs(b, PRESETS["llama_tiny"]),
+                   dp=2, zero=3, micro_batch_size=2).save(plan)
+    losses = tmp_path / "losses.json"
+    argv = ["--synthetic", "--steps", "3", "--lr", "1e-2", "--losses-out", str(losses), "--quiet"]
+    assert run_world(main_world, 2, str(model_file), plan, argv, timeout=250) == [0, 0]
+    assert all(math.isfinite(x) for x in json.loads(losses.read_text()))
