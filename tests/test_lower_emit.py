@@ -96,7 +96,7 @@ def test_emitted_build_runs_under_torchrun_and_matches_in_process_compile(tmp_pa
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     emitted = json.loads(losses_file.read_text())
-    assert "step     2  loss" in proc.stdout
+    assert "step     2/3  loss" in proc.stdout and "eta 0s" in proc.stdout  # the last step: nothing left
     in_process = run_world(emitted_reference_world, 4, str(out), 3, timeout=200)
     for losses in in_process:
         assert len(emitted) == 3

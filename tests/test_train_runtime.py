@@ -280,3 +280,15 @@ def test_a_model_file_that_builds_on_the_meta_device_trains(tmp_path):
     argv = ["--synthetic", "--steps", "3", "--lr", "1e-2", "--losses-out", str(losses), "--quiet"]
     assert run_world(main_world, 2, str(model_file), plan, argv, timeout=250) == [0, 0]
     assert all(math.isfinite(x) for x in json.loads(losses.read_text()))
+
+
+def test_progress_line_eta():
+    """Issue 32: each step's line says how long the rest takes (median of recent steps)."""
+    from autopar.train.run import _duration
+
+    m = Metrics(_Plan())
+    assert m.eta_s(10) is None
+    for step, t in enumerate([5.0, 1.0, 1.2, 0.9]):
+        m.record(step, loss=2.0, step_time_s=t)
+    assert m.eta_s(10) == pytest.approx(11.0)  # median 1.1 s
+    assert [_duration(x) for x in (41, 192, 7500)] == ["41s", "3m12s", "2h05m"]

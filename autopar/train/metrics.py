@@ -115,6 +115,12 @@ class Metrics:
         self._times.append(step_time_s)
         return row
 
+    def eta_s(self, steps_left: int) -> float | None:
+        """Seconds the remaining steps take at the median of the last 20 steps' time
+        (the first steps, compiling, count less as the run goes on); None before any."""
+        recent = self._times[-20:]
+        return statistics.median(recent) * steps_left if recent else None
+
     def _alert(self, step: int, kind: str, message: str) -> None:
         alert = Alert(step, kind, message)
         self.alerts.append(alert)

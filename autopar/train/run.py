@@ -293,6 +293,14 @@ def _eval_batches(args, loaded, plan, pm):
     return [batches.batch(i) for i in range(count)]
 
 
+def _duration(seconds: float) -> str:
+    """'2h05m', '3m12s', '41s'."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def _evaluate(pm, held_out) -> float:
     """Mean loss over the held-out batches (the same ones every time), under the plan's layout."""
     return sum(pm.eval_step(inputs, targets) for inputs, targets in held_out) / len(held_out)
@@ -326,8 +334,10 @@ def _step(args, pm, batches, metrics: Metrics, stop, step: int, held_out=None) -
                                                                     else "")
         held = "" if eval_loss is None else \
             f"  eval loss {eval_loss:.6f} (perplexity {math.exp(min(eval_loss, 700)):.4g})"
-        print(f"step {step:5d}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}{fp16}  "
-              f"{max(rank_times) * 1e3:.1f} ms{held}", flush=True)
+        eta = metrics.eta_s(args.steps - done)
+        print(f"step {step:5d}/{args.steps}  loss {loss:.6f}  grad norm {pm.last_grad_norm:.4g}  lr {lr:.3g}{fp16}  "
+              f"{max(rank_times) * 1e3:.1f} ms{held}" + (f"  eta {_duration(eta)}" if eta is not None else ""),
+              flush=True)
     return loss, stopping
 
 
