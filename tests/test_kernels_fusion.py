@@ -361,6 +361,8 @@ def test_autopar_compile_with_fusion_trains_like_without(monkeypatch, torch_comp
             if torch_compile:
                 assert pm.compiled_blocks.compiled_paths() == [f"layers.{i}" for i in range(4)]
                 assert not pm.compiled_blocks.fell_back, pm.compiled_blocks.fell_back
+            # the first step's time, compiling included, is reported (train.py prints it) only when compiling
+            assert (pm.first_step_s is not None and pm.first_step_s > 0) == torch_compile
             results[fusion] = (losses, pm.full_state_dict(), fused_modules)
     finally:
         if dist.is_initialized():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 
 import torch
@@ -86,6 +87,7 @@ class ParallelModel:
         self.before_optimizer_step: list = []  # callables(ParallelModel)
         self.after_optimizer_step: list = []  # callables(ParallelModel)
         self.tied_aliases: dict[str, str] = {}  # state_dict name -> the name it is tied to
+        self.first_step_s: float | None = None  # compiled blocks: the first step, compiling included
         self.lr_scheduler = None  # stepped after every optimizer step the loss scaler does not skip
         self.grad_scaler = grad_scaler
         self.last_step_skipped = False
@@ -114,6 +116,7 @@ class ParallelModel:
         return t[self.dp_rank * n:(self.dp_rank + 1) * n].to(self.device)
 
     def train_step(self, inputs, targets) -> float:
+        started = time.perf_counter()
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         inputs = tuple(self._local_slice(x) for x in inputs)
         targets = self._local_slice(targets)
@@ -166,6 +169,8 @@ class ParallelModel:
         if self.lr_scheduler is not None and not skip:  # as Megatron: a skipped step does not advance the schedule
             self.lr_scheduler.step()
         if self.compiled_blocks is not None and not self.compiled_blocks.agreed:
+            # the first step traced and compiled every block kind, forward and backward
+            self.first_step_s = time.perf_counter() - started
             self._agree_on_compiled_blocks()
         return self._global_mean(local_loss)
 

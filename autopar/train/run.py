@@ -238,6 +238,9 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     losses, saved_at = [], start if start else None
     for step in range(start, args.steps):
         loss, stopping = _step(args, pm, batches, metrics, stop, step, held_out)
+        if step == start and pm.first_step_s is not None and rank == 0:
+            print(f"autopar: the first step took {pm.first_step_s:.1f} s, compiling the blocks included",
+                  file=sys.stderr, flush=True)
         losses.append(loss)
         done = step + 1
         if args.save_dir and (stopping or done == args.steps or (args.save_every and done % args.save_every == 0)):
