@@ -52,9 +52,18 @@ def run(args) -> int:
 
 
 def _plan_with_progress(args):
-    if not stderr_is_tty():  # a log file or a CI runner: a line at each phase and every few seconds
-        print("autopar plan: capturing the model and pricing its layers ...", file=sys.stderr, flush=True)
-        return plan_from_args(args, progress=progress_lines(sys.stderr))
+    if not stderr_is_tty():  # a log file or a CI runner: lines, once the work has taken a few seconds
+        import threading
+
+        progress = progress_lines(sys.stderr)
+        # capture reports no progress: say it is under way if it is still going after a while
+        timer = threading.Timer(progress.quiet_s, lambda: progress("capturing the model and pricing", 0, 0, None))
+        timer.daemon = True
+        timer.start()
+        try:
+            return plan_from_args(args, progress=progress)
+        finally:
+            timer.cancel()
     from rich.console import Console
 
     err = Console(stderr=True)
@@ -65,20 +74,25 @@ def _plan_with_progress(args):
         return plan_from_args(args, progress=progress)
 
 
-def progress_lines(stream, every_s: float = 5.0):
+def progress_lines(stream, every_s: float = 5.0, quiet_s: float = 3.0):
     """progress(phase, done, total, best_s) writing a line to `stream` when the phase
-    changes, at the end of a phase and at most every `every_s` seconds between: long
-    planning says it is alive where no spinner can draw (stderr not a terminal)."""
+    changes, at the end of a phase and at most every `every_s` seconds between, once
+    the work has taken `quiet_s` (a quick answer, or an error, stays one clean message):
+    long planning says it is alive where no spinner can draw (stderr not a terminal)."""
     t0, state = time.monotonic(), {"phase": None, "at": -every_s}
+    lock = __import__("threading").Lock()  # the capture timer calls it from its thread
 
     def progress(phase, done, total, best_s):
         now = time.monotonic()
-        if phase == state["phase"] and done < total and now - state["at"] < every_s:
-            return
-        state.update(phase=phase, at=now)
-        best = f", best {best_s:.3f} s/step" if best_s else ""
-        stream.write(f"autopar plan: {phase} layouts {done}/{total}{best} ({now - t0:.0f} s)\n")
-        stream.flush()
+        with lock:
+            if now - t0 < quiet_s or (phase == state["phase"] and done < total and now - state["at"] < every_s):
+                return
+            state.update(phase=phase, at=now)
+            best = f", best {best_s:.3f} s/step" if best_s else ""
+            count = f" layouts {done}/{total}" if total else " ..."
+            stream.write(f"autopar plan: {phase}{count}{best} ({now - t0:.0f} s)\n")
+            stream.flush()
+    progress.quiet_s = quiet_s
     return progress
 
 
