@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 
 from autopar.commands.common import add_plan_arguments, check_report_path, plan_from_args, stderr_is_tty
@@ -53,8 +54,6 @@ def run(args) -> int:
 
 def _plan_with_progress(args):
     if not stderr_is_tty():  # a log file or a CI runner: lines, once the work has taken a few seconds
-        import threading
-
         progress = progress_lines(sys.stderr)
         # capture reports no progress: say it is under way if it is still going after a while
         timer = threading.Timer(progress.quiet_s, lambda: progress("capturing the model and pricing", 0, 0, None))
@@ -80,7 +79,7 @@ def progress_lines(stream, every_s: float = 5.0, quiet_s: float = 3.0):
     the work has taken `quiet_s` (a quick answer, or an error, stays one clean message):
     long planning says it is alive where no spinner can draw (stderr not a terminal)."""
     t0, state = time.monotonic(), {"phase": None, "at": -every_s}
-    lock = __import__("threading").Lock()  # the capture timer calls it from its thread
+    lock = threading.Lock()  # the capture timer calls it from its own thread
 
     def progress(phase, done, total, best_s):
         now = time.monotonic()
