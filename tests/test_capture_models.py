@@ -393,3 +393,36 @@ def test_in_place_adds_into_a_layers_output_capture():
     graph = autopar.capture(InplaceResidual(), lambda b: (torch.zeros(b, 8, dtype=torch.long),))
     flops = {l.name: l.eval("fwd_flops", 2, 8) for l in graph.layers}
     assert flops["layers.2.o"] == flops["layers.0.o"] == 2 * 2 * 8 * 16 * 16, flops  # each priced as its GEMM
+
+
+def test_a_model_without_a_stack_of_repeated_blocks_is_told_it_is_priced_in_one_piece():
+    """Issue 32: a decoder that walks its own layers (x-transformers' TransformerWrapper)
+    leaves capture no stack to cut: one layer with most parameters, priced whole. The
+    graph says so, so the plan's coarse layout is not a surprise; a model with a stack
+    gets no such note."""
+    import torch
+    import torch.nn as nn
+
+    import autopar
+
+    class Core(nn.Module):  # its sub-layers called by its own forward, no ModuleList of blocks
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x).relu()).relu())
+
+    class Walker(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.core, self.out = nn.Embedding(32, 64), Core(), nn.Linear(64, 32)
+
+        def forward(self, tokens):
+            return self.out(self.core(self.emb(tokens)))
+
+    graph = autopar.capture(Walker(), (torch.randint(0, 32, (2, 8)),))
+    assert any("no stack of repeated blocks" in n and "layer core holds" in n for n in graph.notes), graph.notes
+    from llama import llama_tiny
+    model, example = llama_tiny()
+    assert not any("no stack of repeated blocks" in n for n in autopar.capture(model, example(2)).notes)

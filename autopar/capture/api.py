@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from fractions import Fraction
 
 import torch
@@ -105,7 +106,25 @@ def capture(model: nn.Module, example_inputs=None, *, dtype: torch.dtype | str =
                                   {i + 1: path for i, (path, _) in enumerate(blocks)})
     graph.capture_seconds = time.perf_counter() - start
     _check_params(model, graph)
+    graph.notes += _one_big_layer(layers)
     return graph
+
+
+def _one_big_layer(layers) -> list[str]:
+    """A note when no stack of repeated blocks cuts the model and one layer holds most
+    of its parameters (x-transformers' decoder walks its own ModuleList of attention and
+    feed-forward entries, which nothing else calls): the plan can place, pipeline-cut or
+    checkpoint that layer only whole, and says so instead of pricing it as if it could."""
+    total = sum(l.params for l in layers)
+    repeated = Counter(l.signature for l in layers if l.signature)
+    if not total or (repeated and max(repeated.values()) >= 2):
+        return []
+    big = max(layers, key=lambda l: l.params)
+    if big.params < total / 2:
+        return []
+    return [f"no stack of repeated blocks was found: layer {big.name} holds {big.params / total:.0%} of the "
+            f"parameters as one layer, so pipeline stages and per-layer checkpointing cannot split it (blocks are "
+            f"the modules of an nn.ModuleList / nn.Sequential that the model calls one by one)"]
 
 
 def _check_params(model: nn.Module, graph: ModelGraph):
