@@ -158,16 +158,22 @@ def op_times(op: OpSpec, batch: int, seq: int | None, device: DeviceProfile, *, 
     return max(fwd_t, launch), max(bwd_t, launch)
 
 
-_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _aligned(n: float, k: float, dtype: str) -> bool:
     """Whether a GEMM's rows (n and k elements) are multiples of 16 bytes, as the fast
     tensor-core kernels need (a vocabulary of 50257, or a head split unevenly, is not)."""
-    per = 16 // _ITEMSIZE.get(dtype, 2)
+    per = 16 // ITEMSIZE.get(dtype, 2)
     return all(abs(x - round(x)) > 1e-9 or round(x) % per == 0 for x in (n, k))
 # op kinds of the workload -> the op class whose measured bandwidth prices them
 _BYTES_CLASS = {"norm": "norm", "softmax": "softmax", "embedding": "embedding"}
+
+
+def splits_columns(op: OpSpec, n: float, k: float) -> bool:
+    """Whether tp splits this GEMM's n (column-parallel) rather than its k (row): as the
+    capture's dataflow found it, or (a hand-written model) guessed from the shape."""
+    return op.tp_split == "column" or (not op.tp_split and n > k)
 
 
 def gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
@@ -179,7 +185,7 @@ def gemm_dims(op: OpSpec, batch: int, s: int, gemm_split: int) -> tuple:
     if gemm_split > 1:
         if len(dims) > 3:  # heads are split: fewer matrices per rank
             nb = nb / gemm_split
-        elif op.tp_split == "column" or (not op.tp_split and n > k):  # column-parallel shards n
+        elif splits_columns(op, n, k):  # column-parallel shards n
             n = n / gemm_split
         else:  # row-parallel shards k
             k = k / gemm_split
@@ -209,7 +215,7 @@ def _measured_op_times(op: OpSpec, batch: int, s: int, device: DeviceProfile, dt
             if op.name.endswith("addmm"):
                 # the bias: broadcast into the output before the GEMM accumulates onto it
                 # (write, then read again), and summed over the rows in backward
-                out_bytes = share * nb * m * n * _ITEMSIZE.get(dtype, 2)
+                out_bytes = share * nb * m * n * ITEMSIZE.get(dtype, 2)
                 fwd += meas.bytes_time("copy", 2 * out_bytes, "copy") or 0.0
                 bwd += meas.bytes_time("elementwise", out_bytes, "add") or 0.0
     elif op.kind == "attention":

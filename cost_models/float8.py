@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_models.compute import gemm_dims, fast, op_times
+from cost_models.compute import ITEMSIZE, fast, gemm_dims, op_times, splits_columns
 from cost_models.workload import LayerSpec, OpSpec
 
 FP8 = "fp8"
 ALIGN = 16  # torch._scaled_mm: each operand's dims multiples of 16
-HP_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 CAST_KERNELS = (4, 7)  # forward: amax + cast of input and weight; backward: 1 + 2 for the gradient, 2 + 2
 
 
@@ -113,7 +112,7 @@ def cast_times(op: OpSpec, batch: int, seq, device, *, hp: str, work_divisor: fl
     tokens = nb * m
     # identical calls folded into the op: its FLOPs count them all, the dims one call
     calls = max(1.0, fast(op.fwd_flops)(batch, s1) / work_divisor / max(1.0, 2 * tokens * n * k))
-    h = HP_BYTES.get(hp, 2)
+    h = ITEMSIZE.get(hp, 2)
     fwd_bytes = (2 * h + 1) * (tokens * k + k * n)
     bwd_bytes = (3 * h + 2) * tokens * n + (2 * h + 1) * (tokens * k + k * n)
     hbm = device.memory_bandwidth * device.memory_efficiency
@@ -144,8 +143,7 @@ def amax_all_reduces(layer: LayerSpec, batch: int, seq, tp: int) -> list[tuple]:
         if not op.tp_sharded:
             continue  # a replicated weight and input: every amax is local
         _, n, k, _ = gemm_dims(op, batch, s1, 1)
-        column = op.tp_split == "column" or (not op.tp_split and n > k)  # as compute.gemm_dims splits it
-        fwd, bwd = (1, 3) if column else (2, 2)
+        fwd, bwd = (1, 3) if splits_columns(op, n, k) else (2, 2)
         calls = max(1, op.count)
         out += [("all_reduce", 4, "fwd")] * (fwd * calls) + [("all_reduce", 4, "bwd")] * (bwd * calls)
     return out

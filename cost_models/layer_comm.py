@@ -209,15 +209,15 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
     full_params = params_local * p_bytes
     full_grads = params_local * g_bytes
     if layout.dp > 1 and params_local > 0:
-        gathered = full_params - min(float8_params, params_local) * max(0.0, p_bytes - 1)
+        # FSDP2 (zero >= 2) gathers float8 weights in float8; ZeroRedundancyOptimizer (zero 1,
+        # beside DDP) all-gathers the parameters as held
+        saved = min(float8_params, params_local) * max(0.0, p_bytes - 1) if zero >= 2 else 0.0
         if zero == 0:
             _ddp(dp, full_grads, layout, cluster, bwd_window)
-        elif zero == 1:
-            _sharded_optimizer(dp, full_params, full_grads, layout, cluster, fwd_s, bwd_window)
-        elif zero == 2:  # FSDP2 beside tp / pp (ZeroRedundancyOptimizer is zero 1, DDP's)
-            _sharded_optimizer(dp, gathered, full_grads, layout, cluster, fwd_s, bwd_window)
+        elif zero in (1, 2):
+            _sharded_optimizer(dp, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window)
         else:
-            _fsdp(dp, layer, gathered, full_grads, layout, cluster, fwd_s, bwd_window)
+            _fsdp(dp, layer, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window)
     if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         _fsdp_one_rank(dp, layer, params_local, device)
     if offload == "params":

@@ -87,8 +87,9 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     """
     if precision is not None:
         check_precision(precision)
-    from autopar.lower.compile_blocks import check as check_torch_compile
-    check_torch_compile(torch_compile)  # before planning: a typo is not found after a search
+    from autopar.lower.compile_blocks import wanted
+    from autopar.lower.mesh import local_device
+    compiling = wanted(torch_compile, local_device())  # a typo fails here, not after a search
     check_output(model, example_inputs)  # an output loss_fn cannot read: refused before planning
     if plan is None:
         try:
@@ -103,9 +104,6 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
                                     "global_batch_size=256): a device name plans for this job's ranks")
         from autopar.lower.what_runs import limits
         from autopar.engine import engine_from_options
-        from autopar.lower.compile_blocks import wanted
-        from autopar.lower.mesh import local_device
-        compiling = wanted(torch_compile, local_device())
         kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
                   "fusion": fusion,  # fused kernels priced only when they are swapped in below
                   "check_lowering": limits,  # and priced as the blocks will run
@@ -136,9 +134,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         from autopar.kernels.fusion import apply_fusions, find_fusions
         # A hand-written plan (or one saved with --no-fusion) lists no chains:
         # find them on the model itself, as the planner would have.
-        from autopar.lower.compile_blocks import wanted as compiles
-        from autopar.lower.mesh import local_device as device_here
-        model = apply_fusions(model, plan.fusions or find_fusions(model), compiled=compiles(torch_compile, device_here()))
+        model = apply_fusions(model, plan.fusions or find_fusions(model), compiled=compiling)
     from autopar.lower.model_io import positional_inputs
     split = positional_inputs(model, example_inputs)
     if split is not None:  # capture's inferred keyword inputs: labels become train_step's targets
@@ -147,9 +143,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
                optimizer_kwargs=optimizer_kwargs, init_fn=init_fn, local_batch=local_batch,
                no_weight_decay_1d=no_weight_decay_1d, torch_compile=torch_compile,
                torch_compile_backend=torch_compile_backend, torch_compile_mode=torch_compile_mode)
-    from autopar.lower.compile_blocks import wanted
-    from autopar.lower.mesh import local_device
-    unfused = fusions_priced_otherwise(plan, fusion, wanted(torch_compile, local_device()))
+    unfused = fusions_priced_otherwise(plan, fusion, compiling)
     if unfused:
         import torch.distributed as dist
 

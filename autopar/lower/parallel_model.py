@@ -117,9 +117,7 @@ class ParallelModel:
 
     def train_step(self, inputs, targets) -> float:
         started = time.perf_counter()
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        inputs = tuple(self._local_slice(x) for x in inputs)
-        targets = self._local_slice(targets)
+        inputs, targets = self._local_batch(inputs, targets)
         expected = self.plan.micro_batch_size * self.plan.num_micro_batches
         if self.schedule is not None and inputs[0].shape[0] != expected:
             # Pipeline stages fix their activation shapes at the first step.
@@ -132,8 +130,7 @@ class ParallelModel:
             self.grad_scaler.begin_step(self.device)
         if isinstance(self.loss_fn, TokenWeighedLoss):
             self._weigh_by_tokens(targets)
-        with (loss_parallel() if self.loss_parallel else contextlib.nullcontext()), \
-                (tensor_parallel.tp_region() if self.plan.mesh.tp > 1 else contextlib.nullcontext()):
+        with self._parallel_regions():
             if self.schedule is None:
                 local_loss = self._accumulate(inputs, targets)
             else:
@@ -143,10 +140,7 @@ class ParallelModel:
                 # output (the logits, vocabulary-wide) until the step ends, to merge them
                 # for a caller who only needs the losses
                 self.schedule.step(*(inputs if self.has_first else ()), return_outputs=False, **kwargs)
-                local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
-                              if self.has_last else None)
-                if local_loss is not None and self.grad_scaler is not None:
-                    local_loss = local_loss / self.grad_scaler.current  # a power of two: exact
+                local_loss = self._pipeline_loss(losses)
         self._sync_tied_grads()
         skip = False
         if self.grad_scaler is not None:
@@ -178,17 +172,14 @@ class ParallelModel:
         """The global mean loss of one batch under this layout without training: the
         modules in eval mode (no dropout, BatchNorm's running statistics), no gradients,
         no optimizer step (train.py's --eval-data). Collective, like train_step."""
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        inputs = tuple(self._local_slice(x) for x in inputs)
-        targets = self._local_slice(targets)
+        inputs, targets = self._local_batch(inputs, targets)
         if isinstance(self.loss_fn, TokenWeighedLoss):
             self._weigh_by_tokens(targets)
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
         for s in self.stages:
             s.eval()
         try:
-            with torch.no_grad(), (loss_parallel() if self.loss_parallel else contextlib.nullcontext()), \
-                    (tensor_parallel.tp_region() if self.plan.mesh.tp > 1 else contextlib.nullcontext()):
+            with torch.no_grad(), self._parallel_regions():
                 if self.schedule is None:
                     n = self.plan.num_micro_batches
                     chunks, tchunks = [x.tensor_split(n) for x in inputs], targets.tensor_split(n)
@@ -198,14 +189,33 @@ class ParallelModel:
                     losses: list[torch.Tensor] = []
                     kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                     self.schedule.eval(*(inputs if self.has_first else ()), **kwargs)
-                    local_loss = (torch.stack([_plain(l).float() for l in losses]).mean()
-                                  if self.has_last else None)
-                    if local_loss is not None and self.grad_scaler is not None:
-                        local_loss = local_loss / self.grad_scaler.current  # the schedule's loss is scaled
+                    local_loss = self._pipeline_loss(losses)
         finally:
             for m, training in modes:
                 m.training = training
         return self._global_mean(local_loss)
+
+    def _local_batch(self, inputs, targets) -> tuple[tuple, torch.Tensor]:
+        """This rank's share of a global batch (or the batch as given, with local_batch)."""
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return tuple(self._local_slice(x) for x in inputs), self._local_slice(targets)
+
+    def _parallel_regions(self):
+        """What the model's forward runs under: tp's loss-parallel head and tp region."""
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        if self.plan.mesh.tp > 1:
+            stack.enter_context(tensor_parallel.tp_region())
+        return stack
+
+    def _pipeline_loss(self, losses: list) -> torch.Tensor | None:
+        """The last stage's mean micro-batch loss (None elsewhere), unscaled (fp16: the
+        schedule's loss function scales it by a power of two, so this is exact)."""
+        if not self.has_last:
+            return None
+        loss = torch.stack([_plain(l).float() for l in losses]).mean()
+        return loss / self.grad_scaler.current if self.grad_scaler is not None else loss
 
     def _agree_on_compiled_blocks(self) -> None:
         """After the first step every block has met its compiled code: the ranks

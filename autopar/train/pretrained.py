@@ -11,6 +11,7 @@ lacks, or of another shape, is refused by name before anything is copied.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -42,31 +43,29 @@ def load_pretrained(pm, spec: str) -> int:
     """Copy the weights of `spec` into this rank's parameters and persistent buffers
     (every rank calls it; no collective). Returns how many tensors were loaded."""
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     from autopar.lower import state_dict as lsd
 
     sources = _sources(spec)
-    by_alias = {**{a: to for a, to in pm.tied_aliases.items()}, **{to: a for a, to in pm.tied_aliases.items()}}
+    by_alias = {**pm.tied_aliases, **{to: a for a, to in pm.tied_aliases.items()}}
+    missing = [n for n in sorted(pm._holders) if n not in sources and by_alias.get(n) not in sources]
+    if missing:
+        raise AutoparError(f"--init-from {spec} lacks {len(missing)} of the model's parameters: "
+                           f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
+                           hint="is it a checkpoint of this model? its names must be the model's state_dict() names")
     local = lsd.local_tensors(pm, pm._holders)
     local.update(lsd.local_tensors(pm, pm._buffers))
-    missing = [n for n in sorted(lsd.all_model_names(pm)) if n[len(lsd.MODEL):] not in sources
-               and by_alias.get(n[len(lsd.MODEL):]) not in sources and n[len(lsd.MODEL):] in pm._holders]
-    if missing:
-        names = [n[len(lsd.MODEL):] for n in missing]
-        raise AutoparError(f"--init-from {spec} lacks {len(names)} of the model's parameters: "
-                           f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}",
-                           hint="is it a checkpoint of this model? its names must be the model's state_dict() names")
     handles: dict[str, object] = {}
     loaded = 0
-    try:
+    with contextlib.ExitStack() as stack:
         for name, target in local.items():
             key = name if name in sources else by_alias.get(name)
             if key not in sources:
                 continue  # a buffer the file does not hold: the model's own value stays
             file = sources[key]
             if file not in handles:
-                handles[file] = safe_open(file, framework="pt").__enter__()
+                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
             whole = handles[file].get_tensor(key)
             if tuple(whole.shape) != tuple(target.shape):
                 raise AutoparError(f"--init-from {spec}: {key} is {list(whole.shape)}, this model's "
@@ -75,17 +74,9 @@ def load_pretrained(pm, spec: str) -> int:
             with torch.no_grad():
                 if isinstance(target, DTensor):
                     replica = DTensor.from_local(whole.to(target.device), target.device_mesh,
-                                                 [_replicate()] * target.device_mesh.ndim, run_check=False)
+                                                 [Replicate()] * target.device_mesh.ndim, run_check=False)
                     target.to_local().copy_(lsd.local_of(replica, list(target.placements)))
                 else:
                     target.copy_(whole)
             loaded += 1
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
     return loaded
-
-
-def _replicate():
-    from torch.distributed.tensor import Replicate
-    return Replicate()

@@ -152,6 +152,14 @@ def _vocab_size(model) -> int | None:
     return max(sizes) if sizes else None
 
 
+def _token_file(path: str, flag: str, args, loaded, plan) -> TokenFile:
+    """A token file cut as this model reads it: windows of its sequence length, targets
+    shifted for a file's loss_fn (a Hugging Face causal LM's own loss shifts its labels
+    itself), ids checked against its vocabulary."""
+    return TokenFile(path, _token_seq(loaded, plan, flag), args.data_dtype, shift=loaded.loss_fn is not None,
+                     vocab_size=_vocab_size(loaded.model))
+
+
 def _token_seq(loaded, plan, flag: str) -> int:
     """The sequence length a token file is cut into: the plan's, or (a hand-written plan)
     the example inputs' own length; refused for a model whose inputs are not token ids."""
@@ -170,8 +178,7 @@ def _token_seq(loaded, plan, flag: str) -> int:
 def _dataset(args, loaded, plan, module_dataset):
     shift = loaded.loss_fn is not None  # a Hugging Face causal LM's own loss shifts its labels itself
     if args.data:
-        seq = _token_seq(loaded, plan, "--data")
-        return TokenFile(args.data, seq, args.data_dtype, shift=shift, vocab_size=_vocab_size(loaded.model))
+        return _token_file(args.data, "--data", args, loaded, plan)
     if module_dataset is not None:
         takes_model = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                           for p in inspect.signature(module_dataset).parameters.values())
@@ -285,9 +292,7 @@ def _eval_batches(args, loaded, plan, pm):
         return None
     if args.eval_every < 0 or args.eval_batches < 1:
         raise AutoparError("--eval-every must be >= 0 and --eval-batches >= 1")
-    shift = loaded.loss_fn is not None
-    seq = _token_seq(loaded, plan, "--eval-data")
-    data = TokenFile(args.eval_data, seq, args.data_dtype, shift=shift, vocab_size=_vocab_size(loaded.model))
+    data = _token_file(args.eval_data, "--eval-data", args, loaded, plan)
     batches = GlobalBatches(data, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=0, shuffle=False)
     count = min(args.eval_batches, batches.batches_per_epoch)
     if count < 1:
@@ -377,10 +382,10 @@ def _resume(args, pm, batches) -> tuple[int, int]:
     if choice[0] is None:
         return 0, 0
     meta = snapshot.read_meta(choice[0])
-    snapshot.check_model(pm, choice[0])  # another model is named as such, before its data order is compared
+    saved = snapshot.check_model(pm, choice[0])  # another model is named as such, before its data order
     batches.check_resume(meta.get("data", {}))
     _check_schedule(args, meta.get("schedule"))
-    meta = snapshot.load(pm, choice[0])
+    meta = snapshot.load(pm, choice[0], saved)
     if dist.get_rank() == 0:
         saved = meta.get("mesh", {})
         layout = "" if meta["rng_restored"] else (

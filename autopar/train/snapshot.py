@@ -216,8 +216,7 @@ def check_model(pm, path: str, reader=None) -> dict:
                         + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
                         for what, keys in (("missing", missing), ("not in this model", extra)) if keys),
             hint="resume with the model the snapshot was trained with, or start a new --save-dir")
-    state = lsd.model_tensors(pm)
-    for k, t in state.items():
+    for k, t in lsd.model_tensors(pm).items():
         if tuple(saved[k][0]) != tuple(t.shape):
             raise AutoparError(f"snapshot {path}: {k[len(lsd.MODEL):]} is {list(saved[k][0])}, "
                                f"this model's is {list(t.shape)}",
@@ -225,11 +224,12 @@ def check_model(pm, path: str, reader=None) -> dict:
     return saved
 
 
-def load(pm, path: str) -> dict:
-    """Load a snapshot into this plan's shards (collective); returns its autopar.json."""
+def load(pm, path: str, saved: dict | None = None) -> dict:
+    """Load a snapshot into this plan's shards (collective); returns its autopar.json.
+    `saved`: what `check_model` returned for it, when the caller checked it already."""
     meta = read_meta(path)
     reader = SafeFileSystemReader(path)
-    saved = check_model(pm, path, reader)
+    saved = saved if saved is not None else check_model(pm, path, reader)
     state = lsd.model_tensors(pm)
     targets, install = lsd.optimizer_targets(pm, saved)
     state.update(targets)
@@ -256,20 +256,21 @@ def load(pm, path: str) -> dict:
 
 # -- export ----------------------------------------------------------------
 def export_safetensors(full: dict[str, torch.Tensor], out: str, metadata: dict | None = None,
-                       aliases: dict[str, str] | None = None) -> None:
+                       aliases: dict[str, str] | None = None) -> list[str]:
     """One file of the whole model's tensors, loadable without autopar (safetensors):
     a tied tensor under each of its names (`aliases`: name -> the name it is tied to),
-    so `model.load_state_dict(load_file(out))` finds every key `state_dict()` has."""
+    so `model.load_state_dict(load_file(out))` finds every key `state_dict()` has.
+    Returns the names written."""
     from safetensors.torch import save_file
 
     full = {**full, **{a: full[to] for a, to in (aliases or {}).items() if to in full and a not in full}}
-
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".partial"
-    # safetensors refuses tensors sharing memory; an export holds each tensor once anyway.
+    # safetensors refuses tensors sharing memory: each name gets its own copy (a tied pair, two)
     save_file({k: v.contiguous().clone() for k, v in full.items()}, tmp,
               metadata={k: str(v) for k, v in (metadata or {}).items()})
     os.replace(tmp, out)
+    return sorted(full)
 
 
 def snapshot_to_safetensors(path: str, out: str) -> list[str]:
@@ -283,6 +284,5 @@ def snapshot_to_safetensors(path: str, out: str) -> list[str]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)
     full = {k[len(lsd.MODEL):]: v for k, v in sorted(state.items())}
-    aliases = meta.get("tied_aliases") or {}
-    export_safetensors(full, out, {"autopar_step": meta["step"], "model": meta.get("model")}, aliases)
-    return sorted(set(full) | {a for a, to in aliases.items() if to in full})
+    return export_safetensors(full, out, {"autopar_step": meta["step"], "model": meta.get("model")},
+                              meta.get("tied_aliases"))
