@@ -213,6 +213,9 @@ def tp_flow(fwd: list, is_head: bool) -> TPFlow:
 
 
 def _tp_flow(fwd: list, is_head: bool, pieces: dict) -> TPFlow:
+    # One piece (~90 lines) on purpose: a single pass over the forward records
+    # that threads seven maps of per-tensor state (sharded, its dim, its origin,
+    # its pieces, gathered from); split, every part would take and return them all.
     flow = TPFlow()
     origin: dict = {}  # idx -> the column GEMM whose whole output (sharded last dim) it still is
     piece_of: dict = {}  # idx -> (column GEMM, pieces) when its sharded dim is that GEMM's pieces dim

@@ -92,44 +92,12 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
     compiling = wanted(torch_compile, local_device())  # a typo fails here, not after a search
     check_output(model, example_inputs)  # an output loss_fn cannot read: refused before planning
     if plan is None:
-        try:
-            from autopar.solve import plan as make_plan
-        except ImportError as exc:  # the solver is optional for lowering
-            raise AutoparError("no plan given and the planner is not available",
-                               hint="pass plan=Plan or a plan JSON path") from exc
-        cluster_spec = job_cluster(cluster_spec)
-        if cluster_spec is None or global_batch_size is None:
-            raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)",
-                               hint="e.g. autopar.compile(model, 'h100-sxm', example_inputs=..., "
-                                    "global_batch_size=256): a device name plans for this job's ranks")
-        from autopar.lower.what_runs import limits
-        from autopar.engine import engine_from_options
-        kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
-                  "fusion": fusion,  # fused kernels priced only when they are swapped in below
-                  "check_lowering": limits,  # and priced as the blocks will run
-                  "engine": engine_from_options(compiled_blocks=compiling or None, float8=float8 or None)}
-        if constraints:
-            kwargs["constraints"] = constraints
-        if precision is not None:
-            kwargs["precision"] = precision
-        if memory_headroom is not None:
-            kwargs["memory_headroom"] = memory_headroom
-        def make():
-            from autopar.lower.model_layers import model_signature
-            made = make_plan(captured_with_loss(model, example_inputs, loss_fn, precision=precision or "bf16"),
-                             cluster_spec, module=model, **kwargs)
-            made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
-            return made
-        plan = _plan_on_rank0(make)
+        plan = _plan_here(model, cluster_spec, example_inputs=example_inputs, global_batch_size=global_batch_size,
+                          loss_fn=loss_fn, constraints=constraints, fusion=fusion, precision=precision,
+                          memory_headroom=memory_headroom, compiling=compiling, float8=float8)
     plan = load_plan(plan)
     check_runs_on_autopar(plan)  # priced for another engine (autopar plan --engine): not what runs here
-    if precision is not None and precision != plan.precision:
-        raise PlanMismatchError(f"precision {precision} was asked for, but the plan's is {plan.precision}",
-                                hint=f"drop precision= to train in the plan's {plan.precision}, or re-plan with "
-                                     f"precision={precision!r} (its memory and speed differ)")
-    if global_batch_size is not None and global_batch_size != plan.global_batch_size:
-        raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "
-                                f"{plan.global_batch_size}")
+    _check_plan_matches(plan, precision, global_batch_size)
     if fusion:
         from autopar.kernels.fusion import apply_fusions, find_fusions
         # A hand-written plan (or one saved with --no-fusion) lists no chains:
@@ -151,6 +119,52 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
         if dist.get_rank() == 0:
             warnings.warn(unfused[0], LoweringWarning, stacklevel=2)
     return pm
+
+
+def _plan_here(model, cluster_spec, *, example_inputs, global_batch_size, loss_fn, constraints, fusion,
+               precision, memory_headroom, compiling: bool, float8: bool):
+    """autopar.compile without a plan: plan on rank 0 for this job (`job_cluster`), priced as
+    `lower` will run it (the lowering's limits, compiled blocks, fused kernels, float8)."""
+    try:
+        from autopar.solve import plan as make_plan
+    except ImportError as exc:  # the solver is optional for lowering
+        raise AutoparError("no plan given and the planner is not available",
+                           hint="pass plan=Plan or a plan JSON path") from exc
+    cluster_spec = job_cluster(cluster_spec)
+    if cluster_spec is None or global_batch_size is None:
+        raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)",
+                           hint="e.g. autopar.compile(model, 'h100-sxm', example_inputs=..., "
+                                "global_batch_size=256): a device name plans for this job's ranks")
+    from autopar.lower.what_runs import limits
+    from autopar.engine import engine_from_options
+    kwargs = {"example_inputs": example_inputs, "global_batch_size": global_batch_size,
+              "fusion": fusion,  # fused kernels priced only when they are swapped in below
+              "check_lowering": limits,  # and priced as the blocks will run
+              "engine": engine_from_options(compiled_blocks=compiling or None, float8=float8 or None)}
+    if constraints:
+        kwargs["constraints"] = constraints
+    if precision is not None:
+        kwargs["precision"] = precision
+    if memory_headroom is not None:
+        kwargs["memory_headroom"] = memory_headroom
+    def make():
+        from autopar.lower.model_layers import model_signature
+        made = make_plan(captured_with_loss(model, example_inputs, loss_fn, precision=precision or "bf16"),
+                         cluster_spec, module=model, **kwargs)
+        made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
+        return made
+    return _plan_on_rank0(make)
+
+
+def _check_plan_matches(plan, precision, global_batch_size) -> None:
+    """What compile was asked for, against what the plan priced."""
+    if precision is not None and precision != plan.precision:
+        raise PlanMismatchError(f"precision {precision} was asked for, but the plan's is {plan.precision}",
+                                hint=f"drop precision= to train in the plan's {plan.precision}, or re-plan with "
+                                     f"precision={precision!r} (its memory and speed differ)")
+    if global_batch_size is not None and global_batch_size != plan.global_batch_size:
+        raise PlanMismatchError(f"global_batch_size {global_batch_size} differs from the plan's "
+                                f"{plan.global_batch_size}")
 
 
 def fusions_priced_otherwise(plan, fusion: bool, compiling: bool) -> list[str]:

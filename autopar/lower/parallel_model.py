@@ -10,7 +10,7 @@ each from its own file, on one DeviceMesh ("pp", "dp", "tp"):
      compile    torch.compile each local block in place, when asked (compile_blocks)
   4. data       fully_shard per layer + stage root, or replicate (data_parallel)
   5. weights    meta -> local shards + the model's own init (materialize)
-  6. tied       weights whose ends sit on different pipeline ranks: one copy
+  6. tied       weights whose ends sit on different pipeline ranks: one copy (tied_weights)
                 per end, gradients all-reduced over the ranks holding them
                 (as Megatron does for the word embedding)
   7. optimizer  the user's optimizer class over the local (sharded) parameters
@@ -26,12 +26,12 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, float8, grad_norm, loss_scaling,
-                           pipeline_parallel, preflight, state_dict, tensor_parallel, weight_reads)
+                           pipeline_parallel, preflight, state_dict, tensor_parallel, tied_weights, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, resolve_loss_fn
@@ -272,18 +272,7 @@ class ParallelModel:
         return float(t.item() / self.plan.mesh.dp)
 
     def _sync_tied_grads(self) -> None:
-        for param_of, group in self._tied_groups:
-            p = param_of()
-            if p.grad is None:  # an end this step did not reach still joins the all-reduce
-                p.grad = torch.zeros_like(p)
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                # DTensor's backward may leave a gradient in another layout than
-                # its parameter (a vocab-split embedding's comes back Replicate):
-                # the ends must post the same local shard to the all-reduce.
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            g = p.grad
-            local = g._local_tensor if isinstance(g, DTensor) else g
-            dist.all_reduce(local, group=group)
+        tied_weights.sync_grads(self._tied_groups)
 
     # -- state -------------------------------------------------------------
     def _local_params(self) -> dict[str, torch.Tensor]:
@@ -398,6 +387,9 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
           optimizer_kwargs=None, init_fn=None, local_batch: bool = False,
           no_weight_decay_1d: bool = False, torch_compile=False, torch_compile_backend: str = "inductor",
           torch_compile_mode: str | None = None) -> ParallelModel:
+    # One piece (~95 lines) on purpose: the numbered steps of the module
+    # docstring in their order, each a call into its own file, as torchtitan's
+    # parallelize reads; the order is the thing a reader checks here.
     loss_fn = resolve_loss_fn(model, loss_fn)  # the user's, or a Hugging Face model's own
     compiling = compile_blocks.wanted(torch_compile, local_device())  # a bad value fails before any group
     _check_example_inputs(example_inputs)
@@ -444,7 +436,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     # Tied weights: re-tie the ends that share this rank (parallelize_module
     # swaps in new Parameter objects); ends on other pp ranks sync gradients.
     local_modules = {id(m) for s in stages for m in s.modules()}
-    tied_local, tied_remote = _retie_local(model, holders, local_modules, tp_mesh if tp > 1 else None)
+    tied_local, tied_remote = tied_weights.retie_local(model, holders, local_modules, tp_mesh if tp > 1 else None)
 
     # 3. activation checkpointing, 4. data parallel
     for s in stages:
@@ -461,7 +453,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     was_meta = materialize(stages, device, init_fn, model=model)
 
     # 6. tied ends on different pipeline ranks
-    tied_groups = _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta)
+    tied_groups = tied_weights.groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta)
 
     # 7. optimizer over the unique local parameters
     opt = _optimizer(stages, optimizer, optimizer_kwargs, no_weight_decay_1d, plan, mesh, replicated)
@@ -509,20 +501,6 @@ def _apply_tp(model, plan, layout, tp_layers, found, tp_mesh, loss_fn, example_i
     return use_loss_parallel
 
 
-def _retie_local(model, holders, local_modules, tp_mesh) -> tuple[set, list]:
-    """Re-tie tied weights whose ends are on this rank; (their names, every tied group)."""
-    tied_local, tied_remote = set(), []
-    for name, hs in holders.items():
-        if len(hs) < 2:
-            continue
-        here = [(m, a) for m, a in hs if id(m) in local_modules]
-        if len(here) > 1:
-            _retie(name, here, tp_mesh)
-            tied_local.update(_names_of(model, hs))
-        tied_remote.append((name, hs))
-    return tied_local, tied_remote
-
-
 def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, bool]:
     """DDP-style replication or FSDP2 over the dp mesh (also for ZeRO, offload or
     mixed precision on one rank); else autocast for low precision. (fsdp, replicated)."""
@@ -556,70 +534,3 @@ def _optimizer(stages, optimizer, optimizer_kwargs, no_weight_decay_1d, plan, me
     if replicated and any(c.zero == 1 for c in plan.layer_choices):
         return data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, mesh["dp"])
     return optimizer(params, **kwargs)
-
-
-def _retie(name: str, ends: list, tp_mesh=None) -> None:
-    """Point every holder of a tied weight at one Parameter after
-    parallelize_module swapped in new ones. A sharded end wins over a plain
-    one held by a module that has no tensor-parallel style of its own
-    (BertLMPredictionHead.bias, the other end of its decoder Linear's bias):
-    such a holder only keeps the reference. An nn.Embedding no planned layer
-    names (T5's decoder.embed_tokens, sharing `shared` with the encoder's)
-    is split like the vocab-split embedding it shares with. Two ends sharded
-    differently, or another split module's plain end, cannot share one tensor."""
-    sharded = [(m, a) for m, a in ends if isinstance(getattr(m, a), DTensor)]
-    p = getattr(*(sharded[0] if sharded else ends[0]))
-    for m, a in ends:
-        other = getattr(m, a)
-        if other is p:
-            continue
-        if (isinstance(p, DTensor) and not isinstance(other, DTensor) and type(m) is nn.Embedding
-                and a == "weight" and tp_mesh is not None and tuple(p.placements) == (Shard(0),)):
-            tensor_parallel.parallelize_vocab(m, tp_mesh, position="pre")
-            other = getattr(m, a)
-        if isinstance(other, DTensor) and other.placements != p.placements or (
-                not isinstance(other, DTensor) and (isinstance(m, nn.Embedding) or is_linear(m))):
-            raise PlanMismatchError(
-                f"tied parameter {name!r} has differently sharded ends under this plan "
-                f"({type(m).__name__}.{a} is {'split' if isinstance(other, DTensor) else 'whole'})",
-                hint="give the layers holding both ends the same tensor-parallel style (both 'vocab' or both "
-                     "'replicate'), or plan with tp=1")
-        setattr(m, a, p)
-
-
-def _names_of(model, hs):
-    names = {id(m): n for n, m in model.named_modules()}
-    return {f"{names[id(m)]}.{a}" if names[id(m)] else a for m, a in hs}
-
-
-def _tied_groups(mesh, plan, layout, model, tied_remote, local_modules, was_meta):
-    """One process group per tied weight and (dp, tp) coordinate, over the pp
-    ranks holding an end. Every rank creates every group (new_group is collective)."""
-    groups = []
-    if plan.mesh.pp == 1:
-        return groups
-    stage_of_module = {}
-    for l in layout.layers:
-        for p in l.paths:
-            for n, m in model.get_submodule(p).named_modules():
-                stage_of_module[id(m)] = l.stage
-    ranks = mesh.mesh  # tensor (pp, dp, tp) of global ranks
-    me = dist.get_rank()
-    for name, hs in tied_remote:
-        pp_coords = sorted({stage_of_module[id(m)] % plan.mesh.pp for m, _ in hs if id(m) in stage_of_module})
-        if len(pp_coords) < 2:
-            continue
-        here = [(m, a) for m, a in hs if id(m) in local_modules]
-        for d in range(plan.mesh.dp):
-            for t in range(plan.mesh.tp):
-                members = [int(ranks[c, d, t]) for c in pp_coords]
-                group = dist.new_group(members)
-                if me in members:
-                    m, a = here[0]
-                    if was_meta:  # one initialisation for both ends: the first stage's
-                        p = getattr(m, a)
-                        local = p._local_tensor if isinstance(p, DTensor) else p
-                        with torch.no_grad():
-                            dist.broadcast(local, src=members[0], group=group)
-                    groups.append((lambda m=m, a=a: getattr(m, a), group))
-    return groups
