@@ -13,6 +13,8 @@ train.py trains on when no --data is given. An optional `init_fn(module)`
 (applied like nn.Module.apply, after each module's reset_parameters) lets
 train.py build the parameters on the meta device and initialise only each
 rank's shards; without it the model's own `_init_weights(module)` serves.
+An optional `tokenizer()` (an object with `encode(str) -> list[int]`) is what
+train.py tokenizes `--text` with when no --tokenizer is given.
 
 A file that only builds the model (a Hugging Face `...ForCausalLM(config)`, a
 nanoGPT `GPT(GPTConfig())`) needs no example_inputs for the common cases:
@@ -110,6 +112,7 @@ class LoadedModel:
     inputs_note: str | None = None  # set when example_inputs were inferred: what was assumed
     dataset: Callable | None = None  # the file's dataset() or dataset(model) -> torch Dataset, if any
     init_fn: Callable | None = None  # the file's init_fn(module): the model's init, module by module
+    tokenizer: Callable | None = None  # the file's tokenizer() -> an object with encode(str), if any
 
 
 def _prints_to_stderr():
@@ -213,4 +216,5 @@ def load_model(spec: str, device: str | torch.device = "meta", *, seq_len: int |
     return LoadedModel(model=built, example_inputs=inputs_fn, loss_fn=getattr(module, "loss_fn", None),
                        source=spec, name=factory_name if factory_name != "build_model" else
                        os.path.splitext(os.path.basename(path))[0], inputs_note=note,
-                       dataset=getattr(module, "dataset", None), init_fn=getattr(module, "init_fn", None))
+                       dataset=getattr(module, "dataset", None), init_fn=getattr(module, "init_fn", None),
+                       tokenizer=getattr(module, "tokenizer", None))

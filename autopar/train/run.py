@@ -36,17 +36,28 @@ from autopar.train.schedule import DECAYS, lr_scheduler
 def parser(description: str = "train with the layout autopar planned") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     data = ap.add_argument_group("data")
-    data.add_argument("--data", default=None, metavar="FILE",
-                      help="flat binary of token ids (nanoGPT / Megatron style), read by memory map")
-    data.add_argument("--eval-data", default=None, metavar="FILE",
-                      help="a held-out token file: its loss and perplexity every --eval-every steps and at the "
-                           "end (in the metrics as eval_loss, eval_perplexity)")
+    source, held_out = data.add_mutually_exclusive_group(), data.add_mutually_exclusive_group()
+    source.add_argument("--data", default=None, metavar="FILE",
+                        help="flat binary of token ids (nanoGPT / Megatron style), read by memory map")
+    source.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                        help="UTF-8 text files (a .jsonl file: one document per line's \"text\"), tokenized once "
+                             "by rank 0 into a token file beside the first (FILE.<hash>.u16|u32, reused while the "
+                             "text and tokenizer are unchanged), then read as --data reads one")
+    held_out.add_argument("--eval-data", default=None, metavar="FILE",
+                          help="a held-out token file: its loss and perplexity every --eval-every steps and at the "
+                               "end (in the metrics as eval_loss, eval_perplexity)")
+    held_out.add_argument("--eval-text", default=None, metavar="FILE",
+                          help="held-out text, tokenized as --text is, used as --eval-data")
+    data.add_argument("--tokenizer", default=None, metavar="SPEC",
+                      help="what tokenizes --text / --eval-text: model (default: the model file's tokenizer()), "
+                           "a Hugging Face tokenizer's folder or name (transformers.AutoTokenizer), or "
+                           "file:tokenizer.json (the tokenizers library)")
     data.add_argument("--eval-every", type=int, default=0, metavar="N",
                       help="evaluate every N steps (default 0: only at the end)")
     data.add_argument("--eval-batches", type=int, default=8, metavar="K",
                       help="global batches of --eval-data per evaluation, always the same ones (default 8)")
     data.add_argument("--data-dtype", default="uint16", choices=sorted(TOKEN_DTYPES),
-                      help="token dtype of --data (default uint16)")
+                      help="token dtype of --data (default uint16; --text chooses its own from the vocabulary)")
     data.add_argument("--synthetic", action="store_true",
                       help="random inputs shaped as the model's example inputs (a smoke test, nothing to learn)")
     data.add_argument("--seed", type=int, default=0, help="weights, data order and dropout (default 0)")
@@ -177,6 +188,11 @@ def _token_seq(loaded, plan, flag: str) -> int:
 
 def _dataset(args, loaded, plan, module_dataset):
     shift = loaded.loss_fn is not None  # a Hugging Face causal LM's own loss shifts its labels itself
+    # --text / --eval-text: tokenized once into token files, then read as --data / --eval-data are
+    if any(getattr(args, k, None) for k in ("text", "eval_text", "tokenizer")):
+        from autopar.train.text import prepare
+        prepare(args, loaded, lambda flag: _token_seq(loaded, plan, flag), plan.global_batch_size,
+                _vocab_size(loaded.model))
     if args.data:
         return _token_file(args.data, "--data", args, loaded, plan)
     if module_dataset is not None:
@@ -192,8 +208,8 @@ def _dataset(args, loaded, plan, module_dataset):
 
         split = positional_inputs(loaded.model, loaded.example_inputs)
         return Synthetic(loaded.example_inputs, seed=args.seed, shift=shift, split=split)
-    raise AutoparError("no training data", hint="pass --data tokens.bin, define dataset() in the model file, "
-                                                "or --synthetic for random inputs")
+    raise AutoparError("no training data", hint="pass --data tokens.bin, --text FILE, define dataset() in the "
+                                                "model file, or --synthetic for random inputs")
 
 
 def main(model_spec: str, plan_path: str, argv=None, description: str | None = None) -> int:
