@@ -2,11 +2,14 @@
 
     autopar report examples/gpt.py:gpt3_175b --gpus 1024 --device a100-80g -o plan.html
     autopar report --plan plan.json -o plan.html
+    autopar report --plan plan.json --metrics m.jsonl -o run.html   # + the run beside it
 
 The first form plans exactly as `autopar plan` does (same options, same
 code: autopar.commands.common) and renders that Plan; the second renders a
 plan saved with `autopar plan ... --json`. Either way the page shows the
-Plan's numbers only, so it always agrees with the terminal output.
+Plan's numbers only, so it always agrees with the terminal output. With
+`--metrics FILE` (what `train.py --metrics` wrote) the page adds a "This run"
+section: the run's measurements beside the Plan's predictions.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_plan_arguments(p, model_required=False)
     p.add_argument("--plan", dest="plan_file", metavar="PLAN.json", default=None,
                    help="render a plan saved with `autopar plan ... --json` instead of planning")
+    p.add_argument("--metrics", metavar="FILE", default=None,
+                   help="a training run's metrics file (train.py --metrics FILE): adds a 'This run' section, its "
+                        "loss, step time and memory per step beside the plan's predictions")
     p.add_argument("-o", "--output", metavar="FILE.html", default="plan.html",
                    help="where to write the report (default: plan.html)")
 
@@ -60,6 +66,10 @@ def run(args) -> int:
     from autopar.commands.common import check_report_path
 
     check_report_path(args.output, "-o")  # before minutes of planning, not after
+    if args.metrics:
+        from autopar.metrics_file import read_rows
+
+        read_rows(args.metrics)  # a file that is not a run's metrics is refused before planning too
     if args.plan_file:
         from autopar.commands.common import planning_options_given
         from autopar.plan_file import load_plan_file
@@ -72,7 +82,7 @@ def run(args) -> int:
         plan, graph = load_plan_file(args.plan_file), None
     else:
         plan, graph = _plan_from_model(args)
-    write_html(plan, args.output, graph=graph)
+    write_html(plan, args.output, graph=graph, metrics=args.metrics)
     size = os.path.getsize(args.output)
     print(f"wrote {args.output} ({size / 1024:.0f} KiB): {plan.model.get('name', 'model')} on "
           f"{plan.mesh.world_size} GPUs, pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp}, "

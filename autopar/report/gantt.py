@@ -13,6 +13,7 @@ from __future__ import annotations
 from markupsafe import Markup
 
 from autopar.report import svg
+from autopar.report.chart import nice_step
 from autopar.report.format import seconds
 from autopar.report.palette import PHASE
 from autopar.report.timeline import Event
@@ -22,17 +23,6 @@ ROW_H = 22
 LEFT = 58
 TOP = 8
 TICKS = 8
-
-
-def _nice_step(span: float, ticks: int) -> float:
-    raw = span / max(ticks, 1)
-    if raw <= 0:
-        return 1.0
-    mag = 10 ** int(f"{raw:e}".split("e")[1])
-    for m in (1, 2, 2.5, 5, 10):
-        if raw <= m * mag:
-            return m * mag
-    return 10 * mag
 
 
 # Boxes narrower than this carry no label and read as texture; back-to-back
@@ -104,7 +94,7 @@ def gantt_svg(events: list[Event], pp: int, p2p_s: list[float], interleaved: boo
     axis_y = TOP + pp * (ROW_H + 6) + 4
     parts.append(svg.line(LEFT, axis_y, LEFT + plot_w, axis_y, class_="axis"))
     if end > 0:
-        step = _nice_step(end, TICKS)
+        step = nice_step(end, TICKS)
         k = 0
         while k * step <= end * 1.0001:
             x = LEFT + k * step * scale

@@ -25,6 +25,10 @@ MEMORY = {
     "buffers": "#9d9da1",
 }
 
+# The "This run" charts (and the PNG a run writes, autopar/train/plot.py): what was
+# measured, the plan's prediction as a dashed line (the capacity line's red), held-out loss.
+RUN = {"measured": "#4c78a8", "predicted": "#c0392b", "held_out": "#f58518"}
+
 
 def stage_color(i: int, n: int) -> str:
     """Fill colour of pp rank `i` of `n` (light enough for dark text on top)."""

@@ -39,6 +39,16 @@ def line(x1, y1, x2, y2, **attrs) -> str:
     return f'<line{_attrs(dict(x1=x1, y1=y1, x2=x2, y2=y2, **attrs))}/>'
 
 
+def polyline(points, **attrs) -> str:
+    """A line through `points` [(x, y)], unfilled."""
+    coords = " ".join(f"{_num(float(x))},{_num(float(y))}" for x, y in points)
+    return f'<polyline{_attrs(dict(points=coords, fill="none", **attrs))}/>'
+
+
+def circle(cx, cy, r, **attrs) -> str:
+    return f'<circle{_attrs(dict(cx=cx, cy=cy, r=r, **attrs))}/>'
+
+
 def text(x, y, content, **attrs) -> str:
     return f"<text{_attrs(dict(x=x, y=y, **attrs))}>{escape(content)}</text>"
 

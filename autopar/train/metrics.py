@@ -23,6 +23,8 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
+from autopar.metrics_file import median_after_first, predictions
+
 
 @dataclass
 class Alert:
@@ -51,12 +53,7 @@ class Metrics:
         pred = self.plan.predicted or {}
         if dataclasses.is_dataclass(pred):
             pred = dataclasses.asdict(pred)  # a Plan's Predicted; 0 where nothing was priced
-        self.predicted = {
-            "step_time_s": pred.get("step_time_s") or None,
-            "throughput": pred.get("tokens_per_s") or pred.get("samples_per_s") or None,
-            "mfu": pred.get("mfu") or None,
-            "peak_memory_bytes": max(pred.get("peak_memory_bytes") or [0]) or None,
-        }
+        self.predicted = predictions(pred)
         self.unit = "tokens" if pred.get("tokens_per_s") or getattr(self.plan, "seq_len", None) else "samples"
         per_sample = (self.plan.seq_len or 1) if self.unit == "tokens" else 1
         self.items_per_step = self.plan.global_batch_size * per_sample
@@ -163,10 +160,9 @@ class Metrics:
 
     def summary(self) -> str:
         """Predicted vs measured, over the steps after the first (warm-up)."""
-        times = self._times[1:] or self._times
-        if not times:
+        t = median_after_first(self._times)
+        if t is None:
             return "no steps"
-        t = statistics.median(times)
         p = self.predicted
         lines = ["predicted vs measured (median step after the first):"]
         if p["step_time_s"]:

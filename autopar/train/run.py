@@ -30,6 +30,7 @@ from autopar.errors import AutoparError
 from autopar.train import snapshot
 from autopar.train.data import TOKEN_DTYPES, GlobalBatches, Synthetic, TokenFile
 from autopar.train.metrics import Metrics
+from autopar.train.plot import plot_path, plot_run
 from autopar.train.schedule import DECAYS, lr_scheduler
 
 
@@ -111,6 +112,11 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     out = ap.add_argument_group("output")
     out.add_argument("--metrics", default=None, metavar="FILE",
                      help="per-step JSONL metrics (rank 0; default DIR/metrics.jsonl with --save-dir)")
+    drawn = out.add_mutually_exclusive_group()
+    drawn.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="where the run's plot goes at its end (rank 0; loss, step time and memory per step "
+                            "beside the plan's predictions; default: the metrics file with the suffix .png)")
+    drawn.add_argument("--no-plot", action="store_true", help="no plot at the end of the run")
     out.add_argument("--losses-out", default=None, help="write the per-step losses as JSON (rank 0)")
     out.add_argument("--quiet", action="store_true", help="no per-step line on the terminal")
     return ap
@@ -230,6 +236,9 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         raise AutoparError(f"--steps must be positive, got {args.steps}")
     if args.clip is not None and args.clip <= 0:
         raise AutoparError(f"--clip must be positive, got {args.clip}")
+    if args.plot and not (args.metrics or args.save_dir):
+        raise AutoparError("--plot draws the metrics file, and this run writes none",
+                           hint="add --metrics FILE (or --save-dir DIR, which writes DIR/metrics.jsonl)")
     if args.preflight:
         return _preflight(args, model_spec, plan)
     torch.manual_seed(args.seed)  # identical initial weights on every rank (and dropout streams)
@@ -366,8 +375,8 @@ def _step(args, pm, batches, metrics: Metrics, stop, step: int, held_out=None) -
 
 
 def _finish(args, pm, plan, metrics: Metrics, losses: list, saved_at) -> None:
-    """The export (every rank gathers, rank 0 writes), the summary and the losses, then
-    leave the process group."""
+    """The export (every rank gathers, rank 0 writes), the plot, the summary and the
+    losses, then leave the process group."""
     rank = dist.get_rank()
     if args.export:
         full = pm.full_state_dict(buffers=True)  # collective
@@ -375,7 +384,9 @@ def _finish(args, pm, plan, metrics: Metrics, losses: list, saved_at) -> None:
             snapshot.export_safetensors(full, args.export, {"autopar_step": saved_at or args.steps,
                                                             "model": plan.model.get("name")}, pm.tied_aliases)
     if rank == 0:
-        print(metrics.summary(), flush=True)
+        png = plot_path(args.plot, args.no_plot, metrics.path)
+        png = png and plot_run(metrics.path, png, plan)  # None after one line on a failure: never fails the run
+        print(metrics.summary() + (f"\n  plot        {png}" if png else ""), flush=True)
         if args.losses_out:
             with open(args.losses_out, "w") as f:
                 json.dump(losses, f)
