@@ -6,8 +6,13 @@ planning time against layers and GPUs.
 
 Anchors (issue 4): GPT-3 175B on 1,024 A100-80GB (128 nodes x 8), global
 batch 1,536, seq 2,048, under 10 s; Llama-3 405B on 16,384 H100, under 30 s.
-"Capture + plan" is the CLI's path from the model file (meta-device capture,
-then search); "plan" is `autopar.plan` on the captured graph.
+"Capture + plan" is the model file's capture on the meta device, then
+`autopar.plan` on the captured graph (no lowering check).
+
+Commands (issue 32): the same as a user types them, timed end to end in a
+fresh process (Python and torch start-up, capture, the lowering's fake-tensor
+checks of what can run split, the search): GPT-3 175B on 1,024 A100-80GB, and
+Llama 3 405B on 8 A100-40GB, which does not fit and must say so in under 10 s.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +63,27 @@ def anchor(label, spec, device, nodes, batch, target):
             "layer_cost_calls": p.solver["layer_cost_calls"]}
 
 
+COMMANDS = [
+    # label, argv after `autopar plan`, target seconds, expected exit status
+    ("GPT-3 175B, 1,024 A100-80GB", ["examples/gpt.py:gpt3_175b", "--gpus", "1024", "--device", "a100-80g",
+                                     "--batch-size", "1536"], 10.0, 0),
+    ("Llama 3 405B, 8 A100-40GB (does not fit)", ["examples/llama.py:llama3_405b", "--gpus", "8", "--device",
+                                                  "a100-40g", "--batch-size", "16"], 10.0, 2),
+]
+
+
+def command(label, argv, target, expected_rc):
+    """Wall time of `autopar plan ARGV` in a fresh process, and its first error line if any."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "autopar", "plan", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    said = next((line for line in done.stderr.splitlines() if ": error: " in line), "")
+    return {"run": label, "command": "autopar plan " + " ".join(argv), "wall_s": round(wall, 2),
+            "target_s": target, "exit": done.returncode, "met": wall < target and done.returncode == expected_rc,
+            "error": said.split(": error: ", 1)[-1][:160]}
+
+
 def scaling():
     rows = []
     for layers in (24, 48, 96):
@@ -73,7 +100,7 @@ def scaling():
     return rows
 
 
-def render(anchors, grid) -> str:
+def render(anchors, grid, commands=()) -> str:
     lines = ["# Planner speed", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
              "jobs while measured (load average "
@@ -87,6 +114,12 @@ def render(anchors, grid) -> str:
                      f"{a['total_s']} | {a['target_s']} | {'yes' if a['met'] else 'NO'} | {a['mesh']}, "
                      f"{a['schedule']}, mb {a['micro_batch']} | {a['step_time_s']} | {a['mfu']:.1%} | "
                      f"{a['solver_status']} (gap {a['gap']:.1%}) | {a['candidates']} / {a['solved']} / {a['pruned']} |")
+    if commands:
+        lines += ["", "## Commands, end to end in a fresh process (issue 32)", "",
+                  "| run | command | wall s | target s | exit | met | error |", "|---|---|---|---|---|---|---|"]
+        for c in commands:
+            lines.append(f"| {c['run']} | `{c['command']}` | {c['wall_s']} | {c['target_s']} | {c['exit']} | "
+                         f"{'yes' if c['met'] else 'NO'} | {c['error']} |")
     if grid:
         lines += ["", "## Planning time against layers and GPUs (analytic GPT, hidden 12288, batch 1536, A100-80GB)",
                   "", "| layers | GPUs | plan s | candidates | solved | status | mesh |", "|---|---|---|---|---|---|---|"]
@@ -98,17 +131,22 @@ def render(anchors, grid) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="anchors only")
+    ap.add_argument("--quick", action="store_true", help="anchors and commands only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner"))
     args = ap.parse_args(argv)
     anchors = []
     for a in ANCHORS:
         anchors.append(anchor(*a))
         print(anchors[-1], flush=True)
+    commands = []
+    for c in COMMANDS:
+        commands.append(command(*c))
+        print(commands[-1], flush=True)
     grid = [] if args.quick else scaling()
-    Path(args.out + ".json").write_text(json.dumps({"anchors": anchors, "scaling": grid}, indent=2) + "\n")
-    Path(args.out + ".md").write_text(render(anchors, grid))
-    print(render(anchors, grid))
+    Path(args.out + ".json").write_text(json.dumps({"anchors": anchors, "commands": commands, "scaling": grid},
+                                                   indent=2) + "\n")
+    Path(args.out + ".md").write_text(render(anchors, grid, commands))
+    print(render(anchors, grid, commands))
     return 0
 
 

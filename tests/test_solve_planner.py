@@ -3,6 +3,7 @@ with cost_models.estimate, determinism, pins as an estimator, clear failures."""
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("cost_models.estimate", reason="cost_models.estimate (issue 3) is not in this checkout")
 
@@ -116,16 +117,45 @@ def test_contradictory_and_malformed_inputs(model, cluster):
         plan(model, cluster, global_batch_size=1, constraints={"pp": 1, "tp": 1})
 
 
-def test_model_that_cannot_fit_reports_memory_and_smallest_gpu_count():
-    # 30B parameters (480 GB of model states) on 8 x 40 GB with a 64 GiB host: nothing fits.
+def test_model_whose_states_fit_nowhere_is_refused_before_any_search():
+    # 30B parameters (480 GB of model states) on 8 x 40 GB with a 64 GiB host: the GPUs and the
+    # host hold 359 GB together, so no layout can fit. Said before the lowering's checks and the
+    # search (Llama 3 405B on 8 A100-40GB searched and re-planned for 2.5 minutes).
     big = gpt("gpt-30b", hidden=7168, heads=56, layers=48, seq_len=2048, vocab_size=50257)
     small = ClusterSpec.from_dict({"device": "a100-40g", "nodes": 1, "gpus_per_node": 8, "intra_node_link": "nvlink3",
                                    "inter_node_link": "ib-hdr", "host_memory_gib": 64})
+
+    def no_lowering_check(*args, **kwargs):
+        raise AssertionError("the lowering was checked for a model that fits nowhere")
+
+    with pytest.raises(InfeasibleError) as info:
+        plan(big, small, global_batch_size=8, check_lowering=no_lowering_check, module=torch.nn.Linear(1, 1))
+    text = str(info.value)
+    assert "does not fit on 8 x a100-40g" in text
+    assert "optimizer state alone take 479.6 GB (16 B per parameter, bf16 with adam)" in text
+    assert "no layout was searched" in text
+    assert info.value.fixes[0] == {"change": "gpus_at_least", "gpus": 16}
+    # the bound read backwards is the least count: 16 GPUs plan a layout that fits
+    fits = plan(big, scaled_cluster(small, 2), global_batch_size=8)
+    assert max(fits.predicted.peak_memory_bytes) <= fits.predicted.memory_breakdown[0]["capacity"]
+    # the bound counts the host only where offload may be used
+    roomy_host = ClusterSpec.from_dict({**small.to_dict(), "host_memory_gib": 1024})
+    with pytest.raises(InfeasibleError, match="CPU offload pinned off"):
+        plan(big, roomy_host, global_batch_size=8, constraints={"offload": "none"})
+
+
+def test_model_that_cannot_fit_reports_memory_and_smallest_gpu_count():
+    # 30B parameters on 8 x 40 GB with a 256 GiB host (565 GB together): its states could fit in
+    # the cluster's memory, so the search runs, and finds that no layout does.
+    big = gpt("gpt-30b", hidden=7168, heads=56, layers=48, seq_len=2048, vocab_size=50257)
+    small = ClusterSpec.from_dict({"device": "a100-40g", "nodes": 1, "gpus_per_node": 8, "intra_node_link": "nvlink3",
+                                   "inter_node_link": "ib-hdr", "host_memory_gib": 256})
     with pytest.raises(InfeasibleError) as info:
         plan(big, small, global_batch_size=8)
     text = str(info.value)
     assert "does not fit on 8 x a100-40g" in text
     assert "GB per GPU" in text and "without CPU offload" in text
+    assert "no layout was searched" not in text
     assert f"--gpus {info.value.smallest_world} fits" in text  # the hint lists only counts re-planned to fit
     smallest = info.value.smallest_world
     assert smallest > 8

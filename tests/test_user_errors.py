@@ -131,6 +131,8 @@ def run_cli(capsys, *argv):
 def assert_user_error(capsys, argv, *needles):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2, err
+    # a slow capture may be announced first (a progress line after 3 s, docs/cli.md)
+    err = re.sub(rf"^(autopar {argv[0]}: [^\n]* \(\d+ s\)\n)+", "", err)
     assert err.startswith(f"autopar {argv[0]}: error: "), err
     for needle in needles:
         assert needle in err, f"{needle!r} not in:\n{err}"
@@ -203,10 +205,11 @@ def test_gpu_counts_that_do_not_factor(capsys, argv, needles):
 
 # -- out of memory ----------------------------------------------------------------------------------
 def test_model_that_fits_nowhere_says_what_would_fit(capsys, files):
+    # its weights, gradients and Adam states exceed the GPUs' and the host's memory together:
+    # refused before any search, with the GPU count and the device that could hold them (bounds)
     err = assert_user_error(capsys, ["plan", files["model"], "--cluster", files["oom"], "--time-limit", "0.2"],
-                            "does not fit on 2 x tiny", "what would fit", "GB per GPU")
-    # only changes the planner re-planned and found to fit (tests/test_solve_what_fits.py re-runs them)
-    assert re.search(r"--gpus \d+ fits", err) and re.search(r"device: [\w.-]+ in .*oom.yaml fits", err)
+                            "does not fit on 2 x tiny", "no layout was searched", "what would fit")
+    assert re.search(r"--gpus \d+ at the least", err) and re.search(r"device: [\w.-]+ in .*oom.yaml at the least", err)
     assert "offload" in err.lower()
 
 

@@ -51,8 +51,13 @@ class _Terms:
 
 
 def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: int = 1,
-                seed: int = 0) -> StageSolution:
+                seed: int = 0, beat: int | None = None) -> StageSolution:
     """The optimal (or best found within the limit) stage layout of `problem`.
+
+    `beat`: only layouts with an objective below it are wanted (branch and bound:
+    another candidate already reaches it). CP-SAT's relaxation then usually proves
+    within milliseconds that none exists (status "cannot_beat", bound = beat),
+    where searching for the candidate's own optimum ran out its limit unproven.
 
     The variables and constraints are made in one fixed order (boundaries,
     prefixes, per-rank peaks, option counts, objective, warm start): CP-SAT's
@@ -78,6 +83,8 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     start_value = evaluate(p, *start) if start else None
     if start_value is not None:
         m.Add(objective <= start_value)
+    if beat is not None and (start_value is None or start_value >= beat):
+        m.Add(objective <= beat - 1)
 
     solver = cp_model.CpSolver()
     solver.parameters.num_search_workers = workers
@@ -92,6 +99,16 @@ def solve_cpsat(problem: StageProblem, *, time_limit_s: float = 10.0, workers: i
     code = solver.Solve(m)
     wall = time.perf_counter() - t0
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if beat is not None and (start_value is None or start_value >= beat):
+            # nothing below `beat`: proven when infeasible; the warm start is kept if it fits
+            bound = beat if code == cp_model.INFEASIBLE else lb
+            if start_value is not None:
+                return StageSolution(objective=start_value, stage_of_layer=list(start[0]),
+                                     option_of_layer=list(start[1]), bound=min(bound, start_value),
+                                     status="optimal" if bound >= start_value else "feasible",
+                                     wall_s=wall, work=solver.deterministic_time)
+            return StageSolution(objective=None, status="cannot_beat" if code == cp_model.INFEASIBLE else "unknown",
+                                 bound=bound, wall_s=wall, work=solver.deterministic_time)
         return _no_solution(solver, code, lb, start, start_value, wall)
     return _read_solution(solver, code, p, runs, b, terms.uses, wall)
 

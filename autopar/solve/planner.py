@@ -36,6 +36,7 @@ from autopar.solve.refine import fits, polish, tidy, uniform_layouts
 from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, whole_batch_reason
 from autopar.solve.table import TableBuilder
+from autopar.solve.capacity import check_capacity
 from autopar.solve.what_fits import checking_a_fix, hint_text, tried_text, what_would_fit
 
 GB = 1e9
@@ -293,9 +294,14 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     float8_choice.check_device(engine, cluster)
     pins = parse_constraints(constraints)
     headroom = resolve_headroom(memory_headroom, pins)
+    captured = model_spec(model, example_inputs, seq_len=seq_len, name=name, precision=precision)
+    # states that fit nowhere on this cluster: said now, before the lowering's checks and the search
+    check_capacity(captured, cluster, offload_pin=pins.offload, precision=precision, optimizer=optimizer,
+                   headroom=headroom, scaled_cluster=scaled_cluster)
+    torch_module = module if module is not None else (model if callable(getattr(model, "forward", None)) else None)
     spec, unfused_spec, lowering_limits, fusions, no_fusion_why = _priced_graph(
-        model, example_inputs, cluster, pins, seq_len=seq_len, name=name, precision=precision, module=module,
-        check_lowering=check_lowering, engine=engine, fusion=fusion)
+        captured, cluster, pins, module=torch_module, check_lowering=check_lowering, engine=engine, fusion=fusion,
+        example_inputs=example_inputs)
     global_batch_size, batch_assumed = _global_batch(global_batch_size, cluster.world_size, pins)
     req = _Request(spec=spec, cluster=cluster, pins=pins, global_batch_size=global_batch_size, precision=precision,
                    optimizer=optimizer, time_limit_s=time_limit_s, headroom=headroom,
@@ -331,14 +337,12 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
 
 
 # -- the steps of `plan` ---------------------------------------------------------
-def _priced_graph(model, example_inputs, cluster, pins, *, seq_len, name, precision, module, check_lowering,
-                  engine, fusion):
-    """The graph the search prices: captured (or taken as is), the tp collectives and
+def _priced_graph(spec, cluster, pins, *, module, check_lowering, engine, fusion, example_inputs):
+    """The graph the search prices: the captured `spec` with the tp collectives and
     attention kernel of the engine that runs it, the fused chains charged.
+    `module`: the nn.Module behind it (None for an analytic spec).
     -> (spec, the same before fusion, lowering_limits, fusions, why none were fused)."""
-    spec = model_spec(model, example_inputs, seq_len=seq_len, name=name, precision=precision)
-    is_module = callable(getattr(model, "forward", None))  # as model_spec decides
-    torch_module = module if module is not None else (model if is_module else None)
+    torch_module = module
     lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
     if check_lowering is not None and torch_module is not None:
         # only the tp degrees this cluster could use (each is one fake-tensor run per block kind)

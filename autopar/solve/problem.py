@@ -156,7 +156,7 @@ class StageSolution:
     objective: int | None  # V * step time in ns; None when infeasible
     stage_of_layer: list = field(default_factory=list)
     option_of_layer: list = field(default_factory=list)  # index into group_options[group]
-    status: str = "optimal"  # optimal | feasible | infeasible | unknown
+    status: str = "optimal"  # optimal | feasible | infeasible | unknown | cannot_beat (nothing below `beat`)
     bound: int | None = None  # best proven lower bound of the objective
     wall_s: float = 0.0
     work: float = 0.0  # CP-SAT deterministic time spent (its work units, about seconds)
@@ -295,9 +295,15 @@ def water_fill(base: list[int], count: int, unit: int) -> int:
     # places at least `count` items (floor(x) > x - 1 summed over the bins)
     lo = max(top, -(-(sum(base) + count * unit) // len(base)))
     hi = max(top, lo + unit)
+    # bins of equal load counted once: beside the pinned first and last layers every
+    # bin holds the same, so a 32-stage fill sums 3 terms per step, not 32
+    loads = {}
+    for b in base:
+        loads[b] = loads.get(b, 0) + 1
+    loads = tuple(loads.items())
     while lo < hi:
         mid = (lo + hi) // 2
-        if sum((mid - b) // unit for b in base if mid > b) >= count:
+        if sum(n * ((mid - b) // unit) for b, n in loads if mid > b) >= count:
             hi = mid
         else:
             lo = mid + 1

@@ -55,6 +55,7 @@ class _RankMemory:
         self.step = 0  # the optimizer step's temporaries
         self.chunk = [0] * p.virtual_stages
         self.peaks: list = []  # per peak term: value -> number of layers at it
+        self._dots = None  # per count vector, its activation bytes (until a chunk changes)
         for i in layers:
             self._apply(p.group_options[p.layer_group[i]][option_of[i]], stage_of[i] // p.pp, +1)
 
@@ -62,7 +63,12 @@ class _RankMemory:
         """Add n layers of option `o` in `chunk` (n < 0 removes)."""
         self.static += n * o.static_mem
         self.step += n * o.step_mem
-        self.chunk[chunk] += n * o.act_mem
+        if o.act_mem:
+            self.chunk[chunk] += n * o.act_mem
+            self._dots = None
+        self._apply_peaks(o, n)
+
+    def _apply_peaks(self, o, n: int) -> None:
         while len(self.peaks) < len(o.peaks):
             self.peaks.append({})
         for t, value in enumerate(o.peaks):
@@ -71,17 +77,34 @@ class _RankMemory:
             if not counts[value]:
                 del counts[value]
 
+    def _act_dots(self) -> list:
+        if self._dots is None:
+            self._dots = [sum(c * a for c, a in zip(vec, self.chunk)) for vec in self.vecs]
+        return self._dots
+
+    def _total(self, static: int, step: int, act: int) -> int:
+        return max(static + sum(max(c, default=0) for c in self.peaks) + act, static + step)
+
     def total(self) -> int:
-        act = max(sum(c * a for c, a in zip(vec, self.chunk)) for vec in self.vecs)
-        return max(self.static + sum(max(c, default=0) for c in self.peaks) + act, self.static + self.step)
+        return self._total(self.static, self.step, max(self._act_dots()))
 
     def after(self, old, new, chunk: int, count: int = 1) -> int:
-        """Total if `count` layers of `chunk` switched from option `old` to `new`."""
-        self._apply(old, chunk, -count)
-        self._apply(new, chunk, count)
-        value = self.total()
-        self._apply(new, chunk, -count)
-        self._apply(old, chunk, count)
+        """Total if `count` layers of `chunk` switched from option `old` to `new`. Only the
+        peak terms are applied and undone; the activation part moves one chunk by a
+        known amount, so each count vector's sum is its cached one plus that (the warm
+        starts of a deep interleaved mesh ask this ~150,000 times)."""
+        delta = count * (new.act_mem - old.act_mem)
+        dots = self._act_dots()
+        act = max(d + v[chunk] * delta for d, v in zip(dots, self.vecs)) if delta else max(dots)
+        same_peaks = old.peaks == new.peaks
+        if not same_peaks:
+            self._apply_peaks(old, -count)
+            self._apply_peaks(new, count)
+        value = self._total(self.static + count * (new.static_mem - old.static_mem),
+                            self.step + count * (new.step_mem - old.step_mem), act)
+        if not same_peaks:
+            self._apply_peaks(new, -count)
+            self._apply_peaks(old, count)
         return value
 
 

@@ -119,8 +119,6 @@ def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precisi
     memory headroom, the GPU count, a larger shipped device. Each a dict with `change`
     ('release' | 'headroom' | 'gpus' | 'device'), the values to pass and `peak_bytes` (per GPU, reserve included) where known.
     `replan`: the planner's `plan` (autopar/solve/planner.py passes itself), which re-plans each change."""
-    from cost_models.hardware import ClusterSpec, shipped_devices
-
     if checking_a_fix():  # inside another check: "does not fit" is the whole answer
         return None
     out = []
@@ -140,21 +138,31 @@ def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precisi
     if smallest_world:
         out.append({"change": "gpus", "gpus": smallest_world,
                     "frees": [pinned_flag(pins, k) for k in ("pp", "dp") if getattr(pins, k) is not None]})
+    for name, other in larger_devices(cluster, precision)[:DEVICES_TRIED]:
+        found = fit_on(replan, model, other, pins, headroom=headroom, **check)
+        if found:
+            out.append({"change": "device", "device": name, "memory_bytes": other.device_profile.memory_bytes,
+                        "peak_bytes": found[0]})
+            break
+    return out
+
+
+def larger_devices(cluster, precision: str) -> list:
+    """[(name, the cluster with that device)] for the shipped GPUs with more memory than
+    the cluster's that train in `precision`, smallest first."""
+    from cost_models.hardware import ClusterSpec, shipped_devices
+
     device = cluster.device_profile
-    larger = sorted((d.memory_bytes, name) for name, d in shipped_devices().items()
-                    if d.memory_bytes > device.memory_bytes and name != "cpu" and precision in d.peak_flops)
-    for memory, name in larger[:DEVICES_TRIED]:
+    out = []
+    for _, name in sorted((d.memory_bytes, name) for name, d in shipped_devices().items()
+                          if d.memory_bytes > device.memory_bytes and name != "cpu" and precision in d.peak_flops):
         d = cluster.to_dict()
         d.pop("world_size", None)
         d["device"] = name
         try:
-            other = ClusterSpec.from_dict(d, file=cluster.source)
+            out.append((name, ClusterSpec.from_dict(d, file=cluster.source)))
         except Exception:  # noqa: BLE001 - a cluster file this device does not fit into: skip it
             continue
-        found = fit_on(replan, model, other, pins, headroom=headroom, **check)
-        if found:
-            out.append({"change": "device", "device": name, "memory_bytes": memory, "peak_bytes": found[0]})
-            break
     return out
 
 
@@ -166,6 +174,14 @@ def fix_text(fix: dict, *, cluster_file: str | None = None) -> str:
     if fix["change"] == "headroom":
         return (f"--memory-headroom 0 fits ({size(fix['peak_bytes'])} of {size(fix['memory_bytes'])} per GPU; "
                 f"it leaves no room for what the cost model does not see, now {fix['headroom']:g})")
+    if fix["change"] == "gpus_at_least":
+        return (f"--gpus {fix['gpus']} at the least: fewer GPUs, with their nodes' host memory, cannot hold the "
+                f"model's weights, gradients and optimizer state (a bound, not a plan: plan with --gpus "
+                f"{fix['gpus']} to check a layout fits)")
+    if fix["change"] == "device_at_least":
+        where = f"device: {fix['device']} in {cluster_file}" if cluster_file else f"--device {fix['device']}"
+        return (f"{where} at the least ({size(fix['memory_bytes'])} per GPU): the smallest shipped device whose "
+                f"memory could hold the model's states on this many GPUs (a bound: plan to check)")
     if fix["change"] == "gpus":
         frees = f", with {_join(fix['frees'])} released" if fix.get("frees") else ""
         return f"--gpus {fix['gpus']} fits (the smallest of the doubled GPU counts planned{frees})"
@@ -185,4 +201,4 @@ def hint_text(fixes: list[dict] | None) -> str | None:
     return "what fits: " + "; ".join(fix_text(f) for f in fixes)
 
 
-__all__ = ["what_would_fit", "tried_text", "fix_text", "hint_text", "fit_on", "checking_a_fix"]
+__all__ = ["what_would_fit", "tried_text", "fix_text", "hint_text", "fit_on", "checking_a_fix", "larger_devices"]
