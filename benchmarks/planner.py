@@ -113,7 +113,7 @@ def render(anchors, grid, commands=()) -> str:
         lines.append(f"| {a['run']} | {a['layers']} | {a['gpus']} | {a['capture_s']} | {a['plan_s']} | "
                      f"{a['total_s']} | {a['target_s']} | {'yes' if a['met'] else 'NO'} | {a['mesh']}, "
                      f"{a['schedule']}, mb {a['micro_batch']} | {a['step_time_s']} | {a['mfu']:.1%} | "
-                     f"{a['solver_status']} (gap {a['gap']:.1%}) | {a['candidates']} / {a['solved']} / {a['pruned']} |")
+                     f"{a['solver_status']} (gap {'n/a' if a['gap'] is None else format(a['gap'], '.1%')}) | {a['candidates']} / {a['solved']} / {a['pruned']} |")
     if commands:
         lines += ["", "## Commands, end to end in a fresh process (issue 32)", "",
                   "| run | command | wall s | target s | exit | met | error |", "|---|---|---|---|---|---|---|"]

@@ -93,6 +93,8 @@ def run(args) -> int:
         _check_loss(loaded, args.model)
         # Record parameter names and shapes so train.py refuses a different model.
         plan.model.setdefault("param_shapes", model_signature(loaded.model)["param_shapes"])
+        from autopar.lower.model_layers import resolve
+        resolve(loaded.model, plan)  # what train.py's start checks: the plan's layers found in the model
     check_runs_on_autopar(plan)  # a plan priced for another engine (autopar plan --engine) is not lowered
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise AutoparError(f"-o {args.output} is a file; compile writes a folder (train.py, plan.json, ...)",

@@ -157,11 +157,15 @@ def _root_compute(choice, paths, modules, params) -> bool:
 
 
 def _check_root_compute(layers: list[ResolvedLayer]) -> None:
-    for l in layers:
+    for i, l in enumerate(layers):
         if l.paths or l.param_paths:
             continue
-        if l.position != "post" or l.choice.tp_style != "replicate":
-            why = ("comes before the model's blocks" if l.position != "post"
+        # after every layer that holds a module: also a model without a block stack
+        # (x-transformers' TransformerWrapper: one layer holds the decoder), where no
+        # layer is "post" because none is a block
+        after_modules = not any(m.paths or m.param_paths for m in layers[i:])
+        if not (l.position == "post" or after_modules) or l.choice.tp_style != "replicate":
+            why = ("comes before the model's blocks" if not (l.position == "post" or after_modules)
                    else f"is planned {l.choice.tp_style!r}, but no module holds a weight to split")
             raise PlanMismatchError(
                 f"the model differs from the planned one: layer {l.choice.name!r} names no module of this model "
