@@ -119,3 +119,15 @@ def one_process_sgd(model, batches, loss_fn, lr: float) -> tuple[list[float], ob
         opt.zero_grad()
         losses.append(loss.item())
     return losses, ref
+
+
+def signal_after_rows(job, metrics, send, rows: int = 2, within_s: float = 240.0) -> bool:
+    """Call `send()` once the running `job` (a Popen) has written `rows` metrics rows to
+    `metrics` (a path): a signal that lands inside the run. False if the job ended first."""
+    deadline = time.monotonic() + within_s
+    while job.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            send()
+            return True
+        time.sleep(0.01)
+    return False

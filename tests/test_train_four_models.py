@@ -18,13 +18,12 @@ import os
 import signal
 import subprocess
 import textwrap
-import time
 
 import pytest
 import torch
 
 from autopar.cli import main as cli
-from dist_utils import free_port
+from dist_utils import free_port, signal_after_rows
 
 SLOW_DATA = '''
 import time
@@ -49,6 +48,19 @@ def _tokens(vocab, seq):
         ids = torch.randint(0, vocab, (seq + 1,), generator=g)
         return ids[:-1], ids[1:]
     return make
+
+
+# what the three token models' files share: 16 tokens of a 96-token vocabulary
+def example_inputs(batch):
+    return (torch.randint(0, 96, (batch, 16)),)
+
+
+def loss_fn(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def dataset():
+    return SlowData(_tokens(96, 16))
 '''
 
 MINGPT_MODEL = '''
@@ -112,25 +124,11 @@ class GPT(nn.Module):
 MODEL_FILES = {
     "mingpt": '''
 from mingpt_model import GPT, GPTConfig  # the neighbour, as nanoGPT-style repositories import it
-from slow_data import SlowData, _tokens
-import torch
-import torch.nn.functional as F
+from slow_data import dataset, example_inputs, loss_fn  # noqa: F401
 
 
 def build_model():
     return GPT(GPTConfig())
-
-
-def example_inputs(batch):
-    return (torch.randint(0, 96, (batch, 16)),)
-
-
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def dataset():
-    return SlowData(_tokens(96, 16))
 ''',
     "cnn": '''
 from slow_data import SlowData
@@ -176,8 +174,7 @@ def dataset():
     return SlowData(lambda g: (torch.randn(3, 16, 16, generator=g), torch.randint(0, 10, (), generator=g)))
 ''',
     "qwen3": '''
-from slow_data import SlowData, _tokens
-import torch
+from slow_data import dataset, example_inputs  # noqa: F401
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 
@@ -185,36 +182,14 @@ def build_model():
     return Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                         max_position_embeddings=64, tie_word_embeddings=True))
-
-
-def example_inputs(batch):
-    return (torch.randint(0, 96, (batch, 16)),)
-
-
-def dataset():
-    return SlowData(_tokens(96, 16))
 ''',
     "xtransformers": '''
-from slow_data import SlowData, _tokens
-import torch
-import torch.nn.functional as F
+from slow_data import dataset, example_inputs, loss_fn  # noqa: F401
 from x_transformers import Decoder, TransformerWrapper
 
 
 def build_model():
     return TransformerWrapper(num_tokens=96, max_seq_len=16, attn_layers=Decoder(dim=32, depth=2, heads=2))
-
-
-def example_inputs(batch):
-    return (torch.randint(0, 96, (batch, 16)),)
-
-
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def dataset():
-    return SlowData(_tokens(96, 16))
 ''',
 }
 NEEDS = {"qwen3": "transformers", "xtransformers": "x_transformers"}
@@ -254,13 +229,7 @@ def test_own_model_file_plans_compiles_survives_ctrl_c_resumes_and_exports(tmp_p
     argv = ["--steps", "24", "--save-every", "100", "--save-dir", str(ckpt), "--export", str(export), "--no-plot"]
     with open(tmp_path / "job.log", "w") as log:
         job = _launch(build, argv, log, start_new_session=True)  # its own process group, as a terminal's job
-        sent, deadline = False, time.monotonic() + 240
-        while not sent and job.poll() is None and time.monotonic() < deadline:
-            metrics = ckpt / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                os.killpg(job.pid, signal.SIGINT)
-                sent = True
-            time.sleep(0.01)
+        sent = signal_after_rows(job, ckpt / "metrics.jsonl", lambda: os.killpg(job.pid, signal.SIGINT))
         job.wait(timeout=300)
     text = (tmp_path / "job.log").read_text()
     assert sent and "stopped by signal after step" in text and "KeyboardInterrupt" not in text, text[-3000:]

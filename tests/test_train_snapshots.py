@@ -264,8 +264,7 @@ def test_ctrl_c_finishes_the_step_saves_and_the_same_command_continues(tmp_path)
     before, every rank printed a KeyboardInterrupt traceback and nothing was saved)."""
     import signal
     import subprocess
-    import time
-    from dist_utils import free_port
+    from dist_utils import free_port, signal_after_rows
     build, argv, ref = _slow_job(tmp_path)
     ckpt = tmp_path / "ckpt"
     log = open(tmp_path / "job.log", "w")
@@ -273,13 +272,7 @@ def test_ctrl_c_finishes_the_step_saves_and_the_same_command_continues(tmp_path)
     job = subprocess.Popen([str(build / "launch.sh"), *argv, "--save-dir", str(ckpt), "--export",
                             str(tmp_path / "final.safetensors")], stdout=log, stderr=subprocess.STDOUT, env=env,
                            start_new_session=True)  # its own process group, as a terminal's foreground job
-    sent, deadline = False, time.monotonic() + 240
-    while not sent and job.poll() is None and time.monotonic() < deadline:
-        metrics = ckpt / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            os.killpg(job.pid, signal.SIGINT)
-            sent = True
-        time.sleep(0.01)
+    sent = signal_after_rows(job, ckpt / "metrics.jsonl", lambda: os.killpg(job.pid, signal.SIGINT))
     job.wait(timeout=300)
     text = (tmp_path / "job.log").read_text()
     assert sent and "stopped by signal after step" in text and "KeyboardInterrupt" not in text, text[-3000:]
