@@ -99,6 +99,9 @@ class ParallelModel:
         n_stages = len(plan.stages)
         self.has_first = any(s.stage_index == 0 for s in stages)
         self.has_last = any(s.stage_index == n_stages - 1 for s in stages)
+        self._schedules = {plan.num_micro_batches: schedule} if schedule is not None else {}
+        self._build_schedule = None  # n -> the pipeline schedule for n micro-batches (lower sets it)
+        self._batch_norms: list[str] = []  # BatchNorm paths: micro-batching refused (lower sets it)
 
     @property
     def module(self) -> nn.Module:
@@ -118,28 +121,22 @@ class ParallelModel:
     def train_step(self, inputs, targets) -> float:
         started = time.perf_counter()
         inputs, targets = self._local_batch(inputs, targets)
-        expected = self.plan.micro_batch_size * self.plan.num_micro_batches
-        if self.schedule is not None and inputs[0].shape[0] != expected:
-            # Pipeline stages fix their activation shapes at the first step.
-            raise PlanMismatchError(
-                f"this rank's batch has {inputs[0].shape[0]} samples; the plan's pipeline runs "
-                f"{self.plan.num_micro_batches} micro-batches of {self.plan.micro_batch_size}",
-                hint=f"feed global batches of {self.plan.global_batch_size} samples (or re-plan)")
+        n = self.micro_batches(inputs[0].shape[0])
         self.optimizer.zero_grad(set_to_none=True)
         if self.grad_scaler is not None:
             self.grad_scaler.begin_step(self.device)
         if isinstance(self.loss_fn, TokenWeighedLoss):
-            self._weigh_by_tokens(targets)
+            self._weigh_by_tokens(targets, n)
         with self._parallel_regions():
             if self.schedule is None:
-                local_loss = self._accumulate(inputs, targets)
+                local_loss = self._accumulate(inputs, targets, n)
             else:
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 # return_outputs=False: otherwise the last stage keeps every micro-batch's
                 # output (the logits, vocabulary-wide) until the step ends, to merge them
                 # for a caller who only needs the losses
-                self.schedule.step(*(inputs if self.has_first else ()), return_outputs=False, **kwargs)
+                self._schedule_for(n).step(*(inputs if self.has_first else ()), return_outputs=False, **kwargs)
                 local_loss = self._pipeline_loss(losses)
         self._sync_tied_grads()
         skip = False
@@ -173,27 +170,52 @@ class ParallelModel:
         modules in eval mode (no dropout, BatchNorm's running statistics), no gradients,
         no optimizer step (train.py's --eval-data). Collective, like train_step."""
         inputs, targets = self._local_batch(inputs, targets)
+        n = self.micro_batches(inputs[0].shape[0])
         if isinstance(self.loss_fn, TokenWeighedLoss):
-            self._weigh_by_tokens(targets)
+            self._weigh_by_tokens(targets, n)
         modes = [(m, m.training) for s in self.stages for m in s.modules()]
         for s in self.stages:
             s.eval()
         try:
             with torch.no_grad(), self._parallel_regions():
                 if self.schedule is None:
-                    n = self.plan.num_micro_batches
                     chunks, tchunks = [x.tensor_split(n) for x in inputs], targets.tensor_split(n)
                     local_loss = sum(_plain(self.loss_fn(self.stages[0](*(c[i] for c in chunks)), tchunks[i])).float()
                                      for i in range(n)) / n
                 else:
                     losses: list[torch.Tensor] = []
                     kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-                    self.schedule.eval(*(inputs if self.has_first else ()), **kwargs)
+                    self._schedule_for(n).eval(*(inputs if self.has_first else ()), **kwargs)
                     local_loss = self._pipeline_loss(losses)
         finally:
             for m, training in modes:
                 m.training = training
         return self._global_mean(local_loss)
+
+    def micro_batches(self, samples: int) -> int:
+        """Micro-batches of the plan's size in this rank's `samples`: the plan's count, or
+        another where the plan allows it (a run's own --batch-size or --batch-ramp:
+        `runtime_batch_refusal`). The micro-batch itself never changes: its memory is priced."""
+        mb = self.plan.micro_batch_size
+        if samples % mb:
+            raise PlanMismatchError(
+                f"this rank's batch of {samples} samples is not a whole number of the plan's micro-batches "
+                f"of {mb}", hint=f"feed global batches that are multiples of {mb * self.plan.mesh.dp} "
+                                 f"(micro-batch x dp), or re-plan")
+        n = samples // mb
+        if n != self.plan.num_micro_batches:
+            why = runtime_batch_refusal(self.plan, n, self._batch_norms)
+            if why:
+                raise PlanMismatchError(why, hint=f"feed global batches of {self.plan.global_batch_size} "
+                                                  "samples, or re-plan for this batch (autopar compile --batch-size)")
+        return n
+
+    def _schedule_for(self, n: int):
+        """The pipeline schedule running `n` micro-batches a step (the plan's is built by
+        lower; others on first use, every rank at the same step)."""
+        if n not in self._schedules:
+            self._schedules[n] = self._build_schedule(n)
+        return self._schedules[n]
 
     def _local_batch(self, inputs, targets) -> tuple[tuple, torch.Tensor]:
         """This rank's share of a global batch (or the batch as given, with local_batch)."""
@@ -237,20 +259,17 @@ class ParallelModel:
         grad_norm.clip_grads_(self, max_norm, norm)
         return norm
 
-    def _weigh_by_tokens(self, targets: torch.Tensor) -> None:
+    def _weigh_by_tokens(self, targets: torch.Tensor, n: int) -> None:
         """Global count of scored tokens (summed over dp: with local_batch the
         ranks' slices differ), shared by the step's micro-batches x dp ranks."""
         count = self.loss_fn.scored_tokens(targets).reshape(1).to(torch.float64)
         if self.plan.mesh.dp > 1:
             count = count.to(self.device)
             dist.all_reduce(count, group=self.mesh["dp"].get_group())
-        shares = self.plan.num_micro_batches * self.plan.mesh.dp
+        shares = n * self.plan.mesh.dp
         self.loss_fn.tokens_per_share = max(float(count.item()), 1.0) / shares
 
-    def _accumulate(self, inputs, targets) -> torch.Tensor:
-        n = self.plan.num_micro_batches
-        if inputs[0].shape[0] % n:
-            raise PlanMismatchError(f"local batch of {inputs[0].shape[0]} does not split into {n} micro-batches")
+    def _accumulate(self, inputs, targets, n: int) -> torch.Tensor:
         chunks = [x.tensor_split(n) for x in inputs]
         tchunks = targets.tensor_split(n)
         stage = self.stages[0]
@@ -322,6 +341,28 @@ class ParallelModel:
                     seen.add(id(t))
                     total += t.numel() * t.element_size()
         return total
+
+
+def runtime_batch_refusal(plan: Plan, n: int, batch_norms: list[str] = ()) -> str | None:
+    """Why the plan's layout cannot run `n` micro-batches a step instead of its own count
+    (None: it can; the micro-batch, whose memory is priced, stays the plan's):
+    BatchNorm normalises over each micro-batch; GPipe holds every micro-batch's
+    activations (more than planned do not fit as priced); a pipeline needs at least pp,
+    and torch's interleaved schedule a multiple of pp."""
+    pp, planned = plan.mesh.pp, plan.num_micro_batches
+    if n < 1:
+        return f"{n} micro-batches a step: a step needs at least one"
+    if batch_norms and n > 1:
+        return (f"the model normalises by batch statistics ({batch_norms[0]!r}): {n} micro-batches a step would "
+                f"each normalise alone, where the plan runs one")
+    if pp > 1 and plan.schedule == "gpipe" and n > planned:
+        return (f"the plan's GPipe schedule holds every micro-batch's activations: {n} micro-batches a step need "
+                f"more memory than the {planned} it was priced with")
+    if pp > 1 and n < pp:
+        return f"a pipeline of pp={pp} needs at least {pp} micro-batches a step, not {n}"
+    if pp > 1 and plan.schedule == "interleaved" and n % pp:
+        return f"the interleaved schedule runs micro-batches in rounds of pp={pp}: {n} is not a multiple"
+    return None
 
 
 def _unique_parameters(stages):
@@ -460,11 +501,13 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
 
     # 8. loss scaling (fp16) and schedule
     scaler = loss_scaling.LossScaler(device.type) if plan.precision == "fp16" else None
-    schedule = None
+    schedule = build_schedule = None
     if pp > 1:
-        schedule = pipeline_parallel.build_schedule(
-            plan, stages, mesh["pp"].get_group(), device,
-            loss_fn if scaler is None else loss_scaling.ScaledLoss(loss_fn, scaler))
+        def build_schedule(n: int):
+            return pipeline_parallel.build_schedule(
+                plan, stages, mesh["pp"].get_group(), device,
+                loss_fn if scaler is None else loss_scaling.ScaledLoss(loss_fn, scaler), num_micro_batches=n)
+        schedule = build_schedule(plan.num_micro_batches)
     pm = ParallelModel(plan=plan, mesh=mesh, layout=layout, stages=stages, optimizer=opt, loss_fn=loss_fn,
                        schedule=schedule, holders=holders, tied_groups=tied_groups, local_batch=local_batch,
                        device=device, fsdp=fsdp, replicated=replicated, loss_parallel=use_loss_parallel,
@@ -472,6 +515,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm.notes = (data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
                 + compile_blocks.priced_otherwise(plan, compiling))
     pm.compiled_blocks = compiled
+    pm._build_schedule, pm._batch_norms = build_schedule, batch_norm.batch_norms(model)
     pm.tied_aliases = aliases
     if float8.gathers_in_float8(plan):
         pm.after_optimizer_step.append(float8.precompute_scales)

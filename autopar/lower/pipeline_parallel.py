@@ -359,11 +359,13 @@ def check_schedule(plan) -> None:
             hint=f"use a multiple of {pp} micro-batches, or schedule '1f1b'")
 
 
-def build_schedule(plan, stage_modules: list[StageModule], pp_group, device, loss_fn):
+def build_schedule(plan, stage_modules: list[StageModule], pp_group, device, loss_fn,
+                   num_micro_batches: int | None = None):
+    """torch's schedule for the plan, running `num_micro_batches` a step (default the plan's)."""
     check_schedule(plan)
     n_stages = len(stage_modules) * plan.mesh.pp
     stages = [PipelineStage(m, m.stage_index, n_stages, device, group=pp_group) for m in stage_modules]
-    n_mb = plan.num_micro_batches
+    n_mb = num_micro_batches or plan.num_micro_batches
     if plan.schedule == "interleaved" or len(stages) > 1:
         return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
     if plan.schedule == "1f1b":

@@ -86,6 +86,46 @@ class TokenFile(Dataset):
         return (window[:-1],), (window[1:] if self.shift else window[:-1])
 
 
+class BatchSizes:
+    """The global batch of each step: `final` from the start, or, with a ramp
+    (`--batch-ramp START:STEPS`, as Megatron's --rampup-batch-size and GPT-3's
+    batch warmup), growing linearly from `start` to `final` over `steps` steps, each
+    step's batch a whole multiple of `quantum` (micro-batch x dp: whole micro-batches
+    on every data-parallel rank)."""
+
+    def __init__(self, final: int, quantum: int, start: int | None = None, steps: int = 0):
+        if final % quantum:
+            raise AutoparError(f"global batch {final} is not a whole number of micro-batches x dp = {quantum}")
+        self.final, self.quantum = final, quantum
+        self.start, self.steps = (start, steps) if start is not None and steps > 0 else (final, 0)
+        if self.steps and not quantum <= self.start <= final:
+            raise AutoparError(f"--batch-ramp starts at {start} samples; it must lie in [{quantum}, {final}] "
+                               f"(micro-batch x dp = {quantum}, the run's global batch {final})")
+        self._consumed = [0]  # samples read before each ramp step
+
+    @property
+    def ramped(self) -> bool:
+        return self.steps > 0
+
+    def size(self, step: int) -> int:
+        if step >= self.steps:
+            return self.final
+        exact = self.start + (self.final - self.start) * step / self.steps
+        return max(self.quantum, int(exact) // self.quantum * self.quantum)
+
+    def consumed(self, step: int) -> int:
+        """Samples the steps before `step` read."""
+        while len(self._consumed) <= min(step, self.steps):
+            k = len(self._consumed) - 1
+            self._consumed.append(self._consumed[k] + self.size(k))
+        if step <= self.steps:
+            return self._consumed[step]
+        return self._consumed[self.steps] + (step - self.steps) * self.final
+
+    def to_dict(self) -> dict:
+        return {"global_batch": self.final, **({"ramp": f"{self.start}:{self.steps}"} if self.ramped else {})}
+
+
 class GlobalBatches:
     """Global batch k of a seeded, per-epoch shuffled order; this dp rank's share.
 
@@ -94,7 +134,9 @@ class GlobalBatches:
     uninterrupted run reads at step k. `state_dict()` records what fixes the order
     (seed, dataset size, global batch) so a resume refuses a different one."""
 
-    def __init__(self, dataset, global_batch: int, dp: int, dp_rank: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, dataset, global_batch: int, dp: int, dp_rank: int, seed: int = 0, shuffle: bool = True,
+                 sizes: BatchSizes | None = None):
+        self.sizes = sizes if sizes is not None and sizes.ramped else None
         if global_batch % dp:
             raise AutoparError(f"global batch {global_batch} does not split over dp={dp} ranks")
         n = len(dataset)
@@ -118,19 +160,42 @@ class GlobalBatches:
         return self._order
 
     def indices(self, step: int) -> list[int]:
+        if self.sizes is not None:
+            return self._stream_indices(step)
         epoch, k = divmod(step, self.batches_per_epoch)
         order = self._epoch_order(epoch)
         share = self.global_batch // self.dp
         start = k * self.global_batch + self.dp_rank * share
         return order[start:start + share].tolist()
 
+    def batch_size(self, step: int) -> int:
+        """Global batch of `step`."""
+        return self.sizes.size(step) if self.sizes is not None else self.global_batch
+
+    def _stream_indices(self, step: int) -> list[int]:
+        """A ramped batch: the samples after those every earlier step read, in the epochs'
+        orders laid end to end (a batch may end one epoch and begin the next), so each
+        sample is read once an epoch whatever the batch of each step."""
+        size = self.sizes.size(step)
+        share = size // self.dp
+        first = self.sizes.consumed(step) + self.dp_rank * share
+        n = len(self.dataset)
+        out = []
+        for p in range(first, first + share):
+            epoch, i = divmod(p, n)
+            out.append(int(self._epoch_order(epoch)[i]))
+        return out
+
     def batch(self, step: int):
         samples = [self.dataset[i] for i in self.indices(step)]
         return collate(samples)
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "samples": len(self.dataset), "global_batch": self.global_batch,
-                "shuffle": self.shuffle}
+        state = {"seed": self.seed, "samples": len(self.dataset), "global_batch": self.global_batch,
+                 "shuffle": self.shuffle}
+        if self.sizes is not None:
+            state["batch_ramp"] = self.sizes.to_dict()["ramp"]
+        return state
 
     def check_resume(self, state: dict) -> None:
         """A snapshot's data settings must be this run's: else the order differs."""
@@ -138,7 +203,7 @@ class GlobalBatches:
         diff = [f"{k} {state.get(k)} -> {v}" for k, v in mine.items() if state.get(k) != v]
         if diff:
             raise AutoparError(f"the snapshot was trained on another data order ({', '.join(diff)})",
-                               hint="resume with the same --data, --seed and plan batch size, or start a new "
+                               hint="resume with the same --data, --seed, --batch-size and --batch-ramp, or start a new "
                                     "--save-dir")
 
 

@@ -86,16 +86,21 @@ class Metrics:
 
     def record(self, step: int, *, loss: float, step_time_s: float, rank_times: list | None = None,
                grad_norm: float | None = None, lr: float | None = None, loss_scale: float | None = None,
-               skipped: bool = False, peak_memory_bytes: int | None = None, eval_loss: float | None = None) -> dict:
-        throughput = self.items_per_step / step_time_s if step_time_s > 0 else None
+               skipped: bool = False, peak_memory_bytes: int | None = None, eval_loss: float | None = None,
+               global_batch: int | None = None) -> dict:
+        batch = global_batch or self.plan.global_batch_size
+        share = batch / self.plan.global_batch_size  # of the plan's work (FLOPs) done this step
+        throughput = self.items_per_step * share / step_time_s if step_time_s > 0 else None
         p = self.predicted
-        mfu = p["mfu"] * p["step_time_s"] / step_time_s if p["mfu"] and p["step_time_s"] and step_time_s > 0 \
-            else None
+        mfu = p["mfu"] * p["step_time_s"] * share / step_time_s if p["mfu"] and p["step_time_s"] and \
+            step_time_s > 0 else None
+        if share != 1:  # --batch-size / --batch-ramp: the plan priced another batch, not this step
+            p = {**p, "step_time_s": None, "throughput": None, "mfu": None}
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "loss_scale": loss_scale,
                "skipped": skipped, "step_time_s": step_time_s, "predicted_step_time_s": p["step_time_s"],
                f"{self.unit}_per_s": throughput, f"predicted_{self.unit}_per_s": p["throughput"],
                "mfu": mfu, "predicted_mfu": p["mfu"], "peak_memory_bytes": peak_memory_bytes,
-               "predicted_peak_memory_bytes": p["peak_memory_bytes"]}
+               "predicted_peak_memory_bytes": p["peak_memory_bytes"], "global_batch": batch}
         if eval_loss is not None:  # --eval-data: the held-out loss after this step, and its perplexity
             row.update(eval_loss=eval_loss, eval_perplexity=math.exp(min(eval_loss, 700.0)))
         self._check(step, loss, None if skipped else grad_norm, rank_times)  # fp16 overflow: expected, skipped

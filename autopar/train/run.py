@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
+from autopar.lower.batch_norm import batch_norms
 from autopar.train import snapshot
-from autopar.train.data import TOKEN_DTYPES, GlobalBatches, Synthetic, TokenFile
+from autopar.train.data import TOKEN_DTYPES, BatchSizes, GlobalBatches, Synthetic, TokenFile
 from autopar.train.metrics import Metrics
 from autopar.train.plot import plot_path, plot_run
 from autopar.train.schedule import DECAYS, lr_scheduler
@@ -62,6 +63,12 @@ def parser(description: str = "train with the layout autopar planned") -> argpar
     data.add_argument("--synthetic", action="store_true",
                       help="random inputs shaped as the model's example inputs (a smoke test, nothing to learn)")
     data.add_argument("--seed", type=int, default=0, help="weights, data order and dropout (default 0)")
+    data.add_argument("--batch-size", type=int, default=None, metavar="B",
+                      help="global batch of this run (default: the plan's): more or fewer of the plan's "
+                           "micro-batches per step, where its layout allows (refused otherwise, with the fix)")
+    data.add_argument("--batch-ramp", default=None, metavar="START:STEPS",
+                      help="grow the global batch linearly from START samples to the run's over the first STEPS "
+                           "steps (GPT-3's batch warmup); every sample is still read once an epoch")
     data.add_argument("--init", default="auto", choices=("auto", "meta", "cpu"),
                       help="meta: build the model's parameters on the meta device and initialise only this "
                            "rank's shards (the model file's init_fn(module), else the model's own "
@@ -153,6 +160,7 @@ def _preflight(args, model_spec: str, plan) -> int:
 
     loaded = load_model(model_spec, device="meta", seq_len=plan.seq_len)
     resolve(loaded.model, plan)  # the layers the plan names are this model's
+    _batch_sizes(args, plan, batch_norms(loaded.model))
     _dataset(args, loaded, plan, loaded.dataset)
     print("autopar: preflight passed (model, plan, data, arguments)", file=sys.stderr, flush=True)
     return 0
@@ -243,10 +251,11 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         return _preflight(args, model_spec, plan)
     torch.manual_seed(args.seed)  # identical initial weights on every rank (and dropout streams)
     loaded, init_fn = _build(args, model_spec, plan)
+    sizes = _batch_sizes(args, plan, batch_norms(loaded.model))  # a batch the layout cannot run: refused now
     dataset = _dataset(args, loaded, plan, loaded.dataset)
     pm = _compile(args, loaded, init_fn, plan)
     rank = dist.get_rank()
-    batches = GlobalBatches(dataset, plan.global_batch_size, plan.mesh.dp, pm.dp_rank, seed=args.seed)
+    batches = GlobalBatches(dataset, sizes.final, plan.mesh.dp, pm.dp_rank, seed=args.seed, sizes=sizes)
     held_out = _eval_batches(args, loaded, plan, pm)
     start, schedule_at = _resume(args, pm, batches)
     if args.init_from:
@@ -293,6 +302,33 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     return 0
 
 
+def _batch_sizes(args, plan, batch_norms: list[str]) -> BatchSizes:
+    """Each step's global batch: --batch-size (default the plan's), ramped up by --batch-ramp;
+    every size refused here that the plan's layout cannot run (parallel_model.runtime_batch_refusal)."""
+    from autopar.lower.parallel_model import runtime_batch_refusal
+
+    final = args.batch_size or plan.global_batch_size
+    quantum = plan.micro_batch_size * plan.mesh.dp
+    fix = (f"re-plan for it: autopar compile MODEL --batch-size {final} (plus the flags you planned with), "
+           f"or pick a multiple of {quantum}")
+    if final < 1 or final % quantum:
+        raise AutoparError(f"--batch-size {final}: the plan's layout runs whole micro-batches of "
+                           f"{plan.micro_batch_size} on each of its {plan.mesh.dp} data-parallel ranks, so the global "
+                           f"batch must be a multiple of {quantum}", hint=fix)
+    start, steps = None, 0
+    if args.batch_ramp:
+        try:
+            start, steps = (int(x) for x in args.batch_ramp.split(":"))
+        except ValueError:
+            raise AutoparError(f"--batch-ramp {args.batch_ramp!r}: expected START:STEPS, e.g. 32:1000") from None
+    sizes = BatchSizes(final, quantum, start, steps)
+    for size in sorted({sizes.size(k) for k in range(sizes.steps)} | {final}):
+        why = runtime_batch_refusal(plan, size // quantum, batch_norms)
+        if why:
+            raise AutoparError(f"a global batch of {size}: {why}", hint=fix)
+    return sizes
+
+
 def _compile(args, loaded, init_fn, plan):
     """This rank's ParallelModel, with AdamW, clipping by the global norm and (fp16) the loss scale."""
     import autopar
@@ -322,7 +358,7 @@ def _eval_batches(args, loaded, plan, pm):
     count = min(args.eval_batches, batches.batches_per_epoch)
     if count < 1:
         raise AutoparError(f"--eval-data {args.eval_data}: fewer tokens than one global batch of "
-                           f"{plan.global_batch_size} x {seq}")
+                           f"{plan.global_batch_size} sequences")
     return [batches.batch(i) for i in range(count)]
 
 
@@ -361,7 +397,7 @@ def _step(args, pm, batches, metrics: Metrics, stop, step: int, held_out=None) -
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     metrics.record(step, loss=loss, step_time_s=max(rank_times), rank_times=rank_times,
                    grad_norm=pm.last_grad_norm, lr=lr, loss_scale=scale, skipped=pm.last_step_skipped,
-                   peak_memory_bytes=peak, eval_loss=eval_loss)
+                   peak_memory_bytes=peak, eval_loss=eval_loss, global_batch=batches.batch_size(step))
     if dist.get_rank() == 0 and not args.quiet:
         fp16 = "" if scale is None else f"  scale {scale:.0f}" + ("  skipped (overflow)" if pm.last_step_skipped
                                                                     else "")

@@ -1,0 +1,120 @@
+"""A run's own global batch (train.py --batch-size) and a batch ramp (--batch-ramp
+START:STEPS): more or fewer of the plan's micro-batches a step where its layout
+allows it, refused with the fix where it does not, the data order exact across a
+ramp and a resume."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from autopar.lower.manual_plan import plan_for_model
+from autopar.lower.parallel_model import runtime_batch_refusal
+from autopar.train.data import BatchSizes, GlobalBatches
+from dist_utils import run_world
+from train_worlds import GPT_TINY, main_world, write_plan
+
+ARGS = ["--seed", "3", "--lr", "1e-2", "--quiet", "--no-plot"]
+
+
+def test_a_ramp_grows_in_whole_micro_batches_and_counts_what_it_read():
+    sizes = BatchSizes(16, 4, start=8, steps=4)
+    assert [sizes.size(k) for k in range(6)] == [8, 8, 12, 12, 16, 16]  # 8 + 2k, rounded down to 4s
+    assert [sizes.consumed(k) for k in range(7)] == [0, 8, 16, 28, 40, 56, 72]
+    assert sizes.to_dict() == {"global_batch": 16, "ramp": "8:4"}
+    assert not BatchSizes(16, 4).ramped and BatchSizes(16, 4).size(3) == 16
+    with pytest.raises(Exception, match="must lie in"):
+        BatchSizes(16, 4, start=2, steps=4)
+
+
+def test_a_ramped_order_reads_every_sample_once_an_epoch_on_every_dp_rank():
+    data = list(range(50))
+    sizes = BatchSizes(12, 4, start=4, steps=5)
+    ranks = [GlobalBatches(data, 12, 2, r, seed=1, sizes=sizes) for r in range(2)]
+    read = []
+    assert [sizes.size(k) for k in range(9)] == [4, 4, 4, 8, 8, 12, 12, 12, 12]
+    for step in range(9):  # 76 samples: one epoch and 26 more
+        got = [ranks[r].indices(step) for r in range(2)]
+        assert sum(len(g) for g in got) == sizes.size(step)
+        read += got[0] + got[1]
+    assert sorted(read[:50]) == data  # the first epoch: each sample once
+    assert len(read) == 76 and len(set(read[50:])) == 26  # the second epoch's start: no repeats
+    # a fresh reader (a resumed run) at step 6 reads what the uninterrupted one did
+    again = GlobalBatches(data, 12, 2, 1, seed=1, sizes=BatchSizes(12, 4, start=4, steps=5))
+    assert again.indices(6) == ranks[1].indices(6)
+    assert ranks[0].state_dict()["batch_ramp"] == "4:5"
+
+
+def test_what_a_layout_cannot_run_at_another_batch_is_refused_with_why():
+    model, example = __import__("gpt").gpt_tiny()
+    accumulate = plan_for_model(model, example_inputs=example, dp=1, micro_batch_size=2, num_micro_batches=2)
+    assert runtime_batch_refusal(accumulate, 6) is None and runtime_batch_refusal(accumulate, 1) is None
+    assert "BatchNorm" not in (runtime_batch_refusal(accumulate, 3, ["bn1"]) or "")
+    assert "each normalise alone" in runtime_batch_refusal(accumulate, 3, ["bn1"])
+    gpipe = plan_for_model(model, example_inputs=example, pp=2, micro_batch_size=2, num_micro_batches=2,
+                           schedule="gpipe")
+    assert "more memory" in runtime_batch_refusal(gpipe, 4) and runtime_batch_refusal(gpipe, 2) is None
+    assert "at least 2" in runtime_batch_refusal(gpipe, 1)
+    one_f = plan_for_model(model, example_inputs=example, pp=2, micro_batch_size=2, num_micro_batches=2,
+                           schedule="1f1b")
+    assert runtime_batch_refusal(one_f, 8) is None  # 1F1B holds at most pp micro-batches in flight
+    inter = plan_for_model(model, example_inputs=example, pp=2, micro_batch_size=2, num_micro_batches=2,
+                           schedule="interleaved", virtual_stages=2)
+    assert "multiple" in runtime_batch_refusal(inter, 3) and runtime_batch_refusal(inter, 4) is None
+
+
+def _tokens(tmp_path, n=64 * 16 + 1):
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 128, n).astype(np.uint16).tofile(path)
+    return str(path)
+
+
+def _run(world, plan, tmp_path, name, extra, steps=4):
+    out = tmp_path / name
+    os.makedirs(out, exist_ok=True)
+    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", str(steps), "--losses-out", str(out / "losses.json"),
+                   "--metrics", str(out / "metrics.jsonl")] + extra
+    assert run_world(main_world, world, GPT_TINY, plan, argv, timeout=300) == [0] * world
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "losses.json").read_text()), rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_batch_size_runs_more_micro_batches_as_a_plan_for_that_batch_would(tmp_path):
+    """--batch-size 16 on a plan for 8 (dp 2 x micro-batch 4, pp 2 1F1B) runs 2 micro-batches
+    a step and trains as the plan made for 16 does; ignoring the flag would train on 8."""
+    for name, layout in [("dp", dict(dp=2, zero=3, micro_batch_size=4)),
+                         ("pp", dict(pp=2, micro_batch_size=2, schedule="1f1b"))]:
+        small = write_plan(str(tmp_path / f"{name}8.json"), num_micro_batches=2 if name == "pp" else 1, **layout)
+        big = write_plan(str(tmp_path / f"{name}16.json"), num_micro_batches=4 if name == "pp" else 2, **layout)
+        got, rows = _run(2, small, tmp_path, f"{name}_flag", ["--batch-size", str(16 if name == "dp" else 8)])
+        ref, _ = _run(2, big, tmp_path, f"{name}_plan", [])
+        plain, _ = _run(2, small, tmp_path, f"{name}_plain", [])
+        assert max(abs(a - b) / b for a, b in zip(got, ref)) < 1e-5, (name, got, ref)
+        assert max(abs(a - b) / b for a, b in zip(got, plain)) > 1e-3, (name, got, plain)
+        assert {r["global_batch"] for r in rows} == {16 if name == "dp" else 8}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_batch_ramp_resumes_exactly_and_bad_batches_are_refused_at_start(tmp_path, capfd):
+    plan = write_plan(str(tmp_path / "dp2.json"), dp=2, zero=3, micro_batch_size=2)  # global batch 4
+    ramp = ["--batch-size", "16", "--batch-ramp", "4:4"]
+    ref, rows = _run(2, plan, tmp_path, "ref", ramp + ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "3"],
+                     steps=6)
+    assert [r["global_batch"] for r in rows] == [4, 4, 8, 12, 16, 16]  # 4 + 3k in whole 4s, then 16
+    assert rows[0]["predicted_step_time_s"] is None  # priced for the plan's batch of 4 only: not this step
+    resumed, rows2 = _run(2, plan, tmp_path, "resumed",
+                          ramp + ["--resume", str(tmp_path / "ckpt" / "step-00000003")], steps=6)
+    assert resumed == ref[3:]  # bit for bit: the ramp's data order is a function of the step
+    assert [r["global_batch"] for r in rows2] == [12, 16, 16]
+    # refused before training, with the fix
+    rcs = run_world(main_world, 2, GPT_TINY, plan, ARGS + ["--synthetic", "--batch-size", "6"], timeout=120)
+    assert rcs == [2, 2]
+    err = capfd.readouterr().err
+    assert "--batch-size 6" in err and "multiple of 4" in err and "autopar compile MODEL --batch-size 6" in err
+    other = run_world(main_world, 2, GPT_TINY, plan, ARGS + ["--data", _tokens(tmp_path), "--steps", "2",
+                                                             "--batch-size", "8", "--resume",
+                                                             str(tmp_path / "ckpt" / "step-00000003")], timeout=120)
+    assert other == [2, 2] and "another data order" in capfd.readouterr().err
