@@ -95,28 +95,34 @@ def _left(reads: _ParamReads, path: str, out) -> None:
 
 
 def _watch(model, modules: dict[str, nn.Module], owners: dict[str, nn.Module], example_args, model_kwargs):
-    """One fake forward of the model with `modules` (path -> module) hooked and
+    """One shape-only forward of the model with `modules` (path -> module) hooked and
     the parameters of `owners` tracked: the _ParamReads it filled, or None when
-    the model cannot run on fake tensors."""
+    the model cannot run on fake tensors. A model whose weights are all on the meta
+    device (the CLI's) runs on meta tensors first: the same shapes, devices and ops
+    as fake tensors of meta weights, without FakeTensorMode's dispatch (GPT-3 175B:
+    2.2 s -> 1.0 s); a forward meta tensors cannot run (a value-sized op) runs fake."""
     owner: dict[int, tuple] = {}
     for path, m in owners.items():
         for p in m.parameters():
             owner[id(p)] = owner.get(id(p), ()) + (path,)
-    reads = _ParamReads(owner)
-    hooks = []
-    for path, m in modules.items():
-        hooks.append(m.register_forward_pre_hook(lambda mod, args, path=path: _entered(reads, path)))
-        hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: _left(reads, path, out),
-                                             always_call=True))
-    try:
-        with probe_forward(model), reads:
-            model(*on_model_device(model, example_args), **model_kwargs)
-    except Exception:  # noqa: BLE001 - the caller decides what unknown means
-        return None
-    finally:
-        for h in hooks:
-            h.remove()
-    return reads
+    all_meta = all(p.is_meta for p in model.parameters())
+    for fake in ((False, True) if all_meta else (True,)):
+        reads = _ParamReads(owner)
+        hooks = []
+        for path, m in modules.items():
+            hooks.append(m.register_forward_pre_hook(lambda mod, args, path=path: _entered(reads, path)))
+            hooks.append(m.register_forward_hook(lambda mod, args, out, path=path: _left(reads, path, out),
+                                                 always_call=True))
+        try:
+            with probe_forward(model, fake=fake), reads:
+                model(*on_model_device(model, example_args), **model_kwargs)
+            return reads
+        except Exception:  # noqa: BLE001 - the caller decides what unknown means
+            continue
+        finally:
+            for h in hooks:
+                h.remove()
+    return None
 
 
 def read_outside(model: nn.Module, layers: dict[str, nn.Module], example_args: tuple, model_kwargs: dict) -> set:
