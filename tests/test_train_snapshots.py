@@ -15,7 +15,8 @@ from autopar.train import snapshot
 from dist_utils import run_world
 from train_worlds import GPT_TINY, load_safetensors, main_world, write_plan
 
-ARGS = ["--seed", "3", "--lr", "1e-2", "--warmup", "2", "--decay", "cosine", "--clip", "1.0", "--quiet"]
+ARGS = ["--seed", "3", "--lr", "1e-2", "--warmup", "2", "--decay", "cosine", "--clip", "1.0", "--quiet",
+        "--no-plot"]  # the plot is tested in test_train_plot.py; drawing it costs ~1 s a run
 
 
 def _tokens(tmp_path, n=64 * 16 + 1):

@@ -204,7 +204,7 @@ def test_training_from_text_equals_training_from_its_token_file(tmp_path):
     plan = write_plan(str(tmp_path / "dp2.json"), dp=2, zero=3, micro_batch_size=2)
     _word_tokenizer(tmp_path / "tokenizer.json")
     train, held = _prose(tmp_path / "train.txt", 1200, seed=1), _prose(tmp_path / "held.txt", 300, seed=2)
-    common = ["--steps", "3", "--lr", "1e-2", "--quiet", "--eval-batches", "2"]
+    common = ["--steps", "3", "--lr", "1e-2", "--quiet", "--no-plot", "--eval-batches", "2"]
     runs = {}
     for name, data in (("text", ["--text", train, "--eval-text", held, "--tokenizer",
                                  f"file:{tmp_path / 'tokenizer.json'}"]),
