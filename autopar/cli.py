@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "model_size"):  # plan, report, compile: a model file or --model-size
+            from autopar.commands.common import apply_model_size
+            apply_model_size(args)
         return int(_command_module(args.command).run(args) or 0)
     except AutoparError as exc:
         from autopar.commands.advice import infeasible_advice

@@ -19,14 +19,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     --plan) makes the model positional optional; the command then checks
     that it has either a model or a saved plan. engine=False (compile) leaves
     out the flags that price another training engine: autopar lowers only its own."""
-    if model_required:
-        parser.add_argument("model", help="model file following the model-file convention, as path.py[:factory]")
-    else:
-        parser.add_argument("model", nargs="?", default=None,
-                            help="model file following the model-file convention, as path.py[:factory] "
-                                 "(optional with --plan)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model file following the model-file convention, as path.py[:factory]"
+                             + ("" if model_required else " (optional with --plan)") + "; or --model-size")
+    parser.set_defaults(model_required=model_required)
+    size = parser.add_argument_group("a standard decoder instead of a model file")
+    size.add_argument("--model-size", "--model_size", dest="model_size", default=None, metavar="SIZE",
+                      help="build a decoder of this many parameters (125M, 6B, 1.3B, 70B) and plan it as a model "
+                           "file (autopar/zoo/sized.py; the shape chosen is printed)")
+    size.add_argument("--family", default="gpt3", choices=("gpt3", "llama3"),
+                      help="its shape family: GPT-3 (learned positions, LayerNorm, GELU) or Llama 3 (RoPE, "
+                           "RMSNorm, SwiGLU, grouped-query attention); default gpt3")
     cl = parser.add_argument_group("cluster")
-    cl.add_argument("--gpus", type=int, default=None, metavar="N",
+    cl.add_argument("--gpus", "--num_gpus", dest="gpus", type=int, default=None, metavar="N",
                     help="total GPU count (default: one node of the device or the --cluster file's size)")
     cl.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="GPUs per node (default: 8)")
     cl.add_argument("--device", default=None, metavar="NAME",
@@ -66,6 +71,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
                         help="share of each GPU's usable memory the plan leaves free, 0 <= H < 1: predicted peak "
                              "<= (1 - H) x usable (default 0.1, for what the cost model does not see: optimizer "
                              "temporaries, NCCL buffers, allocator fragmentation)")
+
+
+def apply_model_size(args) -> None:
+    """`--model-size SIZE [--family F]` stands for the model file autopar/zoo/sized.py:F_SIZE,
+    said on stderr with the shape it resolved to; a model file or the size, not both."""
+    size = getattr(args, "model_size", None)
+    if size is None:
+        if getattr(args, "model_required", False) and args.model is None:
+            raise AutoparError("no model: give a model file (path.py[:factory]) or --model-size SIZE",
+                               hint="e.g. autopar plan examples/gpt.py:gpt3_175b --gpus 1024, or "
+                                    "autopar plan --model-size 6B --gpus 32")
+        return
+    if args.model is not None:
+        raise AutoparError(f"both a model file ({args.model}) and --model-size {size}: give one of them")
+    from autopar.zoo import sized
+    try:
+        args.model = sized.spec_for(args.family, size)
+        said = sized.describe(args.family, size, getattr(args, "seq_len", None))
+    except ValueError as exc:
+        raise AutoparError(str(exc), hint="e.g. --model-size 125M, --model-size 6B, --model-size 70B --family "
+                                          "llama3") from None
+    print(f"autopar {args.command}: --model-size {size}: {said}", file=sys.stderr, flush=True)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -362,5 +389,5 @@ def stderr_is_tty() -> bool:
         return False
 
 
-__all__ = ["add_plan_arguments", "node_count_hint", "cluster_error", "plan_from_args", "cluster_from_args", "constraints_from_args", "load_graph",
+__all__ = ["add_plan_arguments", "apply_model_size", "node_count_hint", "cluster_error", "plan_from_args", "cluster_from_args", "constraints_from_args", "load_graph",
            "capture_loaded", "check_seq_len", "AutoparError"]
