@@ -44,6 +44,8 @@ Layer styles (`LayerChoice.tp_style`):
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import torch
@@ -161,14 +163,15 @@ def _first_tensor(value):
 
 def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple,
                  model_kwargs: dict | None = None, outputs_of: dict[str, nn.Module] | None = None,
-                 outputs: dict | None = None, answers=None) -> dict[int, BlockPlan]:
+                 outputs: dict | None = None, answers=None, fake: bool = True) -> dict[int, BlockPlan]:
     """One forward under FakeTensorMode: each block's ops recorded for `tp_flow`
     (see the top of this file), hooks recording which tensor object each
     child and Linear of a block was given and returned. The same forward
     fills `outputs[path]` for each module of `outputs_of`: (shape, dtype) of
     the tensor it returns, else what it returns (pipeline stand-ins replace
     those modules on later stages). `answers`: the values fake tensors lack
-    (capture/value_answers.py), counted there."""
+    (capture/value_answers.py), counted there. `fake=False`: a meta-built model
+    on meta inputs, without FakeTensorMode (what_runs.record_blocks tries it first)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autopar.capture.dtype_fallback import Bf16ShapeFallback
@@ -192,8 +195,8 @@ def probe_blocks(model: nn.Module, blocks: dict[int, nn.Module], example_args: t
         hooks.append(m.register_forward_hook(record(path), with_kwargs=True))
     flow = ModuleFlow(blocks)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), answers or ValueAnswers(), Bf16ShapeFallback(), reads, flow, \
-                torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), \
+                answers or ValueAnswers(), Bf16ShapeFallback(), reads, flow, torch.no_grad():
             final = model(*example_args, **(model_kwargs or {}))
         reads.see(final)
     finally:

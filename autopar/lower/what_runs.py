@@ -273,18 +273,29 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
         return hook
     for i, b in blocks.items():
         hooks.append(b.register_forward_pre_hook(keep(i), with_kwargs=True))
-    def probe(share):
+    def probe(share, fake):
         outputs, answers = {}, ValueAnswers(share)
         with probe_forward(model, fake=False):  # probe_blocks enters its own FakeTensorMode
             plans = tensor_parallel.probe_blocks(model, blocks, example_args, model_kwargs, outputs_of=outputs_of,
-                                                 outputs=outputs, answers=answers)
+                                                 outputs=outputs, answers=answers, fake=fake)
         return plans, outputs, answers.answered
     try:
-        plans, outputs, answered = probe(0.5)
+        # A meta-built model runs on meta tensors first (fake tensors of meta weights compute
+        # the same, through FakeTensorMode's slower dispatch); what meta cannot run runs fake.
+        for fake in ((False, True) if all(p.is_meta for p in model.parameters()) else (True,)):
+            seen.clear()
+            try:
+                plans, outputs, answered = probe(0.5, fake)
+                break
+            except (PlanMismatchError, ModelOutputError):
+                raise
+            except Exception:  # noqa: BLE001 - on meta only: the fake run gives the answer
+                if fake:
+                    raise
         if answered:
             # Value-sized ops were answered (an expert loop's nonzero): what the
             # probe records must not depend on the answer, or it describes no real step.
-            again, outputs_again, _ = probe(0.25)
+            again, outputs_again, _ = probe(0.25, True)
             _same_shapes(plans, outputs, again, outputs_again)
     finally:
         for h in hooks:
@@ -315,7 +326,26 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     ins for other stages' blocks and pre-block modules) and hands its output
     to stage i + 1. Glue code that reads something a stand-in cannot give
     (an attribute, a second output) fails here, on every rank alike, instead
-    of on one rank while the others wait in the schedule. None: it runs."""
+    of on one rank while the others wait in the schedule. None: it runs.
+    A meta-built model runs on meta tensors first (what fake tensors of meta
+    weights compute, without FakeTensorMode's dispatch); only a failure there
+    is run again on fake tensors, whose failure is the answer."""
+    attempts = (False, True) if all(p.is_meta for p in model.parameters()) else (True,)
+    for fake in attempts:
+        try:
+            _chain_stages(model, layout, num_stages, example_args, returns, pre_outputs, probe_batch, fake)
+            return None
+        except (PlanMismatchError, ModelOutputError):  # not a pipeline's failure: the model's own
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure on fake tensors is the answer
+            if fake:
+                where = getattr(exc, "stage", "?")
+                return f"pipeline stage {where} of {num_stages} fails on its stand-ins: {_first_line(exc)}"
+    return None
+
+
+def _chain_stages(model, layout, num_stages, example_args, returns, pre_outputs, probe_batch, fake: bool) -> None:
+    """pipeline_failure's forwards; an exception carries the stage it failed in (`.stage`)."""
     from autopar.lower.pipeline_parallel import StageModule
 
     stages, i = [], 0
@@ -324,7 +354,7 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     try:
-        with probe_forward(model):
+        with probe_forward(model, fake=fake):
             def dummy(batch):
                 return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=device) for t in example_args)
             x = on_model_device(model, example_args)
@@ -332,14 +362,15 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
                 stages.append(StageModule(model, layout, i, num_stages, dummy, returns, pre_outputs, probe_batch))
                 out = stages[-1](*x)
                 x = out if isinstance(out, tuple) else (out,)
-    except (PlanMismatchError, ModelOutputError):  # not a pipeline's failure: the model's own
+    except Exception as exc:
+        try:
+            exc.stage = i
+        except AttributeError:  # an exception type without a __dict__
+            pass
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure is the answer
-        return f"pipeline stage {i} of {num_stages} fails on its stand-ins: {_first_line(exc)}"
     finally:
         for st in stages:
             st.release()
-    return None
 
 
 def block_failures(model: nn.Module, blocks: dict[int, nn.Module], example_args: tuple, model_kwargs: dict,

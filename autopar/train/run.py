@@ -205,8 +205,8 @@ def _dataset(args, loaded, plan, module_dataset):
     # --text / --eval-text: tokenized once into token files, then read as --data / --eval-data are
     if any(getattr(args, k, None) for k in ("text", "eval_text", "tokenizer")):
         from autopar.train.text import prepare
-        prepare(args, loaded, lambda flag: _token_seq(loaded, plan, flag), plan.global_batch_size,
-                _vocab_size(loaded.model))
+        batch = getattr(args, "batch_size", None) or plan.global_batch_size  # --batch-size: this run's
+        prepare(args, loaded, lambda flag: _token_seq(loaded, plan, flag), batch, _vocab_size(loaded.model))
     if args.data:
         return _token_file(args.data, "--data", args, loaded, plan)
     if module_dataset is not None:
