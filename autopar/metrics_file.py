@@ -74,21 +74,27 @@ class RunSeries:
     step_time_s: Points
     peak_memory_bytes: Points  # rank 0's allocator peak so far; CUDA only (empty on CPU ranks)
     recorded: dict  # the predictions the rows were written beside (their last row's)
+    priced_step_time_s: Points  # the step times of the steps run at the plan's global batch
 
 
-def series(rows: list[dict]) -> RunSeries:
+def series(rows: list[dict], global_batch: int | None = None) -> RunSeries:
+    """The run's points; `global_batch` (the plan's): which steps its step time prediction
+    is for (a run's --batch-size / --batch-ramp steps at another batch are drawn, not compared)."""
     last = rows[-1] if rows else {}
+    priced = [r for r in rows if global_batch is None or r.get("global_batch", global_batch) == global_batch]
     return RunSeries(loss=_points(rows, "loss"), eval_loss=_points(rows, "eval_loss"),
                      step_time_s=_points(rows, "step_time_s"), peak_memory_bytes=_points(rows, "peak_memory_bytes"),
                      recorded={"step_time_s": last.get("predicted_step_time_s"),
-                               "peak_memory_bytes": last.get("predicted_peak_memory_bytes")})
+                               "peak_memory_bytes": last.get("predicted_peak_memory_bytes")},
+                     priced_step_time_s=_points(priced, "step_time_s"))
 
 
 def run_facts(run: RunSeries, predicted: dict) -> dict:
     """The run in a few numbers beside the plan's `predictions`: steps, the median step
-    time after the first and the peak memory, each with its ratio to the prediction."""
+    time after the first (of the steps at the plan's batch) and the peak memory, each
+    with its ratio to the prediction."""
     steps = sorted({s for s, _ in run.loss + run.step_time_s})
-    median = median_after_first([t for _, t in run.step_time_s])
+    median = median_after_first([t for _, t in run.priced_step_time_s])
     peak = max((b for _, b in run.peak_memory_bytes), default=None)
     pred_t, pred_m = predicted.get("step_time_s"), predicted.get("peak_memory_bytes")
     return {"steps": len(steps), "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,

@@ -118,3 +118,27 @@ def test_a_batch_ramp_resumes_exactly_and_bad_batches_are_refused_at_start(tmp_p
                                                              "--batch-size", "8", "--resume",
                                                              str(tmp_path / "ckpt" / "step-00000003")], timeout=120)
     assert other == [2, 2] and "another data order" in capfd.readouterr().err
+
+
+def test_a_prediction_is_held_only_against_the_steps_run_at_its_batch(tmp_path):
+    """The plan priced its own global batch: the median step time the summary, the plot and the
+    report set beside it comes from the steps run at that batch, not from ramp steps at another."""
+    from autopar.metrics_file import predictions, run_facts, series
+    from autopar.train.metrics import Metrics
+
+    rows = [{"step": k, "loss": 1.0, "step_time_s": t, "global_batch": b}
+            for k, (t, b) in enumerate([(9.0, 4), (1.0, 4), (1.0, 8), (1.0, 8), (2.0, 16), (2.0, 16)])]
+    facts = run_facts(series(rows, 16), predictions({"step_time_s": 2.0}))
+    assert facts["median_step_time_s"] == 2.0 and facts["step_time_ratio"] == 1.0
+    assert run_facts(series(rows), predictions({"step_time_s": 2.0}))["median_step_time_s"] == 1.0  # every step
+
+    model, example = __import__("gpt").gpt_tiny()
+    plan = plan_for_model(model, example_inputs=example, dp=1, micro_batch_size=2)
+    plan.predicted.step_time_s = 2.0
+    metrics = Metrics(plan)
+    for k, (t, b) in enumerate([(9.0, 1), (1.0, 1), (1.0, 1), (3.0, 2), (3.0, 2)]):  # a ramp to the plan's
+        metrics.record(k, loss=1.0, step_time_s=t, global_batch=b * plan.global_batch_size // 2)
+    assert "2 s predicted, 3 s measured" in metrics.summary()
+    other = Metrics(plan)
+    other.record(0, loss=1.0, step_time_s=5.0, global_batch=4 * plan.global_batch_size)
+    assert "no step ran at the plan's global batch" in other.summary()

@@ -19,7 +19,7 @@ from autopar.report.palette import RUN
 
 def run_section(plan, metrics_path: str) -> dict:
     """What the template's "This run" section shows, from the metrics file at `metrics_path`."""
-    run = series(read_rows(metrics_path))
+    run = series(read_rows(metrics_path), plan.global_batch_size)
     predicted = predictions(plan.predicted)
     facts = run_facts(run, predicted)
     steps = (facts["first_step"] or 0, facts["last_step"] or 0)  # the step axis the three charts share

@@ -46,6 +46,7 @@ class Metrics:
     alerts: list = field(default_factory=list)
     _losses: list = field(default_factory=list)
     _times: list = field(default_factory=list)
+    _priced_times: list = field(default_factory=list)  # of the steps at the plan's global batch
     _tb: object = None
     skipped: int = 0  # steps the fp16 loss scaler skipped
 
@@ -96,6 +97,8 @@ class Metrics:
             step_time_s > 0 else None
         if share != 1:  # --batch-size / --batch-ramp: the plan priced another batch, not this step
             p = {**p, "step_time_s": None, "throughput": None, "mfu": None}
+        else:
+            self._priced_times.append(step_time_s)
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "loss_scale": loss_scale,
                "skipped": skipped, "step_time_s": step_time_s, "predicted_step_time_s": p["step_time_s"],
                f"{self.unit}_per_s": throughput, f"predicted_{self.unit}_per_s": p["throughput"],
@@ -165,8 +168,11 @@ class Metrics:
 
     def summary(self) -> str:
         """Predicted vs measured, over the steps after the first (warm-up)."""
-        t = median_after_first(self._times)
+        t = median_after_first(self._priced_times)
         if t is None:
+            if self._times:  # every step ran at another batch (--batch-size): nothing was priced
+                return (f"no step ran at the plan's global batch of {self.plan.global_batch_size}: its predictions "
+                        f"are for that batch (median step {median_after_first(self._times):.4g} s measured)")
             return "no steps"
         p = self.predicted
         lines = ["predicted vs measured (median step after the first):"]

@@ -41,7 +41,8 @@ def plot_run(metrics_path: str, png_path: str, plan) -> str | None:
     """Draw the metrics file beside `plan`'s predictions into `png_path` -> the path, or
     None after one line on stderr saying why not (any failure: the run is not lost)."""
     try:
-        return write_png(series(read_rows(metrics_path)), png_path, predictions(plan.predicted), _title(plan))
+        return write_png(series(read_rows(metrics_path), plan.global_batch_size), png_path,
+                         predictions(plan.predicted), _title(plan))
     except Exception as exc:  # noqa: BLE001 - a plot is never worth the run's exit code
         print(f"autopar: no plot written to {png_path} ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
         return None
