@@ -43,12 +43,13 @@ import numpy as np
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
+from autopar.train.data import TOKEN_DTYPES
 
 PROGRESS_EVERY_S = 5.0  # a progress line this often while tokenizing, terminal or not
 CHUNK_BYTES = 1 << 20  # text handed to the tokenizer at once
 CACHE_FORMAT = 1  # part of every cache's hash: a change of format makes new names
 SUFFIXES = {"uint16": "u16", "uint32": "u32", "int32": "i32", "int64": "i64"}
-ID_LIMITS = {"uint16": 1 << 16, "uint32": 1 << 32, "int32": 1 << 31, "int64": 1 << 63}
+ID_LIMITS = {name: int(np.iinfo(t).max) + 1 for name, t in TOKEN_DTYPES.items()}  # the token files' own dtypes
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|eos|>")
 PROBE = "autopar probe: The quick brown fox, 12 345.67!\n\t Ünïcödé ß 中文 end"
 TOKENIZER_HINT = ("pass --tokenizer FOLDER (a Hugging Face tokenizer saved with save_pretrained), --tokenizer "
