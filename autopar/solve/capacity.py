@@ -25,7 +25,7 @@ from cost_models.hardware import ClusterSpec
 from cost_models.memory import state_bytes_per_param
 
 from autopar.errors import InfeasibleError
-from autopar.solve.what_fits import larger_devices, size
+from autopar.solve.what_fits import doubled_clusters, larger_devices, size
 
 
 def least_state_bytes(params: float, precision: str, optimizer: str) -> float:
@@ -70,10 +70,7 @@ def _bound_fixes(need: float, cluster: ClusterSpec, headroom: float, offload: bo
     """The fewest GPUs (whole nodes, doubling) and the smallest larger shipped device whose
     memory could hold the states; bounds, each to be planned to check."""
     fixes = []
-    nodes = cluster.nodes
-    for _ in range(12):
-        nodes *= 2
-        bigger = scaled_cluster(cluster, nodes)
+    for bigger in doubled_clusters(cluster, scaled_cluster):
         if need <= room_bytes(bigger, headroom, offload):
             fixes.append({"change": "gpus_at_least", "gpus": bigger.world_size})
             break

@@ -37,7 +37,7 @@ from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.capacity import check_capacity
-from autopar.solve.what_fits import checking_a_fix, hint_text, tried_text, what_would_fit
+from autopar.solve.what_fits import checking_a_fix, doubled_clusters, hint_text, tried_text, what_would_fit
 
 GB = 1e9
 # Share of usable GPU memory (device memory minus the profile's reserve) the planner
@@ -246,11 +246,7 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
                     headroom: float = 0.0) -> int | None:
     """Smallest GPU count (whole nodes, doubling) at which some layout fits."""
     free = Constraints(**{**constraints.__dict__, "dp": None, "pp": None})
-    g = cluster.gpus_per_node
-    nodes = cluster.nodes
-    for _ in range(12):
-        nodes *= 2
-        bigger = scaled_cluster(cluster, nodes)
+    for bigger in doubled_clusters(cluster, scaled_cluster):
         limit = (1 - headroom) * bigger.device_profile.usable_memory_bytes
         try:
             result, _ = _run_search(model, bigger, free, global_batch_size, precision, optimizer, 3, 2.0,
@@ -258,7 +254,7 @@ def _smallest_world(model, cluster, constraints, global_batch_size, precision, o
         except InfeasibleError:
             continue
         if any(fits(_price(model, bigger, r, precision, optimizer)[1], limit) for r in result.ranked):
-            return nodes * g
+            return bigger.world_size
     return None
 
 

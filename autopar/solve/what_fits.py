@@ -147,6 +147,16 @@ def what_would_fit(model, cluster, pins: Constraints, global_batch_size, precisi
     return out
 
 
+def doubled_clusters(cluster, scaled_cluster):
+    """The same hardware with 2x, 4x, ... 4096x the nodes: the steps of the GPU-count
+    searches (the planner's own, and the capacity bound's). `scaled_cluster`: the
+    planner's (cluster, nodes) -> cluster."""
+    nodes = cluster.nodes
+    for _ in range(12):
+        nodes *= 2
+        yield scaled_cluster(cluster, nodes)
+
+
 def larger_devices(cluster, precision: str) -> list:
     """[(name, the cluster with that device)] for the shipped GPUs with more memory than
     the cluster's that train in `precision`, smallest first."""
@@ -201,4 +211,4 @@ def hint_text(fixes: list[dict] | None) -> str | None:
     return "what fits: " + "; ".join(fix_text(f) for f in fixes)
 
 
-__all__ = ["what_would_fit", "tried_text", "fix_text", "hint_text", "fit_on", "checking_a_fix", "larger_devices"]
+__all__ = ["what_would_fit", "tried_text", "fix_text", "hint_text", "fit_on", "checking_a_fix", "larger_devices", "doubled_clusters"]
