@@ -192,6 +192,15 @@ def probe_forward(model: nn.Module, fake: bool = True):
         yield
 
 
+def fake_attempts(model: nn.Module) -> tuple[bool, ...]:
+    """The `fake` values a shape-only probe tries, in order: a model whose weights are
+    all on the meta device runs on meta tensors first (the same shapes, devices and ops
+    as fake tensors of meta weights, without FakeTensorMode's slow dispatch), then, only
+    if meta cannot run it (a value-sized op), on fake tensors; any other model on fake
+    tensors alone. Only the last attempt's failure is an answer."""
+    return (False, True) if all(p.is_meta for p in model.parameters()) else (True,)
+
+
 def on_model_device(model: nn.Module, args: tuple) -> tuple:
     """`args` on the device of the model's weights: fake tensors keep each tensor's
     device, and a meta-built model (the CLI's, or one lowered before materialisation)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.lower.model_io import forward_kwargs, on_model_device, probe_forward
+from autopar.lower.model_io import fake_attempts, forward_kwargs, on_model_device, probe_forward
 from autopar.lower.tp_styles import is_linear
 
 
@@ -97,16 +97,13 @@ def _left(reads: _ParamReads, path: str, out) -> None:
 def _watch(model, modules: dict[str, nn.Module], owners: dict[str, nn.Module], example_args, model_kwargs):
     """One shape-only forward of the model with `modules` (path -> module) hooked and
     the parameters of `owners` tracked: the _ParamReads it filled, or None when
-    the model cannot run on fake tensors. A model whose weights are all on the meta
-    device (the CLI's) runs on meta tensors first: the same shapes, devices and ops
-    as fake tensors of meta weights, without FakeTensorMode's dispatch (GPT-3 175B:
-    2.2 s -> 1.0 s); a forward meta tensors cannot run (a value-sized op) runs fake."""
+    the model cannot run on fake tensors. A meta-built model runs on meta tensors
+    first (`fake_attempts`; GPT-3 175B: 2.2 s -> 1.0 s)."""
     owner: dict[int, tuple] = {}
     for path, m in owners.items():
         for p in m.parameters():
             owner[id(p)] = owner.get(id(p), ()) + (path,)
-    all_meta = all(p.is_meta for p in model.parameters())
-    for fake in ((False, True) if all_meta else (True,)):
+    for fake in fake_attempts(model):
         reads = _ParamReads(owner)
         hooks = []
         for path, m in modules.items():

@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.capture.value_answers import ValueAnswers
 from autopar.errors import AutoparError, ModelOutputError, PlanMismatchError
-from autopar.lower.model_io import on_model_device, probe_forward
+from autopar.lower.model_io import fake_attempts, on_model_device, probe_forward
 
 _UNDECIDABLE = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
 
@@ -280,9 +280,7 @@ def record_blocks(model, blocks: dict[int, nn.Module], example_args, model_kwarg
                                                  outputs=outputs, answers=answers, fake=fake)
         return plans, outputs, answers.answered
     try:
-        # A meta-built model runs on meta tensors first (fake tensors of meta weights compute
-        # the same, through FakeTensorMode's slower dispatch); what meta cannot run runs fake.
-        for fake in ((False, True) if all(p.is_meta for p in model.parameters()) else (True,)):
+        for fake in fake_attempts(model):  # a meta-built model: meta tensors first
             seen.clear()
             try:
                 plans, outputs, answered = probe(0.5, fake)
@@ -330,8 +328,7 @@ def pipeline_failure(model: nn.Module, layout, num_stages: int, example_args: tu
     A meta-built model runs on meta tensors first (what fake tensors of meta
     weights compute, without FakeTensorMode's dispatch); only a failure there
     is run again on fake tensors, whose failure is the answer."""
-    attempts = (False, True) if all(p.is_meta for p in model.parameters()) else (True,)
-    for fake in attempts:
+    for fake in fake_attempts(model):
         try:
             _chain_stages(model, layout, num_stages, example_args, returns, pre_outputs, probe_batch, fake)
             return None
