@@ -5,14 +5,13 @@ ramp and a resume."""
 import json
 import os
 
-import numpy as np
 import pytest
 
 from autopar.lower.manual_plan import plan_for_model
 from autopar.lower.parallel_model import runtime_batch_refusal
 from autopar.train.data import BatchSizes, GlobalBatches
 from dist_utils import run_world
-from train_worlds import GPT_TINY, main_world, write_plan
+from train_worlds import GPT_TINY, gpt_tiny_tokens, main_world, write_plan
 
 ARGS = ["--seed", "3", "--lr", "1e-2", "--quiet", "--no-plot"]
 
@@ -63,16 +62,10 @@ def test_what_a_layout_cannot_run_at_another_batch_is_refused_with_why():
     assert "multiple" in runtime_batch_refusal(inter, 3) and runtime_batch_refusal(inter, 4) is None
 
 
-def _tokens(tmp_path, n=64 * 16 + 1):
-    path = tmp_path / "tokens.bin"
-    np.random.default_rng(0).integers(0, 128, n).astype(np.uint16).tofile(path)
-    return str(path)
-
-
 def _run(world, plan, tmp_path, name, extra, steps=4):
     out = tmp_path / name
     os.makedirs(out, exist_ok=True)
-    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", str(steps), "--losses-out", str(out / "losses.json"),
+    argv = ARGS + ["--data", gpt_tiny_tokens(tmp_path), "--steps", str(steps), "--losses-out", str(out / "losses.json"),
                    "--metrics", str(out / "metrics.jsonl")] + extra
     assert run_world(main_world, world, GPT_TINY, plan, argv, timeout=300) == [0] * world
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -114,7 +107,7 @@ def test_a_batch_ramp_resumes_exactly_and_bad_batches_are_refused_at_start(tmp_p
     assert rcs == [2, 2]
     err = capfd.readouterr().err
     assert "--batch-size 6" in err and "multiple of 4" in err and "autopar compile MODEL --batch-size 6" in err
-    other = run_world(main_world, 2, GPT_TINY, plan, ARGS + ["--data", _tokens(tmp_path), "--steps", "2",
+    other = run_world(main_world, 2, GPT_TINY, plan, ARGS + ["--data", gpt_tiny_tokens(tmp_path), "--steps", "2",
                                                              "--batch-size", "8", "--resume",
                                                              str(tmp_path / "ckpt" / "step-00000003")], timeout=120)
     assert other == [2, 2] and "another data order" in capfd.readouterr().err

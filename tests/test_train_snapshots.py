@@ -6,28 +6,21 @@ import math
 import os
 import pickle
 
-import numpy as np
 import pytest
 import torch
 
 from autopar.errors import AutoparError
 from autopar.train import snapshot
 from dist_utils import run_world
-from train_worlds import GPT_TINY, load_safetensors, main_world, write_plan
+from train_worlds import GPT_TINY, gpt_tiny_tokens, load_safetensors, main_world, write_plan
 
 ARGS = ["--seed", "3", "--lr", "1e-2", "--warmup", "2", "--decay", "cosine", "--clip", "1.0", "--quiet",
         "--no-plot"]  # the plot is tested in test_train_plot.py; drawing it costs ~1 s a run
 
 
-def _tokens(tmp_path, n=64 * 16 + 1):
-    path = tmp_path / "tokens.bin"
-    np.random.default_rng(0).integers(0, 128, n).astype(np.uint16).tofile(path)
-    return str(path)
-
-
 def _run(world, plan, tmp_path, name, extra, timeout=300):
     out = tmp_path / name
-    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", "8", "--losses-out", str(out / "losses.json"),
+    argv = ARGS + ["--data", gpt_tiny_tokens(tmp_path), "--steps", "8", "--losses-out", str(out / "losses.json"),
                    "--export", str(out / "model.safetensors"), "--metrics", str(out / "metrics.jsonl")] + extra
     os.makedirs(out, exist_ok=True)
     rcs = run_world(main_world, world, GPT_TINY, plan, argv, timeout=timeout)
@@ -196,7 +189,7 @@ def _slow_job(tmp_path):
     from train_worlds import EXAMPLES
 
     model_file = tmp_path / "slow_gpt.py"
-    model_file.write_text(SLOW_MODEL.format(examples=EXAMPLES, tokens=_tokens(tmp_path)))
+    model_file.write_text(SLOW_MODEL.format(examples=EXAMPLES, tokens=gpt_tiny_tokens(tmp_path)))
     plan_path = write_plan(str(tmp_path / "dp2.json"), dp=2, zero=3, micro_batch_size=4)
     build = tmp_path / "build"
     write_build(str(build), Plan.load(plan_path), f"{model_file}:gpt_tiny")
@@ -348,7 +341,7 @@ def test_a_snapshot_of_another_model_is_named_as_such(tmp_path, capfd):
     llama_plan = str(tmp_path / "llama.json")
     plan_for_model(model, example_inputs=example, name="llama_tiny", micro_batch_size=4).save(llama_plan)
     capfd.readouterr()
-    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", "8", "--resume", str(tmp_path / "ckpt")]
+    argv = ARGS + ["--data", gpt_tiny_tokens(tmp_path), "--steps", "8", "--resume", str(tmp_path / "ckpt")]
     spec = os.path.join(os.path.dirname(GPT_TINY.rpartition(":")[0]), "llama.py") + ":llama_tiny"
     assert run_world(main_world, 1, spec, llama_plan, argv, timeout=200) == [2]
     err = capfd.readouterr().err
@@ -364,7 +357,7 @@ def test_a_changed_schedule_on_resume_is_refused_or_rebuilt_when_asked(tmp_path,
     plan = write_plan(str(tmp_path / "gpt.json"), micro_batch_size=2)
     _run(1, plan, tmp_path, "first", ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "4"])
     capfd.readouterr()
-    argv = ARGS + ["--data", _tokens(tmp_path), "--steps", "12", "--resume", str(tmp_path / "ckpt" / "step-00000004")]
+    argv = ARGS + ["--data", gpt_tiny_tokens(tmp_path), "--steps", "12", "--resume", str(tmp_path / "ckpt" / "step-00000004")]
     assert run_world(main_world, 1, GPT_TINY, plan, argv, timeout=200) == [2]
     err = capfd.readouterr().err
     assert "learning-rate schedule differs" in err and "--steps 8 -> 12" in err and "--reschedule" in err, err

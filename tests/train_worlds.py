@@ -29,3 +29,11 @@ def main_world(rank, world, spec, plan_path, argv):
 def load_safetensors(path: str) -> dict:
     from safetensors.torch import load_file
     return load_file(path)
+
+
+def gpt_tiny_tokens(tmp_path, n: int = 64 * 16 + 1) -> str:
+    """tokens.bin in `tmp_path`: n random ids of gpt_tiny's 128-token vocabulary (uint16)."""
+    import numpy as np
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 128, n).astype(np.uint16).tofile(path)
+    return str(path)
