@@ -296,7 +296,7 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                    headroom=headroom, scaled_cluster=scaled_cluster)
     torch_module = module if module is not None else (model if callable(getattr(model, "forward", None)) else None)
     spec, unfused_spec, lowering_limits, fusions, no_fusion_why = _priced_graph(
-        captured, cluster, pins, module=torch_module, check_lowering=check_lowering, engine=engine, fusion=fusion,
+        captured, cluster, pins, torch_module=torch_module, check_lowering=check_lowering, engine=engine, fusion=fusion,
         example_inputs=example_inputs)
     global_batch_size, batch_assumed = _global_batch(global_batch_size, cluster.world_size, pins)
     req = _Request(spec=spec, cluster=cluster, pins=pins, global_batch_size=global_batch_size, precision=precision,
@@ -333,12 +333,11 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
 
 
 # -- the steps of `plan` ---------------------------------------------------------
-def _priced_graph(spec, cluster, pins, *, module, check_lowering, engine, fusion, example_inputs):
+def _priced_graph(spec, cluster, pins, *, torch_module, check_lowering, engine, fusion, example_inputs):
     """The graph the search prices: the captured `spec` with the tp collectives and
     attention kernel of the engine that runs it, the fused chains charged.
-    `module`: the nn.Module behind it (None for an analytic spec).
+    `torch_module`: the nn.Module behind it (None for an analytic spec).
     -> (spec, the same before fusion, lowering_limits, fusions, why none were fused)."""
-    torch_module = module
     lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
     if check_lowering is not None and torch_module is not None:
         # only the tp degrees this cluster could use (each is one fake-tensor run per block kind)
