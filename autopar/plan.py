@@ -108,6 +108,9 @@ class Plan:
     stages: list[Stage] = field(default_factory=list)
     predicted: Predicted = field(default_factory=Predicted)
     alternatives: list[dict] = field(default_factory=list)  # ranked: layout summary, predicted, why it lost
+    # what a user of one stack alone would run (DeepSpeed ZeRO, FSDP2; solve/baselines.py):
+    # its layout, predicted numbers, whether it fits and why, step time as a multiple of the plan's
+    baselines: list[dict] = field(default_factory=list)
     fusions: list[dict] = field(default_factory=list)  # fused-op chains chosen (kernels)
     solver: dict = field(default_factory=dict)  # status, time_s, gap, candidates...
     assumptions: dict = field(default_factory=dict)  # hardware profile, efficiencies, formulas
@@ -125,11 +128,12 @@ class Plan:
         return self.seq_len is not None
 
     def set_throughput(self) -> None:
-        """samples_per_s = global batch / step time for the plan and every alternative, and
+        """samples_per_s = global batch / step time for the plan, every alternative and baseline, and
         tokens_per_s only for a token model (None otherwise; the cost model counts an
         image model's samples as its 'tokens'). Plans saved before samples/s get it on load."""
-        alternatives = self.alternatives if isinstance(self.alternatives, list) else []  # plan_problem names it
-        predictions = [self.predicted] + [a.get("predicted") for a in alternatives if isinstance(a, dict)]
+        others = [x for xs in (self.alternatives, self.baselines) if isinstance(xs, list)  # plan_problem names it
+                  for x in xs if isinstance(x, dict)]
+        predictions = [self.predicted] + [x.get("predicted") for x in others]
         for p in predictions:
             if isinstance(p, Predicted):
                 p = p.__dict__

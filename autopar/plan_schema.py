@@ -70,6 +70,13 @@ _ALTERNATIVE = ("object", {"mesh": _MESH, "schedule": "str", "virtual_stages": "
                            "predicted": ("object", {"*_s": "number", "tflops_per_gpu": "number", "mfu": "number",
                                                     "tokens_per_s": "number?",
                                                     "peak_memory_bytes": ("list", "number")})})
+# What a user of one stack alone would run (autopar/solve/baselines.py); a plan saved
+# before the field has none
+_BASELINE = ("object", {"stack": "str", "name": "str", "gpus": "posint", "layouts_priced": "int", "fits": "bool",
+                        "status": "str", "why": "str", "vs_plan": "number?", "config": "str", "mesh": _MESH,
+                        "schedule": "str", "micro_batch_size": "posint", "num_micro_batches": "posint",
+                        "zero": "int", "checkpoint": "str", "offload": "str",
+                        "predicted": _ALTERNATIVE[1]["predicted"]}, "open", ("stack", "fits"))
 PLAN_SCHEMA = ("object", {
     "schema_version": "int",
     "model": ("object", {"name": "str?", "source": "str?", "total_params": "number", "num_layers": "int",
@@ -81,7 +88,7 @@ PLAN_SCHEMA = ("object", {
     "global_batch_size": "posint", "seq_len": "posint?", "precision": "str", "mesh": _MESH,
     "sequence_parallel": "bool", "schedule": "str", "virtual_stages": "posint", "micro_batch_size": "posint",
     "num_micro_batches": "posint", "stages": ("list", _STAGE), "predicted": _PREDICTED,
-    "alternatives": ("list", _ALTERNATIVE), "fusions": ("list", "object"), "solver": "object",
+    "alternatives": ("list", _ALTERNATIVE), "baselines": ("list", _BASELINE), "fusions": ("list", "object"), "solver": "object",
     "assumptions": "object",
     "constraints": ("object", {"tp": "posint", "pp": "posint", "dp": "posint", "micro_batch": "posint",
                                "zero": "int", "checkpoint": "str", "offload": "str", "schedule": "str",

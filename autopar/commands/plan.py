@@ -162,6 +162,7 @@ def render(plan, console, top: int = 5, wall_s: float | None = None) -> None:
     _print_heading(plan, console)
     _print_layout(plan, console)
     _print_speed(plan, console)
+    _print_baselines(plan, console)
     _print_memory(plan, console)
     _print_stages(plan, console)
     if plan.alternatives and top:
@@ -222,6 +223,36 @@ def _print_speed(plan, console) -> None:
         parts = [f"{k.removesuffix('_s').replace('_', ' ')} {_fmt_time(v)}" for k, v in p.time_breakdown.items()
                  if k.endswith("_s") and k != "step_time_s" and isinstance(v, (int, float)) and v > 0]
         console.print("per step: " + ", ".join(parts))
+
+
+def _print_baselines(plan, console) -> None:
+    """What a user of DeepSpeed or FSDP alone would run (Plan.baselines), beside the plan's step time."""
+    if not plan.baselines:
+        return  # a plan saved before the comparison existed
+    console.print(f"[bold]Beside one stack alone[/] (its fastest layout that fits, same cost model; "
+                  f"autopar's plan: {_fmt_time(plan.predicted.step_time_s)} per step):")
+    for b in plan.baselines:
+        console.print(f"  {b['name']}: {_baseline_verdict(b)}", markup=False)
+        if b.get("config"):
+            peak = max(b.get("predicted", {}).get("peak_memory_bytes") or [0.0])
+            console.print(f"    {b['config']}; dp {b['gpus']}, peak {bytes_(peak, 1)} per GPU", markup=False,
+                          style="dim")
+        if b.get("status") != "oom":  # an oom verdict already says why
+            console.print(f"    {b['why']}", markup=False, style="dim")
+
+
+def _baseline_verdict(b: dict) -> str:
+    """'39.99 s per step, 2.02x slower than autopar's plan', or why it does not run."""
+    step, ratio = (b.get("predicted") or {}).get("step_time_s"), b.get("vs_plan")
+    if not b.get("fits"):
+        return b.get("why", "does not fit")
+    if not ratio:
+        return f"{_fmt_time(step)} per step"
+    if abs(ratio - 1) < 0.005:
+        return f"{_fmt_time(step)} per step, ties autopar's plan (within 0.5%)"
+    if ratio > 1:
+        return f"{_fmt_time(step)} per step, {ratio:.2f}x slower than autopar's plan"
+    return f"{_fmt_time(step)} per step, {1 / ratio:.2f}x faster than autopar's plan (a planner bug: please report it)"
 
 
 def _print_memory(plan, console) -> None:

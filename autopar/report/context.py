@@ -236,6 +236,7 @@ def build_context(plan, graph=None) -> dict:
         "time_rows": tables.time_rows(plan),
         "comm_rows": tables.comm_rows(plan),
         "alternatives": tables.alternative_rows(plan, rate_unit(plan)),
+        "baselines": tables.baseline_rows(plan, rate_unit(plan)),
         "not_offered": tables.not_offered(plan),
         "assumptions": tables.flatten(plan.assumptions),
         "cluster_rows": tables.flatten(plan.cluster),

@@ -183,6 +183,29 @@ def alternative_rows(plan, unit: str = "tok/s") -> list[dict]:
     return rows
 
 
+def baseline_rows(plan, unit: str = "tok/s") -> list[dict]:
+    """What a user of one stack alone would run (`Plan.baselines`), one row each."""
+    rows = []
+    for b in plan.baselines if isinstance(plan.baselines, list) else []:
+        p = b.get("predicted") or {}
+        tps = p.get("tokens_per_s") if unit == "tok/s" else p.get("samples_per_s")
+        ratio = b.get("vs_plan")
+        rows.append({
+            "name": b.get("name", b.get("stack", DASH)),
+            "config": b.get("config") or DASH,
+            "gpus": b.get("gpus", DASH),
+            # a layout that does not fit has no step time a user could see
+            "step": seconds(p.get("step_time_s")) if b.get("fits") else DASH,
+            "vs_plan": f"{ratio:.2f}\u00d7" if isinstance(ratio, (int, float)) and b.get("fits") else DASH,
+            "tokens": si(tps, unit) if b.get("fits") else DASH,
+            "mfu": percent(p.get("mfu")) if b.get("fits") else DASH,
+            "peak": bytes_(max(p["peak_memory_bytes"])) if p.get("peak_memory_bytes") else DASH,
+            "status": "ok" if b.get("fits") else "oom",
+            "why": b.get("why", ""),
+        })
+    return rows
+
+
 def flatten(d, prefix: str = "") -> list[tuple[str, str]]:
     """Nested assumptions dict -> [('device.peak_tflops', '312'), ...] in key order."""
     out = []

@@ -44,7 +44,7 @@ def how_chosen(result: SearchResult, solver_pick, chosen, winner, uniform, unifo
 
 
 
-def _summary(c: Candidate, choices) -> dict:
+def layout_summary(c: Candidate, choices) -> dict:
     zeros = sorted({z for z, _, _ in choices})
     ckpts = sorted({k for _, k, _ in choices})
     return {"mesh": {"pp": c.pp, "dp": c.dp, "tp": c.tp}, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
@@ -90,7 +90,7 @@ def _why_slower(est, best, diffs: list[str]) -> str:
     return f"{text}; {what}"
 
 
-def _predicted_dict(est) -> dict:
+def predicted_dict(est) -> dict:
     return {"step_time_s": float(est.step_time_s), "tokens_per_s": float(est.tokens_per_s),
             "tflops_per_gpu": float(est.tflops_per_gpu), "mfu": float(est.mfu),
             "peak_memory_bytes": [float(x) for x in est.peak_memory_bytes]}
@@ -104,7 +104,7 @@ def list_alternatives(winner, others, result: SearchResult, top_k: int, limit_by
     allows). Which layouts make the list: one per mesh first (a reader compares layouts,
     not micro-batch sizes), then the rest."""
     r0, layout0, best_est = winner
-    best = _summary(r0.candidate, assignment_of(layout0))
+    best = layout_summary(r0.candidate, assignment_of(layout0))
 
     def identity(x):  # the same layout reached twice (a uniform layout the solver also found)
         return x[0].candidate, tuple(x[1].stage_layers or ()), tuple(assignment_of(x[1]))
@@ -124,8 +124,8 @@ def list_alternatives(winner, others, result: SearchResult, top_k: int, limit_by
     picked = sorted(picked[:top_k], key=lambda x: (not fits(x[2], limit_bytes), x[2].step_time_s, x[0].candidate))
     out = []
     for r, layout, est in picked:
-        alt = _summary(r.candidate, assignment_of(layout))
-        alt["predicted"] = _predicted_dict(est)
+        alt = layout_summary(r.candidate, assignment_of(layout))
+        alt["predicted"] = predicted_dict(est)
         alt["source"] = "uniform layout" if r.status == "uniform" else "solver"
         alt["slower_by"] = est.step_time_s / best_est.step_time_s - 1 if best_est.step_time_s else 0.0
         alt["differs"] = _differences(alt, best)

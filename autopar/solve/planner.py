@@ -25,6 +25,7 @@ from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
 from autopar.solve import float8_choice
 from autopar.solve.alternatives import how_chosen, list_alternatives
+from autopar.solve.baselines import price_baselines
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
 from autopar.solve.layout import assignment_layout, root_held_layers
 from autopar.solve.cpsat import solve_cpsat
@@ -315,6 +316,11 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     plan_obj.model["source"] = source or plan_obj.model.get("source")
     plan_obj.alternatives = list_alternatives(winner, [x for x in found.priced + uniform[:req.keep] if x is not chosen],
                                               found.result, top_k, req.limit)
+    if not checking_a_fix():  # a what_fits re-plan answers "fits or not"; the comparison is the user's plan's
+        plan_obj.baselines = price_baselines(
+            spec, cluster, global_batch_size, precision=precision, optimizer=optimizer, limit_bytes=req.limit,
+            plan_step_s=plan_obj.predicted.step_time_s,
+            cluster_of=lambda nodes, per_node: scaled_cluster(cluster, nodes, per_node))
     plan_obj.set_throughput()  # samples/s everywhere, tokens/s only for a token model (seq_len set)
     plan_obj.fusions = fusions
     _note_assumptions(plan_obj, spec, pins, engine, fusion=fusion, fusions=fusions, no_fusion_why=no_fusion_why,

@@ -112,6 +112,21 @@ def _balanced(layout, est):
     return layout
 
 
+def price_uniform(model, cluster, cand, option: tuple, *, precision: str, optimizer: str):
+    """(Layout, Estimate) of `cand` with every layer at `option` = (zero, checkpoint,
+    offload), as the lowering runs it (ZeRO levels `lowered_zero_levels` gives, no
+    recomputation where a layer cannot take it), stages balanced by the cost model;
+    (layout, None) when the cost model refuses the layout."""
+    zero, ckpt, off = option
+    layout = candidate_layout(cand, precision=precision, optimizer=optimizer, zero=zero, checkpoint=ckpt,
+                              offload=off, root_held=root_held_layers(model), engine=engine_of(model))
+    layout.layer_checkpoint = checkpoints_that_run(model, ckpt)
+    try:
+        return layout, estimate(model, layout, cluster)
+    except CostModelError:
+        return layout, None
+
+
 def uniform_layouts(model, cluster, candidates, options, *, bound_problem, precision, optimizer, limit_bytes,
                     best_s: float = float("inf"), max_estimates: int = 200):
     """The fastest fitting uniform layouts: (candidate, option, layout, estimate), fastest first.
@@ -142,12 +157,8 @@ def uniform_layouts(model, cluster, candidates, options, *, bound_problem, preci
             break
         if bound >= best:
             continue
-        layout = candidate_layout(cand, precision=precision, optimizer=optimizer, zero=zero, checkpoint=ckpt,
-                                  offload=off, root_held=root_held_layers(model), engine=engine_of(model))
-        layout.layer_checkpoint = checkpoints_that_run(model, ckpt)
-        try:
-            est = estimate(model, layout, cluster)
-        except CostModelError:
+        layout, est = price_uniform(model, cluster, cand, (zero, ckpt, off), precision=precision, optimizer=optimizer)
+        if est is None:
             continue
         priced += 1
         if fits(est, limit_bytes):
@@ -198,4 +209,4 @@ def assignment_of(layout) -> list[tuple]:
     return list(zip(layout.layer_zero, layout.layer_checkpoint, layout.layer_offload))
 
 
-__all__ = ["fits", "tidy", "uniform_layouts", "polish", "assignment_of"]
+__all__ = ["fits", "tidy", "price_uniform", "uniform_layouts", "polish", "assignment_of"]
