@@ -27,6 +27,7 @@ COMMANDS = {
     "compile": "emit a runnable build/ (train.py, plan.json, launch scripts)",
     "calibrate": "time this machine and write a measured profile for --profile",
     "export": "write a training snapshot's model as one safetensors file",
+    "export-config": "write a plan as a DeepSpeed / torchtitan / Megatron / accelerate / HF config",
 }
 
 EPILOG = """examples:
@@ -38,6 +39,7 @@ EPILOG = """examples:
   autopar calibrate --device cpu --ranks 2 -o cpu.json
   autopar plan examples/gpt.py:gpt_tiny --gpus 2 --device cpu --profile cpu.json
   autopar export ckpt/ -o model.safetensors
+  autopar export-config plan.json --to deepspeed -o ds_config.json
 
 `autopar COMMAND --help` lists each command's options."""
 

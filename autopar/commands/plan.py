@@ -27,6 +27,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON on stdout (nothing else)")
     parser.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to keep and show (default 5)")
     parser.add_argument("--html", default=None, metavar="FILE", help="also write the HTML report of the plan to FILE")
+    from autopar.commands.export_config import add_plan_export_arguments
+    add_plan_export_arguments(parser)
 
 
 def run(args) -> int:
@@ -35,11 +37,14 @@ def run(args) -> int:
         raise AutoparError(f"--top must be >= 0, got {args.top}")
     if args.html:
         check_report_path(args.html, "--html")
+    from autopar.commands.export_config import check_plan_export, plan_export
+    check_plan_export(args)
     t0 = time.perf_counter()
     plan, graph = _plan_with_progress(args)
     wall = time.perf_counter() - t0
     if args.html:
         _write_html(plan, args.html, graph)
+    plan_export(args, plan, graph)  # --export-config: to stderr under --json, stdout stays the Plan
     if args.json:
         sys.stdout.write(plan.to_json() + "\n")
         return 0

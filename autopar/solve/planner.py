@@ -350,10 +350,7 @@ def _priced_graph(spec, cluster, pins, *, torch_module, check_lowering, engine, 
         world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
                     and (pins.tp is None or t == pins.tp)]
         lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
-    spec = keep_whole(spec, lowering_limits)  # a head read by weight runs whole, so it is priced whole
-    if engine.counted_tp_collectives:
-        spec = charge_tp_collectives(spec, lowering_limits)  # tp priced as the lowering issues it
-    spec = with_engine(spec, engine)  # another engine's attention kernel; every layout built from it
+    spec = lowered_graph(spec, lowering_limits, engine)
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
         fusions, no_fusion_why = plan_fusions(torch_module, spec)
@@ -361,13 +358,31 @@ def _priced_graph(spec, cluster, pins, *, torch_module, check_lowering, engine, 
         fusions = [f for f in fusions if engine.runs_fused(f["pattern"])]  # another engine fuses its own
         if found and not fusions:
             no_fusion_why = f"the {engine.name} engine runs none of the {found} fusable chains found as one kernel"
+    spec, unfused_spec = fused_graph(spec, cluster, lowering_limits, fusions, engine)
+    return spec, unfused_spec, lowering_limits, fusions, no_fusion_why
+
+
+# A saved Plan records its lowering limits and fused chains, so the graph it was priced on is
+# charged again from them by these two (autopar/solve/reprice.py).
+def lowered_graph(spec, lowering_limits, engine: Engine):
+    """The captured `spec` as the engine runs it: what the lowering runs whole and the tp
+    collectives it issues (`lowering_limits`), the engine's attention kernel."""
+    spec = keep_whole(spec, lowering_limits)  # a head read by weight runs whole, so it is priced whole
+    if engine.counted_tp_collectives:
+        spec = charge_tp_collectives(spec, lowering_limits)  # tp priced as the lowering issues it
+    return with_engine(spec, engine)  # another engine's attention kernel; every layout built from it
+
+
+def fused_graph(spec, cluster, lowering_limits, fusions: list, engine: Engine):
+    """`lowered_graph`'s spec with the fused chains charged and the blocks compiled where the
+    engine compiles them: the graph every layout is priced on. -> (it, the same unfused)."""
     unfused_spec, spec = spec, charge_fusions(spec, fusions, cluster.device_profile)
     if engine.compiled_blocks:
         spec = charge_compiled_blocks(spec)
     for s in (unfused_spec, spec):
         s.lowering_limits = lowering_limits
         s.engine = engine
-    return spec, unfused_spec, lowering_limits, fusions, no_fusion_why
+    return spec, unfused_spec
 
 
 def _global_batch(global_batch_size, world: int, pins: Constraints) -> tuple[int, bool]:
