@@ -161,7 +161,7 @@ def _best_of(family, spec, cluster, global_batch_size, precision, optimizer, lim
     if best is not None:
         ratio = est.step_time_s / plan_step_s if plan_step_s else None
         return {**out, "status": "ok", "vs_plan": ratio,
-                "why": f"the fastest of {priced} {family.name} layouts that fits (same cost model){fewer}"}
+                "why": f"the fastest that fits of the {priced} {family.name} layouts, priced as the plan is{fewer}"}
     over = (f"needs {max(est.peak_memory_bytes) / GB:.1f} GB on its fullest GPU, over the {limit_bytes / GB:.1f} GB "
             "limit (usable memory less the headroom)" if est.fits else est.why_not_fit)
     return {**out, "status": "oom", "vs_plan": None,
