@@ -125,21 +125,38 @@ MODEL_SHAPES = {"gpt3_175b": dict(hidden_size=12288, num_attention_heads=96),
                 "llama3_8b": dict(hidden_size=4096, num_attention_heads=32, num_query_groups=8)}
 
 
-def test_megatron_core_configs_accept_every_export(plan):
-    pytest.importorskip("megatron.core")
+def _transformer_config(fields: dict):
     import torch
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    result = export(plan, "megatron")
-    cfg = yaml.safe_load(result.text)
-    fields = dict(cfg["transformer_config"], **MODEL_SHAPES[plan.model["name"]])  # the model's own shape
     for key in ("params_dtype", "pipeline_dtype"):  # written by name, as NeMo's YAML does
         if fields.get(key):
             fields[key] = getattr(torch, fields[key])
-    tc = TransformerConfig(**fields)
+    return TransformerConfig(**fields)
+
+
+def test_megatron_export_of_a_captured_model_carries_its_shape(tmp_path, capsys):
+    """With the model captured, the file needs nothing added: TransformerConfig takes it as written."""
+    pytest.importorskip("megatron.core")
+    from autopar.cli import main
+
+    out = tmp_path / "megatron.yaml"
+    plan = os.path.join(ROOT, "reports", "llama3_70b_256xh100.plan.json")
+    assert main(["export-config", plan, "--to", "megatron", "-o", str(out)]) == 0
+    tc = _transformer_config(yaml.safe_load(out.read_text())["transformer_config"])
+    assert (tc.hidden_size, tc.num_attention_heads, tc.num_query_groups, tc.ffn_hidden_size) == (8192, 64, 8, 28672)
+    assert "s/step" in capsys.readouterr().out
+
+
+def test_megatron_core_configs_accept_every_export(plan):
+    pytest.importorskip("megatron.core")
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+    from megatron.core.optimizer import OptimizerConfig
+
+    result = export(plan, "megatron")
+    cfg = yaml.safe_load(result.text)
+    tc = _transformer_config(dict(cfg["transformer_config"], **MODEL_SHAPES[plan.model["name"]]))
     assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size) == (plan.mesh.tp, plan.mesh.pp)
     assert tc.sequence_parallel == plan.sequence_parallel and tc.bf16 == (plan.precision == "bf16")
     if plan.mesh.pp > 1:  # uneven stages kept exactly: Megatron's own layout object counts them

@@ -110,6 +110,8 @@ def write_export(plan, graph, target: str, path: str | None, *, clip: float = DE
     with `graph`, the nearest layout's predicted step time beside the plan's own."""
     out = out or sys.stdout
     path = path or TARGETS[target][1]
+    if graph is not None:
+        plan = with_shape(plan, graph)
     result, priced = export(plan, target, clip), None
     if graph is not None:
         result, priced = _fastest_fitting(plan, graph, target, clip)
@@ -119,6 +121,21 @@ def write_export(plan, graph, target: str, path: str | None, *, clip: float = DE
           file=out)
     for line in _report(plan, result, priced, graph, no_graph_why):
         print(line, file=out)
+
+
+def with_shape(plan, graph):
+    """A copy of `plan` whose `model["shape"]` holds the captured blocks' width and heads
+    (what Megatron's config names; the Plan itself records no model shape)."""
+    from autopar.export_config.common import copy_plan
+
+    attrs = next((getattr(layer, "attrs", None) or {} for layer in graph.layers
+                  if (getattr(layer, "attrs", None) or {}).get("heads")), {})
+    shape = {k: attrs[k] for k in ("hidden", "heads", "kv_heads", "ffn_hidden") if attrs.get(k)}
+    if not shape:
+        return plan
+    plan = copy_plan(plan)
+    plan.model["shape"] = shape
+    return plan
 
 
 def _fastest_fitting(plan, graph, target: str, clip: float):

@@ -74,8 +74,19 @@ def config(plan, near, notes: list[str], clip: float) -> dict:
             f"num_stages={near.mesh.pp}, partition_method='uniform', "
             f"activation_checkpoint_interval={1 if ckpt != 'none' else 0})  # stages of "
             f"{'/'.join(map(str, common.stage_sizes(near)))} layers")
-    cfg["_autopar_notes"] = common.header(plan, TARGET) + common.notes_lines(notes, near)
+    cfg["_autopar_notes"] = common.header(plan, TARGET) + common.notes_lines(notes, near) + _usage(near, ckpt)
     return cfg
+
+
+def _usage(near, ckpt: str) -> list[str]:
+    """What the training script does for this file to mean what it says."""
+    m = near.mesh
+    lines = [f"train_batch_size = micro-batch x accumulation x the {m.dp} data-parallel ranks DeepSpeed counts "
+             f"through the mpu passed to deepspeed.initialize (world {m.world_size} / (tp {m.tp} x pp {m.pp}))"]
+    if ckpt != "none" and m.pp == 1:
+        lines.append("activation checkpointing runs where the model calls deepspeed.checkpointing.checkpoint "
+                     "(around each transformer block); this section configures it")
+    return lines
 
 
 def _fp16(enabled: bool) -> dict:

@@ -65,6 +65,19 @@ def layout(near) -> str:
     return "|".join("".join(char(c) for c in s.layers) for s in near.stages)
 
 
+def model_shape(plan) -> dict:
+    """hidden_size, num_attention_heads (+ num_query_groups, ffn_hidden_size) from the shape the
+    command found in the captured model (`Plan.model["shape"]`); None where it is not known (the
+    model's own config then fills them)."""
+    shape = (plan.model or {}).get("shape") or {} if isinstance(plan.model, dict) else {}
+    out = {"hidden_size": shape.get("hidden"), "num_attention_heads": shape.get("heads")}
+    if shape.get("kv_heads") and shape.get("kv_heads") != shape.get("heads"):
+        out["num_query_groups"] = shape["kv_heads"]
+    if shape.get("ffn_hidden"):
+        out["ffn_hidden_size"] = shape["ffn_hidden"]
+    return out
+
+
 def sections(near, clip: float) -> dict:
     m = near.mesh
     zero = common.zero_level(near) if m.dp > 1 else 0
@@ -74,7 +87,7 @@ def sections(near, clip: float) -> dict:
         "tensor_model_parallel_size": m.tp, "pipeline_model_parallel_size": m.pp,
         "virtual_pipeline_model_parallel_size": near.virtual_stages if near.virtual_stages > 1 else None,
         "sequence_parallel": bool(near.sequence_parallel), "num_layers": layers,
-        "hidden_size": None, "num_attention_heads": None,  # the model's own (NeMo: the model config)
+        **model_shape(near),
         "bf16": near.precision == "bf16", "fp16": near.precision == "fp16",
         "params_dtype": DTYPES[near.precision],
         "recompute_granularity": None if ckpt == "none" else ckpt,
@@ -124,8 +137,10 @@ def export(plan, clip: float = common.DEFAULT_CLIP, checkpoint: str | None = Non
     near = nearest(plan, notes, checkpoint)
     cfg = sections(near, clip)
     cfg["megatron_lm_args"] = megatron_lm_flags(cfg)
-    comments = common.header(plan, TARGET + " 0.16 / NeMo") + common.notes_lines(notes, near) + [
-        "hidden_size, num_attention_heads (and the rest of the model's shape) come from the model's config"]
+    comments = common.header(plan, TARGET + " 0.16 / NeMo") + common.notes_lines(notes, near)
+    if cfg["transformer_config"]["hidden_size"] is None:
+        comments.append("hidden_size, num_attention_heads (and the rest of the model's shape) come from the "
+                        "model's config: the model was not captured for this export")
     text = "\n".join(f"# {line}" for line in comments) + "\n" + yaml.safe_dump(cfg, sort_keys=False, width=1000)
     t = cfg["transformer_config"]
     summary = (f"tp {t['tensor_model_parallel_size']} x pp {t['pipeline_model_parallel_size']}"
