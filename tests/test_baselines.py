@@ -70,15 +70,26 @@ def test_baselines_are_data_parallel_only(gpt_1b, llama_13b):
 
 @pytest.mark.parametrize("case", ["gpt_1b", "llama_13b"])
 def test_each_baseline_is_the_best_of_its_family(case, request):
-    """Every other layout of the family, priced by hand, is slower or does not fit."""
+    """Every other layout of the family, priced by hand, is slower or does not fit
+    (offloaded ones count only when nothing fits without offload)."""
     model, cluster, p = request.getfixturevalue(case)
     for b in p.baselines:
         step = b["predicted"]["step_time_s"]
         family = FAMILY[b["stack"]]
         for cand, option in family_layouts(family, cluster.world_size, p.global_batch_size):
             _, est = price_uniform(model, cluster, cand, option, precision="bf16", optimizer="adam")
-            if est is not None and fits(est, _limit(p)):
+            if est is not None and fits(est, _limit(p)) and (option[2] == "none" or b["offload"] != "none"):
                 assert est.step_time_s >= step * (1 - 1e-9), (b["stack"], cand, option)
+                assert b["offload"] == "none" or option[2] != "none"  # an offload pick: nothing fit without
+
+
+def test_offload_only_when_nothing_fits_without_it():
+    """On one CPU rank host offload prices a hair faster; no stack's user offloads a model that fits."""
+    model = gpt("gpt-tiny", hidden=64, heads=4, layers=2, seq_len=64, vocab_size=256)
+    p = plan(model, scaled_cluster(ClusterSpec.resolve("cpu"), 1, 1), global_batch_size=2, top_k=0)
+    for b in p.baselines:
+        assert b["fits"] and b["offload"] == "none"
+        assert b["vs_plan"] >= 1 - 1e-9
 
 
 def test_a_mutated_zero_level_is_not_better(llama_13b):

@@ -6,6 +6,8 @@ Each stack is a *family* of layouts, taken from the stack's own documented
 practice, and its baseline is the fastest member that fits, priced by the same
 cost model, on the same graph, engine, precision, optimizer and memory limit
 (headroom included) as the Plan: the ratio measures the layout, not the pricing.
+Offloaded layouts count only when no layout of the family fits without offload
+(as the planner's own search, which offers offload only then).
 
 - **DeepSpeed** here means ZeRO data parallelism, what `deepspeed.initialize`
   with a `zero_optimization` block runs: ZeRO stage 0, 1, 2 or 3, optimizer
@@ -13,7 +15,9 @@ cost model, on the same graph, engine, precision, optimizer and memory limit
   too (ZeRO-Infinity, `offload_param`, stage 3 only), activation checkpointing
   of every block or of none (`deepspeed.checkpointing` / Hugging Face's
   gradient checkpointing recompute the whole block: "full"), any
-  `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps`. No tensor
+  `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps`; offload
+  only when nothing fits without it (DeepSpeed's own advice: offload to fit a
+  model, at a cost in speed). No tensor
   or pipeline parallelism: DeepSpeed's pipeline engine (`PipelineModule`) and
   Megatron-DeepSpeed's tensor parallelism exist, but a user who takes them has
   left "DeepSpeed-only" for a 3D layout, which is what autopar searches.
@@ -143,7 +147,10 @@ def _best_of(family, spec, cluster, global_batch_size, precision, optimizer, lim
             continue
         priced += 1
         if fits(est, limit_bytes):
-            if best is None or est.step_time_s < best[2].step_time_s:
+            # offload only when nothing fits without it: both stacks document it as the way
+            # to fit a model, and the planner searches it only then (table.option_space)
+            key = (option[2] != "none", est.step_time_s)
+            if best is None or key < (best[1][2] != "none", best[2].step_time_s):
                 best = (cand, option, est)
         elif closest is None or max(est.peak_memory_bytes) < max(closest[2].peak_memory_bytes):
             closest = (cand, option, est)
