@@ -48,9 +48,27 @@ def _mutated():
     return plan
 
 
-@pytest.fixture(scope="module", params=PLANS + ("mutated",))
+def _pipelined_fp16():
+    """Llama 3 8B's plan on a pp 2 x dp 32 mesh with uneven stages (16 and 18 layers), fp16, ZeRO 1
+    and optimizer offload: the fields the benchmark plans leave at one value."""
+    from autopar.export_config.common import restage
+
+    plan = _load("llama3_8b_64xh100")
+    plan.mesh = Mesh(pp=2, dp=32, tp=1)
+    plan.schedule, plan.precision = "1f1b", "fp16"
+    plan.micro_batch_size, plan.num_micro_batches = 1, plan.global_batch_size // 32
+    for c in plan.layer_choices:
+        c.zero, c.offload, c.reshard_after_forward = 1, "optimizer", False
+    restage(plan, [16, len(plan.layer_choices) - 16])
+    return plan
+
+
+VARIANTS = {"mutated": _mutated, "pipelined_fp16": _pipelined_fp16}
+
+
+@pytest.fixture(scope="module", params=PLANS + tuple(VARIANTS))
 def plan(request):
-    return _mutated() if request.param == "mutated" else _load(request.param)
+    return VARIANTS[request.param]() if request.param in VARIANTS else _load(request.param)
 
 
 # -- DeepSpeed ----------------------------------------------------------------------------------
@@ -75,6 +93,11 @@ def test_deepspeed_config_parser_reads_every_export(plan, monkeypatch):
     assert cfg.train_micro_batch_size_per_gpu == plan.micro_batch_size  # DeepSpeed keeps the plan's micro-batch
     assert cfg.zero_optimization_stage == max(c.zero for c in near.layer_choices)
     assert cfg.gradient_clipping == 1.0 and cfg.bfloat16_config.enabled == (plan.precision == "bf16")
+    assert cfg.float16_config.enabled == (plan.precision == "fp16")
+    if plan.precision == "fp16":
+        assert cfg.float16_config.loss_scale == 0  # dynamic loss scaling
+    offload = max((c.offload for c in plan.layer_choices), key=("none", "optimizer", "params").index)
+    assert (cfg.zero_config.offload_optimizer is not None) == (offload != "none")
     assert cfg.tensor_parallel_config.autotp_size == (plan.mesh.tp if plan.mesh.tp > 1 else 0)
     if plan.mesh.pp > 1:
         assert cfg.pipeline["stages"] == plan.mesh.pp
@@ -159,6 +182,7 @@ def test_megatron_core_configs_accept_every_export(plan):
     tc = _transformer_config(dict(cfg["transformer_config"], **MODEL_SHAPES[plan.model["name"]]))
     assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size) == (plan.mesh.tp, plan.mesh.pp)
     assert tc.sequence_parallel == plan.sequence_parallel and tc.bf16 == (plan.precision == "bf16")
+    assert tc.fp16 == (plan.precision == "fp16")
     if plan.mesh.pp > 1:  # uneven stages kept exactly: Megatron's own layout object counts them
         per_stage = [len(stage) for row in tc.pipeline_model_parallel_layout.layout for stage in row]
         assert per_stage == [len(s.layers) for s in plan.stages]
