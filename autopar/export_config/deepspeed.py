@@ -30,7 +30,7 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
     common.set_uniform(near, notes, zero=zero, why=zero_why)
     ckpt = checkpoint or common.checkpoint_mode(near)
     common.set_uniform(near, notes, checkpoint="full" if ckpt != "none" else "none",
-                       why="DeepSpeed checkpoints whole layers (deepspeed.checkpointing)")
+                       why="DeepSpeed checkpoints whole layers, with deepspeed.checkpointing")
     offload = common.offload_mode(near)
     if offload == "params" and zero < 3:
         common.set_uniform(near, notes, offload="optimizer", why="DeepSpeed offloads parameters under ZeRO 3 only")
