@@ -86,7 +86,7 @@ def test_compile_passes_precision_to_the_plan(monkeypatch):
         return "lowered"
 
     monkeypatch.setattr(api, "lower", fake_lower)
-    monkeypatch.setattr(api, "_plan_on_rank0", lambda make: make())  # no process group in a unit test
+    monkeypatch.setattr(api, "plan_on_rank0", lambda make: make())  # no process group in a unit test
     model, inputs = _tiny()
     assert autopar.compile(model, autopar.ClusterSpec(gpus=1, device="cpu"), example_inputs=inputs,
                            global_batch_size=2, precision="fp32") == "lowered"

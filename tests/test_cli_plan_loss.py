@@ -144,7 +144,7 @@ def test_compile_plans_with_the_users_loss(model_file, monkeypatch):
         RuntimeError("stop after planning")))
     import autopar
     import autopar.lower.api as api
-    monkeypatch.setattr(api, "_plan_on_rank0", lambda make: make())  # no process group needed to plan
+    monkeypatch.setattr(api, "plan_on_rank0", lambda make: make())  # no process group needed to plan
     with pytest.raises(RuntimeError, match="stop after planning"):
         autopar.compile(loaded.model, "cpu:1", example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                         global_batch_size=8)

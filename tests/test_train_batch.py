@@ -113,6 +113,55 @@ def test_a_batch_ramp_resumes_exactly_and_bad_batches_are_refused_at_start(tmp_p
     assert other == [2, 2] and "another data order" in capfd.readouterr().err
 
 
+def _planned(path, batch: int) -> str:
+    """A plan the planner made for gpt_tiny on 2 CPU ranks (fp32), as `autopar plan -o` writes it."""
+    import contextlib
+    import io
+
+    from autopar.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", GPT_TINY, "--gpus", "2", "--device", "cpu", "--precision", "fp32", "--batch-size",
+                     str(batch), "--json"]) == 0
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_batch_the_planned_layout_cannot_run_is_re_planned_at_start(tmp_path, capfd):
+    """--batch-size 6 on a plan the planner made for 4 (dp 2 x micro-batch 2: multiples of 4):
+    the same request is planned again at 6 (written as plan.batch-6.json beside the plan,
+    made once by the preflight and read by every rank), and the run trains as the plan made
+    for 6 by `autopar plan` does, priced at its own batch. A hand-made plan is refused instead."""
+    from autopar.plan import Plan
+    from autopar.train import main
+
+    base = _planned(tmp_path / "build" / "plan.json", 4)
+    plan4 = Plan.load(base)
+    assert (plan4.global_batch_size, 4 % (plan4.micro_batch_size * plan4.mesh.dp)) == (4, 0)
+    assert 6 % (plan4.micro_batch_size * plan4.mesh.dp), "the layout must be one that cannot run 6"
+    fresh = _planned(tmp_path / "fresh6.json", 6)
+    extra = ["--batch-size", "6"]
+    assert main(GPT_TINY, base, ["--preflight", "--data", gpt_tiny_tokens(tmp_path)] + extra) == 0
+    assert "re-planning for 6" in capfd.readouterr().err
+    replanned = Plan.load(str(tmp_path / "build" / "plan.batch-6.json"))
+    assert replanned.global_batch_size == 6 and replanned.solver["replanned_from"]["global_batch_size"] == 6
+    assert replanned.to_dict()["mesh"] == Plan.load(fresh).to_dict()["mesh"]
+    got, rows = _run(2, base, tmp_path, "replanned", extra)
+    assert "re-planning" not in capfd.readouterr().err  # the ranks read the preflight's plan
+    ref, _ = _run(2, fresh, tmp_path, "fresh", [])
+    assert max(abs(a - b) / b for a, b in zip(got, ref)) < 1e-5, (got, ref)
+    assert {r["global_batch"] for r in rows} == {6}
+    assert all(r["predicted_step_time_s"] == replanned.predicted.step_time_s for r in rows)
+    # a plan written by hand keeps its layout: refused with the fix, not re-chosen
+    hand = write_plan(str(tmp_path / "hand.json"), dp=2, zero=3, micro_batch_size=2)
+    assert run_world(main_world, 2, GPT_TINY, hand, ARGS + ["--synthetic"] + extra, timeout=120) == [2, 2]
+    assert "multiple of 4" in capfd.readouterr().err
+
+
 def test_a_prediction_is_held_only_against_the_steps_run_at_its_batch(tmp_path):
     """The plan priced its own global batch: the median step time the summary, the plot and the
     report set beside it comes from the steps run at that batch, not from ramp steps at another."""

@@ -28,7 +28,7 @@ def load_plan(plan) -> Plan:
     return plan
 
 
-def _plan_on_rank0(make) -> Plan:
+def plan_on_rank0(make) -> Plan:
     """Plan once and share it: a time-limited search could pick different
     layouts on different ranks, and ranks that disagree deadlock."""
     import torch.distributed as dist
@@ -122,7 +122,7 @@ def compile(model: torch.nn.Module, cluster_spec=None, *, example_inputs, global
 
 
 def _plan_here(model, cluster_spec, *, example_inputs, global_batch_size, loss_fn, constraints, fusion,
-               precision, memory_headroom, compiling: bool, float8: bool):
+               precision, memory_headroom, compiling: bool, float8: bool, shared: bool = True):
     """autopar.compile without a plan: plan on rank 0 for this job (`job_cluster`), priced as
     `lower` will run it (the lowering's limits, compiled blocks, fused kernels, float8)."""
     try:
@@ -130,7 +130,7 @@ def _plan_here(model, cluster_spec, *, example_inputs, global_batch_size, loss_f
     except ImportError as exc:  # the solver is optional for lowering
         raise AutoparError("no plan given and the planner is not available",
                            hint="pass plan=Plan or a plan JSON path") from exc
-    cluster_spec = job_cluster(cluster_spec)
+    cluster_spec = job_cluster(cluster_spec) if shared else cluster_spec
     if cluster_spec is None or global_batch_size is None:
         raise AutoparError("planning needs cluster_spec and global_batch_size (or pass plan=...)",
                            hint="e.g. autopar.compile(model, 'h100-sxm', example_inputs=..., "
@@ -153,7 +153,22 @@ def _plan_here(model, cluster_spec, *, example_inputs, global_batch_size, loss_f
                          cluster_spec, module=model, **kwargs)
         made.model.setdefault("param_shapes", model_signature(model)["param_shapes"])
         return made
-    return _plan_on_rank0(make)
+    return plan_on_rank0(make) if shared else make()
+
+
+def replan(plan: Plan, model, *, example_inputs, loss_fn, global_batch_size: int) -> Plan:
+    """The request `plan` answered, asked again at another global batch (train.py's
+    --batch-size when the plan's layout cannot run it): the same cluster, pins,
+    precision, memory headroom, fusions and engine (compiled blocks, float8), so only
+    the batch differs. Planned in this process: inside a job, wrap the call in
+    `plan_on_rank0`."""
+    from autopar.engine import plan_engine
+
+    engine = plan_engine(plan)
+    return _plan_here(model, plan.cluster, example_inputs=example_inputs, global_batch_size=global_batch_size,
+                      loss_fn=loss_fn, constraints=dict(plan.constraints or {}) or None, fusion=bool(plan.fusions),
+                      precision=plan.precision, memory_headroom=(plan.solver or {}).get("memory_headroom"),
+                      compiling=bool(engine.compiled_blocks), float8=bool(engine.float8), shared=False)
 
 
 def _check_plan_matches(plan, precision, global_batch_size) -> None:

@@ -151,7 +151,7 @@ def _build(args, model_spec: str, plan):
     return load_model(model_spec, device="cpu", seq_len=plan.seq_len), None
 
 
-def _preflight(args, model_spec: str, plan) -> int:
+def _preflight(args, model_spec: str, plan, plan_path: str) -> int:
     """What launch.sh runs once, in one process, before torchrun: every refusal that a
     restart cannot fix (the arguments, the model file, the model against its plan, the
     data) exits 2 here, instead of torchrun restarting every rank into it again."""
@@ -160,6 +160,7 @@ def _preflight(args, model_spec: str, plan) -> int:
 
     loaded = load_model(model_spec, device="meta", seq_len=plan.seq_len)
     resolve(loaded.model, plan)  # the layers the plan names are this model's
+    plan = _plan_for_batch(args, loaded, plan, plan_path, shared=False)  # the ranks then read it
     _batch_sizes(args, plan, batch_norms(loaded.model))
     _dataset(args, loaded, plan, loaded.dataset)
     print("autopar: preflight passed (model, plan, data, arguments)", file=sys.stderr, flush=True)
@@ -248,9 +249,10 @@ def _train(args, model_spec: str, plan_path: str) -> int:
         raise AutoparError("--plot draws the metrics file, and this run writes none",
                            hint="add --metrics FILE (or --save-dir DIR, which writes DIR/metrics.jsonl)")
     if args.preflight:
-        return _preflight(args, model_spec, plan)
+        return _preflight(args, model_spec, plan, plan_path)
     torch.manual_seed(args.seed)  # identical initial weights on every rank (and dropout streams)
     loaded, init_fn = _build(args, model_spec, plan)
+    plan = _plan_for_batch(args, loaded, plan, plan_path, shared=True)
     sizes = _batch_sizes(args, plan, batch_norms(loaded.model))  # a batch the layout cannot run: refused now
     dataset = _dataset(args, loaded, plan, loaded.dataset)
     pm = _compile(args, loaded, init_fn, plan)
@@ -300,6 +302,70 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     stop.restore()
     _finish(args, pm, plan, metrics, losses, saved_at)
     return 0
+
+
+def _final_batch_refusal(plan, size: int, batch_norms: list[str]) -> str | None:
+    """Why the plan's layout cannot run a global batch of `size` (None: it can)."""
+    from autopar.lower.parallel_model import runtime_batch_refusal
+
+    quantum = plan.micro_batch_size * plan.mesh.dp
+    if size % quantum:
+        return (f"its layout runs whole micro-batches of {plan.micro_batch_size} on each of its {plan.mesh.dp} "
+                f"data-parallel ranks (multiples of {quantum})")
+    return runtime_batch_refusal(plan, size // quantum, batch_norms)
+
+
+def _plan_for_batch(args, loaded, plan, plan_path: str, *, shared: bool):
+    """The plan this run trains with: the build's, unless --batch-size asks for a global
+    batch its layout cannot run; then the same request re-planned at that batch (every
+    pin, the precision and the engine kept), written beside the build's plan as
+    plan.batch-B.json and read from there when the preflight (or an earlier run) made it
+    from the same plan. A batch nothing fits is refused as `autopar plan` refuses it.
+    A plan written by hand is kept (and the batch refused with the fix): the planner
+    did not choose its layout, so it does not choose another.
+    `shared` (inside the job): rank 0 alone reads or plans, and every rank gets its plan."""
+    from autopar.lower.api import plan_on_rank0
+
+    final = args.batch_size
+    if not final or final == plan.global_batch_size or final < 1:
+        return plan  # (< 1 is refused with the others by _batch_sizes)
+    why = _final_batch_refusal(plan, final, batch_norms(loaded.model))
+    if why is None or (plan.solver or {}).get("status") not in ("optimal", "feasible"):
+        return plan  # a layout chosen by hand is not re-chosen behind its author's back: refused below
+    make = lambda: _replanned(loaded, plan, plan_path, final, why)  # noqa: E731
+    return plan_on_rank0(make) if shared else make()
+
+
+def _replanned(loaded, plan, plan_path: str, final: int, why: str):
+    """plan.batch-B.json beside the build's plan when it was made from this plan, else planned and written."""
+    import hashlib
+
+    from autopar.lower.api import replan
+    from autopar.plan import Plan
+
+    with open(plan_path, "rb") as f:
+        made = {"plan": hashlib.sha256(f.read()).hexdigest()[:16], "global_batch_size": final}
+    path = os.path.join(os.path.dirname(os.path.abspath(plan_path)), f"plan.batch-{final}.json")
+    if os.path.exists(path):
+        try:
+            kept = Plan.load(path)
+        except Exception:  # noqa: BLE001 - an unreadable file is planned and written again
+            kept = None
+        if kept is not None and kept.solver.get("replanned_from") == made:
+            return kept
+    print(f"autopar: --batch-size {final}: the plan (global batch {plan.global_batch_size}) cannot run it: {why}; "
+          f"re-planning for {final} ...", file=sys.stderr, flush=True)
+    new = replan(plan, loaded.model, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                 global_batch_size=final)
+    new.solver["replanned_from"] = made
+    tmp = f"{path}.{os.getpid()}.partial"
+    new.save(tmp)
+    os.replace(tmp, path)  # whole or absent
+    m = new.mesh
+    print(f"autopar: re-planned for a global batch of {final}: pp{m.pp} x dp{m.dp} x tp{m.tp}, micro-batch "
+          f"{new.micro_batch_size} x {new.num_micro_batches}, predicted {new.predicted.step_time_s:.3g} s a step "
+          f"(written to {path})", file=sys.stderr, flush=True)
+    return new
 
 
 def _batch_sizes(args, plan, batch_norms: list[str]) -> BatchSizes:
