@@ -454,7 +454,7 @@ def test_cpu_step_time_benchmark_runs_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_memory_tracker_benchmark_agrees_with_fsdp_mem_tracker(tmp_path):
-    """benchmarks/memory_tracker.py on thirteen layouts at real size (Llama 3 8B and 70B,
+    """benchmarks/memory_tracker.py on eight layouts at real size (Llama 3 8B and 70B,
     GPT-3 6.7B widths; ZeRO-2 and 3; no, selective and full checkpointing; seq 2048 to
     8192; bf16 and fp32 reduction): the plan's peak (less fragmentation) against torch's
     FSDPMemTracker under fake tensors, within 5% each, and FSDP2's persistent sharded
@@ -465,10 +465,10 @@ def test_memory_tracker_benchmark_agrees_with_fsdp_mem_tracker(tmp_path):
     backward walk), the grouped head unit's all-gather buffer.
     The committed table (benchmarks/results/memory_tracker.md) has all 24."""
     out = tmp_path / "mt"
-    cases = ["llama3_8b_l4_s2048_z2_none", "llama3_8b_l4_s2048_z3_none", "llama3_8b_l4_s2048_z3_selective",
-             "llama3_8b_l4_s2048_z3_full", "llama3_8b_l4_s8192_z2_selective", "llama3_8b_l4_s8192_z3_full",
+    # one case per moment the peak falls at (the docstring's list), each level and policy
+    # at least once; the other sixteen are in the committed table, not re-run here
+    cases = ["llama3_8b_l4_s2048_z3_none", "llama3_8b_l4_s8192_z3_full",
              "llama3_70b_l2_s4096_z2_full", "llama3_70b_l2_s4096_z3_none", "llama3_70b_l2_s4096_z3_selective",
-             "llama3_70b_l2_s4096_z3_full",
              "gpt3_6.7b_l4_s2048_z2_selective", "gpt3_6.7b_l4_s2048_z3_full",
              "llama3_8b_l4_s2048_z3_none_fp32reduce"]
     proc = subprocess.run([sys.executable, "benchmarks/memory_tracker.py", "--cases", ",".join(cases),
