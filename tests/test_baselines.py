@@ -189,3 +189,17 @@ def test_family_words():
     assert FSDP.config(3, "full", "params", 1, 4) == ("fully_shard (full shard), CPUOffloadPolicy, full activation "
                                                       "checkpointing, micro-batch 1 x 4 accumulation steps")
     assert "ZeRO stage 2, offload_optimizer cpu" in DEEPSPEED.config(2, "none", "optimizer", 2, 1)
+
+
+def test_a_cluster_that_cannot_shrink_leaves_the_plan_alone():
+    from autopar.errors import ClusterSpecError
+    from autopar.solve.baselines import price_baselines
+
+    def refuse(nodes, per_node):
+        raise ClusterSpecError("no such cluster")
+
+    model = gpt("gpt-125m", hidden=768, heads=12, layers=12, seq_len=1024, vocab_size=50257)
+    out = price_baselines(model, _cluster(2), 24, precision="bf16", optimizer="adam", limit_bytes=70e9,
+                          plan_step_s=1.0, cluster_of=refuse)
+    assert [b["status"] for b in out] == ["none", "none"] and "could not be built" in out[0]["why"]
+    assert type_problem({"baselines": out}) is None

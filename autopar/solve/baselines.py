@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.errors import AutoparError
 from autopar.plan import ACCUMULATE
 from autopar.solve.alternatives import layout_summary, predicted_dict
 from autopar.solve.refine import fits, price_uniform
@@ -132,7 +133,13 @@ def price_baselines(spec, cluster, global_batch_size: int, *, precision: str, op
     gpus = data_parallel_gpus(world, global_batch_size, cluster.gpus_per_node)
     if gpus != world:
         nodes, per_node = (gpus // cluster.gpus_per_node, None) if gpus >= cluster.gpus_per_node else (1, gpus)
-        cluster = cluster_of(nodes, per_node)
+        try:
+            cluster = cluster_of(nodes, per_node)
+        except AutoparError as exc:  # the comparison never stops a plan
+            return [{"stack": f.stack, "name": f.name, "gpus": gpus, "layouts_priced": 0, "fits": False,
+                     "status": "none", "vs_plan": None,
+                     "why": f"not priced: data parallelism alone runs on {gpus} of the {world} GPUs, and that "
+                            f"cluster could not be built ({exc})"} for f in families]
     whole = whole_batch_reason(spec.layers) is not None
     return [_best_of(family, spec, cluster, global_batch_size, precision, optimizer, limit_bytes, plan_step_s,
                      world, whole) for family in families]
