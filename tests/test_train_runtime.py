@@ -292,3 +292,71 @@ def test_progress_line_eta():
         m.record(step, loss=2.0, step_time_s=t)
     assert m.eta_s(10) == pytest.approx(11.0)  # median 1.1 s
     assert [_duration(x) for x in (41, 192, 7500)] == ["41s", "3m12s", "2h05m"]
+
+
+def test_an_fp16_step_the_loss_scaler_skips_leaves_the_schedule_where_it_was(tmp_path):
+    """Guards the mutation 'an fp16 step skipped by the loss scaler still advances the
+    learning-rate schedule' (issue 35 item 4a). One process, gpt_tiny in fp16: a step whose
+    gradients hold an Inf is skipped (weights unchanged, the scale halves), and the schedule's
+    step count and the learning rate stay where they were, as Megatron and DeepSpeed do; the
+    next clean step advances the schedule by one."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import gpt
+    from autopar.lower import compile, plan_for_model
+
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, example = gpt.gpt_tiny()
+        plan = plan_for_model(model, precision="fp16", micro_batch_size=2)
+        pm = compile(model, example_inputs=example, loss_fn=gpt.loss_fn, plan=plan, optimizer=torch.optim.SGD,
+                     optimizer_kwargs={"lr": 0.1})
+        pm.grad_scaler.configure(init_scale=2.0 ** 4)  # no natural overflow at this scale
+        pm.lr_scheduler = lr_scheduler(pm.optimizer, warmup=4, total=8, decay="linear")
+        sync, poison = pm._sync_tied_grads, [True]
+
+        def sync_then_poison():  # after backward, before the scaler unscales: one Inf in one gradient
+            sync()
+            if poison:
+                local(next(p for p in pm.module.parameters() if p.grad is not None).grad).view(-1)[0] = math.inf
+
+        pm._sync_tied_grads = sync_then_poison
+        x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        weights = {n: local(p).detach().clone() for n, p in pm.module.named_parameters()}
+        assert pm.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 4)  # warmup step 0
+        pm.train_step((x,), x)
+        assert pm.last_step_skipped and pm.grad_scaler.scale_value() == 2.0 ** 3
+        assert pm.lr_scheduler.last_epoch == 0 and pm.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 4)
+        assert all(torch.equal(local(p), weights[n]) for n, p in pm.module.named_parameters())
+        poison.clear()
+        pm.train_step((x,), x)
+        assert not pm.last_step_skipped
+        assert pm.lr_scheduler.last_epoch == 1 and pm.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 2 / 4)
+        assert not all(torch.equal(local(p), weights[n]) for n, p in pm.module.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metrics_rows_carry_each_prediction_from_its_own_field_of_the_plan(tmp_path):
+    """Guards the mutation 'the metrics' predicted step time read from another field'
+    (issue 35 item 4g): a real Plan whose predicted fields all differ; each row's predicted_*
+    value is the plan's own field (peak memory: the fullest pp rank), and the measured MFU is
+    the predicted MFU scaled by predicted over measured step time."""
+    from autopar.plan import Plan, Predicted
+
+    plan = Plan(global_batch_size=8, seq_len=128,
+                predicted=Predicted(step_time_s=0.37, tokens_per_s=2768.0, samples_per_s=21.6, tflops_per_gpu=55.0,
+                                    mfu=0.31, peak_memory_bytes=[2e9, 5e9], time_breakdown={"compute": 0.2}))
+    path = tmp_path / "m.jsonl"
+    m = Metrics(plan, path=str(path))
+    m.record(0, loss=2.0, step_time_s=1.0)
+    m.record(1, loss=1.9, step_time_s=0.5)
+    row = json.loads(path.read_text().splitlines()[1])
+    assert row["predicted_step_time_s"] == 0.37
+    assert row["predicted_tokens_per_s"] == 2768.0 and row["predicted_mfu"] == 0.31
+    assert row["predicted_peak_memory_bytes"] == 5e9
+    assert row["tokens_per_s"] == pytest.approx(8 * 128 / 0.5) and row["mfu"] == pytest.approx(0.31 * 0.37 / 0.5)
+    assert "0.37 s predicted" in m.summary()
