@@ -363,3 +363,110 @@ def test_a_changed_schedule_on_resume_is_refused_or_rebuilt_when_asked(tmp_path,
     assert "learning-rate schedule differs" in err and "--steps 8 -> 12" in err and "--reschedule" in err, err
     assert run_world(main_world, 1, GPT_TINY, plan, argv + ["--reschedule"], timeout=200) == [0]
     assert "the learning-rate schedule is rebuilt (--steps 8 -> 12)" in capfd.readouterr().err
+
+
+# -- one process, in this one: what a resume restores and refuses (issue 35 item 4) -------
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one rank in this process (snapshots are collectives)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tiny_pm(precision="fp32"):
+    """gpt_tiny compiled on the one rank (micro-batch 2, SGD)."""
+    import gpt
+    from autopar.lower import compile, plan_for_model
+    torch.manual_seed(0)
+    model, example = gpt.gpt_tiny()
+    return compile(model, example_inputs=example, loss_fn=gpt.loss_fn, optimizer=torch.optim.SGD,
+                   optimizer_kwargs={"lr": 0.1}, plan=plan_for_model(model, precision=precision, micro_batch_size=2))
+
+
+def _tokens(step):
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+    return (x,), x
+
+
+def test_a_resumed_loss_scaler_keeps_its_count_of_clean_steps(tmp_path, one_rank):
+    """Guards the mutation 'the scaler's growth tracker not restored on resume' (issue 35
+    item 4b). fp16, the scale doubling after 3 clean steps: a snapshot taken after 2 clean
+    steps and loaded into a freshly configured job doubles the scale after 1 more step, as
+    the uninterrupted run does (not after 3, as a tracker started afresh would)."""
+    run = _tiny_pm("fp16")
+    run.grad_scaler.configure(init_scale=2.0 ** 2, growth_interval=3)
+    for step in range(2):
+        run.train_step(*_tokens(step))
+        assert not run.last_step_skipped
+    path = snapshot.save(run, str(tmp_path / "ckpt"), 2, {})
+    resumed = _tiny_pm("fp16")
+    resumed.grad_scaler.configure(init_scale=2.0 ** 2, growth_interval=3)  # as train.py configures, then loads
+    snapshot.load(resumed, path)
+    for pm in (run, resumed):
+        pm.train_step(*_tokens(2))
+        assert not pm.last_step_skipped and pm.grad_scaler.scale_value() == 2.0 ** 3
+
+
+def test_a_snapshot_takes_its_step_name_only_once_every_shard_is_written(tmp_path, one_rank, monkeypatch):
+    """Guards the mutation 'a snapshot renamed to its final name before all ranks wrote it'
+    (issue 35 item 4c). While DCP writes the shards (every rank's, then .metadata), no
+    directory of the step's final name exists. A write cut off there leaves the previous
+    snapshot the newest complete one and no step directory of its own; an older run's
+    complete snapshot of the same step keeps its files until the new one is whole."""
+    import hashlib
+    import torch.distributed.checkpoint as dcp
+
+    pm = _tiny_pm()
+    root = str(tmp_path / "ckpt")
+    snapshot.save(pm, root, 2, {})
+    old4 = snapshot.save(pm, root, 4, {})  # an earlier run's snapshot of step 4 (--resume never)
+    files = lambda d: {f: hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()  # noqa: E731
+                       for f in sorted(os.listdir(d))}
+    before = files(old4)
+    pm.train_step(*_tokens(0))  # other weights: other shard files
+    real, seen = dcp.save, []
+
+    def cut_off(state, *, storage_writer):
+        seen.append((sorted(os.listdir(root)), files(old4)))
+        real(state, storage_writer=storage_writer)
+        seen.append((sorted(os.listdir(root)), files(old4)))
+        raise RuntimeError("a rank died before the snapshot was complete")
+
+    monkeypatch.setattr(dcp, "save", cut_off)
+    with pytest.raises(RuntimeError, match="a rank died"):
+        snapshot.save(pm, root, 6, {})
+    assert len(seen) == 2 and all("step-00000006" not in names for names, _ in seen), seen
+    assert not os.path.exists(snapshot.step_dir(root, 6))
+    seen.clear()
+    with pytest.raises(RuntimeError, match="a rank died"):
+        snapshot.save(pm, root, 4, {})
+    assert len(seen) == 2 and all(old == before for _, old in seen)  # the old step 4, untouched meanwhile
+    assert [s for s, _ in snapshot.complete(root)] == [2, 4] and files(old4) == before
+    monkeypatch.setattr(dcp, "save", real)
+    assert snapshot.save(pm, root, 4, {}) == old4 and files(old4) != before  # once whole, the new one wins
+
+
+def test_a_resume_on_another_data_order_is_refused(tmp_path, one_rank):
+    """Guards the mutation 'resume accepted on a different data order' (issue 35 item 4d):
+    train.py's resume of a snapshot written with seed 3 on a 64-sample token file at global
+    batch 2 goes on with the same settings, and is refused with the reason for another
+    --seed, another --data (another number of samples) or another global batch."""
+    from autopar.train import run
+    from autopar.train.data import GlobalBatches, TokenFile
+
+    pm = _tiny_pm()
+    data = TokenFile(gpt_tiny_tokens(tmp_path), 16)
+    other = tmp_path / "other"
+    other.mkdir()
+    args = run.parser().parse_args(["--seed", "3", "--steps", "8", "--resume", str(tmp_path / "ckpt")])
+    batches = GlobalBatches(data, 2, 1, 0, seed=3)
+    snapshot.save(pm, str(tmp_path / "ckpt"), 4, {"data": batches.state_dict(), "seed": 3,
+                                                  "schedule": run._schedule(args)})
+    assert run._resume(args, pm, GlobalBatches(data, 2, 1, 0, seed=3)) == (4, 4)
+    for changed in (GlobalBatches(data, 2, 1, 0, seed=4),
+                    GlobalBatches(TokenFile(gpt_tiny_tokens(other, n=80 * 16 + 1), 16), 2, 1, 0, seed=3),
+                    GlobalBatches(data, 4, 1, 0, seed=3)):
+        with pytest.raises(AutoparError, match="another data order"):
+            run._resume(args, pm, changed)
