@@ -87,6 +87,32 @@ def test_meta_init_is_the_same_on_every_layout_and_one_process():
     assert results[0]["dp2_zero3"]["tied"] == [True] and results[0]["tp2"]["tied"] == [True]
 
 
+def test_each_module_built_on_meta_draws_its_own_initial_weights():
+    """Guards the mutation 'every module initialised from the same seed on the meta path'
+    (issue 35 item 4e). As in a CPU build, where each constructor draws the next numbers,
+    two Linears of one shape built on the meta device and materialised get different
+    weights and biases, and gpt_tiny's four blocks four different MLP weights; the draws
+    stay a function of the run's seed (the same seed: the same weights; another: others)."""
+    import torch.nn as nn
+    from autopar.lower.materialize import materialize
+    from autopar.lower.model_io import default_init_fn
+    from autopar.model_file import load_model
+
+    def built(seed):
+        with torch.device("meta"):
+            pair = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        materialize([pair], torch.device("cpu"), None, seed=seed, model=pair)
+        return pair
+
+    pair = built(0)
+    assert not torch.equal(pair[0].weight, pair[1].weight) and not torch.equal(pair[0].bias, pair[1].bias)
+    assert torch.equal(built(0)[1].weight, pair[1].weight) and not torch.equal(built(1)[1].weight, pair[1].weight)
+    model = load_model(str(EXAMPLES / "gpt.py") + ":gpt_tiny", device="meta-params").model
+    materialize([model], torch.device("cpu"), default_init_fn(model), seed=0, model=model)
+    fc = [block.mlp.fc.weight for block in model.blocks]
+    assert len(fc) == 4 and all(not torch.equal(a, b) for i, a in enumerate(fc) for b in fc[i + 1:])
+
+
 def test_meta_build_keeps_constructor_values_and_refuses_what_nothing_initialises():
     """Llama's RMSNorm sets its gain to ones in the constructor and has no
     reset_parameters: built as train.py builds it (parameters_on_meta), it starts
