@@ -44,6 +44,30 @@ def test_a_ramped_order_reads_every_sample_once_an_epoch_on_every_dp_rank():
     assert ranks[0].state_dict()["batch_ramp"] == "4:5"
 
 
+def test_a_resume_at_another_global_batch_continues_the_saved_order():
+    """A run at 8 a step saved at step 3 and resumed at 16 (then 4, ramped back up):
+    each resumed step reads the samples after those the saved run had read, so an
+    epoch still reads every sample once; a later resume with the same flags reads
+    what the resumed run read, and another seed is still another order."""
+    data = list(range(64))
+    first = GlobalBatches(data, 8, 2, 0, seed=1, sizes=BatchSizes(8, 4))
+    read = [i for k in range(3) for r in range(2) for i in GlobalBatches(data, 8, 2, r, seed=1).indices(k)]
+    bigger = [GlobalBatches(data, 16, 2, r, seed=1, sizes=BatchSizes(16, 4)) for r in range(2)]
+    said = [b.resume(first.state_dict(), 3) for b in bigger]
+    assert said[0] and "8 -> 16" in said[0]
+    read += [i for k in range(3, 5) for b in bigger for i in b.indices(k)]
+    assert len(read) == len(set(read)) == 56  # 24 + 32 samples, none read twice in the epoch
+    saved = bigger[0].state_dict()
+    assert saved["phase"] == {"step": 3, "offset": 24}
+    again = GlobalBatches(data, 16, 2, 1, seed=1, sizes=BatchSizes(16, 4))
+    assert again.resume(saved, 4) is None and again.indices(4) == bigger[1].indices(4)  # the same flags: the same order
+    ramped = GlobalBatches(data, 16, 1, 0, seed=1, sizes=BatchSizes(16, 4, start=4, steps=2))
+    assert ramped.resume(saved, 5) and ramped.position(5) == 24 + 2 * 16  # where the saved run would read at step 5
+    assert [ramped.batch_size(k) for k in (5, 6, 7)] == [4, 8, 16]  # its ramp starts at the change
+    with pytest.raises(Exception, match="another data order"):
+        GlobalBatches(data, 16, 1, 0, seed=2).resume(saved, 5)
+
+
 def test_what_a_layout_cannot_run_at_another_batch_is_refused_with_why():
     model, example = __import__("gpt").gpt_tiny()
     accumulate = plan_for_model(model, example_inputs=example, dp=1, micro_batch_size=2, num_micro_batches=2)
@@ -108,9 +132,14 @@ def test_a_batch_ramp_resumes_exactly_and_bad_batches_are_refused_at_start(tmp_p
     err = capfd.readouterr().err
     assert "--batch-size 6" in err and "multiple of 4" in err and "autopar compile MODEL --batch-size 6" in err
     other = run_world(main_world, 2, GPT_TINY, plan, ARGS + ["--data", gpt_tiny_tokens(tmp_path), "--steps", "2",
-                                                             "--batch-size", "8", "--resume",
+                                                             "--seed", "4", "--resume",
                                                              str(tmp_path / "ckpt" / "step-00000003")], timeout=120)
     assert other == [2, 2] and "another data order" in capfd.readouterr().err
+    # another global batch on resume: a new stretch of the same order, said at start
+    _, grown = _run(2, plan, tmp_path, "grown", ["--batch-size", "8", "--resume",
+                                                 str(tmp_path / "ckpt" / "step-00000003")], steps=6)
+    assert [r["global_batch"] for r in grown] == [8, 8, 8]
+    assert "the global batch changes at step 3: 12 -> 8" in capfd.readouterr().err
 
 
 def _planned(path, batch: int) -> str:

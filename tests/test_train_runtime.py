@@ -78,7 +78,7 @@ def test_each_dp_rank_reads_its_share_of_the_same_global_batches(tmp_path):
     assert whole.indices(8) != whole.indices(0)  # the next epoch's order differs
     assert GlobalBatches(ds, 8, 1, 0, seed=4).indices(0) != whole.indices(0)
     with pytest.raises(AutoparError, match="another data order"):
-        whole.check_resume({**whole.state_dict(), "seed": 4})
+        whole.resume({**whole.state_dict(), "seed": 4}, 3)
     with pytest.raises(AutoparError, match="does not split over dp=3"):
         GlobalBatches(ds, 8, 3, 0)
 

@@ -147,6 +147,10 @@ class GlobalBatches:
         self.seed, self.shuffle = seed, shuffle
         self.batches_per_epoch = n // global_batch  # the last partial batch of an epoch is dropped
         self._order_epoch, self._order = None, None
+        self._quantum = sizes.quantum if sizes is not None else global_batch
+        # Where this run's batch sizes begin: the step, and the position in the epochs'
+        # orders laid end to end. (0, 0) but in a run resumed at another global batch.
+        self.phase = {"step": 0, "offset": 0}
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
@@ -159,8 +163,12 @@ class GlobalBatches:
             self._order_epoch = epoch
         return self._order
 
+    @property
+    def _streamed(self) -> bool:
+        return self.sizes is not None or self.phase["step"] > 0
+
     def indices(self, step: int) -> list[int]:
-        if self.sizes is not None:
+        if self._streamed:
             return self._stream_indices(step)
         epoch, k = divmod(step, self.batches_per_epoch)
         order = self._epoch_order(epoch)
@@ -170,15 +178,24 @@ class GlobalBatches:
 
     def batch_size(self, step: int) -> int:
         """Global batch of `step`."""
-        return self.sizes.size(step) if self.sizes is not None else self.global_batch
+        return self.sizes.size(step - self.phase["step"]) if self.sizes is not None else self.global_batch
+
+    def position(self, step: int) -> int:
+        """Where `step` starts reading, in the epochs' orders laid end to end."""
+        if not self._streamed:
+            epoch, k = divmod(step, self.batches_per_epoch)
+            return epoch * len(self.dataset) + k * self.global_batch
+        since = step - self.phase["step"]
+        return self.phase["offset"] + (self.sizes.consumed(since) if self.sizes is not None
+                                       else since * self.global_batch)
 
     def _stream_indices(self, step: int) -> list[int]:
-        """A ramped batch: the samples after those every earlier step read, in the epochs'
-        orders laid end to end (a batch may end one epoch and begin the next), so each
-        sample is read once an epoch whatever the batch of each step."""
-        size = self.sizes.size(step)
-        share = size // self.dp
-        first = self.sizes.consumed(step) + self.dp_rank * share
+        """A ramped batch (or one after a resume changed it): the samples after those
+        every earlier step read, in the epochs' orders laid end to end (a batch may end
+        one epoch and begin the next), so each sample is read once an epoch whatever
+        the batch of each step."""
+        share = self.batch_size(step) // self.dp
+        first = self.position(step) + self.dp_rank * share
         n = len(self.dataset)
         out = []
         for p in range(first, first + share):
@@ -192,19 +209,52 @@ class GlobalBatches:
 
     def state_dict(self) -> dict:
         state = {"seed": self.seed, "samples": len(self.dataset), "global_batch": self.global_batch,
-                 "shuffle": self.shuffle}
+                 "shuffle": self.shuffle, "quantum": self._quantum}
         if self.sizes is not None:
             state["batch_ramp"] = self.sizes.to_dict()["ramp"]
+        if self.phase["step"]:
+            state["phase"] = dict(self.phase)
         return state
 
-    def check_resume(self, state: dict) -> None:
-        """A snapshot's data settings must be this run's: else the order differs."""
+    def resume(self, state: dict, step: int) -> str | None:
+        """Continue a snapshot's data order at `step`. The seed, data and shuffling must be
+        the saved run's (else the order differs: refused). The same global batch (and
+        ramp) reads what the uninterrupted run reads; another one (a batch grown on
+        resume, as large runs do) continues from the sample the saved run would read at
+        `step`, so each sample is still read once an epoch; its ramp, if any, starts
+        there. -> the line saying so, or None when nothing changed."""
         mine = self.state_dict()
-        diff = [f"{k} {state.get(k)} -> {v}" for k, v in mine.items() if state.get(k) != v]
+        diff = [f"{k} {state.get(k)} -> {mine[k]}" for k in ("seed", "samples", "shuffle") if state.get(k) != mine[k]]
         if diff:
             raise AutoparError(f"the snapshot was trained on another data order ({', '.join(diff)})",
-                               hint="resume with the same --data, --seed, --batch-size and --batch-ramp, or start a new "
-                                    "--save-dir")
+                               hint="resume with the same --data and --seed, or start a new --save-dir")
+        saved_phase = state.get("phase", {"step": 0, "offset": 0})
+        ramp = mine.get("batch_ramp")
+        if ((state.get("global_batch"), state.get("batch_ramp")) == (self.global_batch, ramp)
+                and (not ramp or state.get("quantum", self._quantum) == self._quantum)):  # a ramp's sizes round to it
+            self.phase = dict(saved_phase)
+            return None
+        old = _saved_reader(self.dataset, state, saved_phase)
+        if old is None:
+            raise AutoparError("the snapshot's global batch cannot be continued at another one: it was written by "
+                               "an older autopar that did not record the ramp's micro-batch quantum",
+                               hint="resume with its --batch-size and --batch-ramp")
+        was, self.phase = old.batch_size(step), {"step": step, "offset": old.position(step)}
+        return (f"the global batch changes at step {step}: {was} -> {self.batch_size(step)}; the data order "
+                f"continues from the sample the saved run would read next (each still once an epoch)")
+
+
+def _saved_reader(dataset, state: dict, phase: dict) -> GlobalBatches | None:
+    """A reader laid out as the run that wrote `state` was (rank 0 of one), for its positions."""
+    ramp = state.get("batch_ramp")
+    if ramp and "quantum" not in state:
+        return None
+    start, steps = (int(x) for x in ramp.split(":")) if ramp else (None, 0)
+    sizes = BatchSizes(state["global_batch"], state.get("quantum", state["global_batch"]), start, steps)
+    reader = GlobalBatches(dataset, state["global_batch"], 1, 0, seed=state["seed"], shuffle=state["shuffle"],
+                           sizes=sizes)
+    reader.phase = dict(phase)
+    return reader
 
 
 def collate(samples: list):

@@ -512,7 +512,9 @@ def _resume(args, pm, batches) -> tuple[int, int]:
         return 0, 0
     meta = snapshot.read_meta(choice[0])
     saved = snapshot.check_model(pm, choice[0])  # another model is named as such, before its data order
-    batches.check_resume(meta.get("data", {}))
+    changed = batches.resume(meta.get("data", {}), int(meta["step"]))
+    if changed and dist.get_rank() == 0:
+        print(f"autopar: {changed}", file=sys.stderr, flush=True)
     _check_schedule(args, meta.get("schedule"))
     meta = snapshot.load(pm, choice[0], saved)
     if dist.get_rank() == 0:
