@@ -452,7 +452,8 @@ def test_a_resume_on_another_data_order_is_refused(tmp_path, one_rank):
     """Guards the mutation 'resume accepted on a different data order' (issue 35 item 4d):
     train.py's resume of a snapshot written with seed 3 on a 64-sample token file at global
     batch 2 goes on with the same settings, and is refused with the reason for another
-    --seed, another --data (another number of samples) or another global batch."""
+    --seed or another --data (another number of samples); another global batch reads on
+    from where the saved run was."""
     from autopar.train import run
     from autopar.train.data import GlobalBatches, TokenFile
 
@@ -466,7 +467,9 @@ def test_a_resume_on_another_data_order_is_refused(tmp_path, one_rank):
                                                   "schedule": run._schedule(args)})
     assert run._resume(args, pm, GlobalBatches(data, 2, 1, 0, seed=3)) == (4, 4)
     for changed in (GlobalBatches(data, 2, 1, 0, seed=4),
-                    GlobalBatches(TokenFile(gpt_tiny_tokens(other, n=80 * 16 + 1), 16), 2, 1, 0, seed=3),
-                    GlobalBatches(data, 4, 1, 0, seed=3)):
+                    GlobalBatches(TokenFile(gpt_tiny_tokens(other, n=80 * 16 + 1), 16), 2, 1, 0, seed=3)):
         with pytest.raises(AutoparError, match="another data order"):
             run._resume(args, pm, changed)
+    # another global batch is the same order read on from where the saved run was (issue 32)
+    grown = GlobalBatches(data, 4, 1, 0, seed=3)
+    assert run._resume(args, pm, grown) == (4, 4) and grown.phase == {"step": 4, "offset": 8}
