@@ -72,6 +72,20 @@ def test_zero3_traffic_is_1_5x_zero2():
     assert vol[3] / vol[2] == pytest.approx(1.5)
 
 
+def test_tp_traffic_is_megatrons_four_all_reduces_per_block():
+    """Guards the mutation 'the all-reduce factor halved' in the bytes a tp group moves
+    (issue 35 item 4h; the all-reduce's time is test_ring_formulas_are_nccl_tests'): a GPT
+    block under tp t issues two all-reduces of the b x s x h activation forward and two
+    backward (Megatron-LM, Shoeybi et al. 2019, Fig. 4; Korthikanti et al. 2022, section 4.2.2),
+    and a ring all-reduce sends 2 (t-1)/t of its payload per GPU (nccl-tests' bus bandwidth,
+    doc/PERFORMANCE.md): 4 x 2 (t-1)/t x 2 b s h bytes in bf16."""
+    model = gpt("g", hidden=4096, heads=32, layers=4, seq_len=2048, vocab_size=51200)
+    b, s, h, t = 2, 2048, 4096, 8
+    lc = layer_cost(model.layers[1], model, Layout(tp=t, micro_batch_size=b), ClusterSpec.preset("dgx-h100"))
+    assert dict(lc.tp_calls) == {"all_reduce": 4}
+    assert lc.tp_comm_bytes == pytest.approx(4 * 2 * (t - 1) / t * 2 * b * s * h)
+
+
 def test_overlap_hides_dp_but_never_tp():
     model = gpt("g", hidden=4096, heads=32, layers=4, seq_len=4096, vocab_size=51200)
     layer = model.layers[1]

@@ -46,6 +46,26 @@ def test_unaligned_gemm_pays_the_device_slowdown():
     assert b_un / b_al == pytest.approx(h100.unaligned_gemm_slowdown, rel=0.01)
 
 
+def test_unaligned_gemm_slowdown_is_the_one_measured_on_h100_and_h200():
+    """Guards the mutation 'the unaligned-GEMM slowdown halved' (issue 35 item 4h) against
+    measurements, not against its own value: the datasheet constant of the H100 and H200
+    within 15% of the slowdown `autopar calibrate --device cuda` measured on each
+    (benchmarks/results/h100_profile.json, h200_profile.json: bf16, the GPT-2 LM-head GEMM
+    8192 x 50303 x 768 against 8192 x 50304 x 768: 4.54x and 4.64x); the priced LM head of
+    a 50257-token vocabulary pays it (its 50304-column twin does not)."""
+    import json
+
+    from conftest import ROOT
+
+    lm_head_flops = 2 * 8192 * 50304 * 768
+    for device, profile in (("h100-sxm", "h100_profile.json"), ("h200", "h200_profile.json")):
+        table = json.loads((ROOT / "benchmarks" / "results" / profile).read_text())["compute"]["gemm_unaligned"]["bf16"]
+        measured = dict(zip(table["flops"], table["slowdown"]))[lm_head_flops]
+        assert get_device(device).unaligned_gemm_slowdown == pytest.approx(measured, rel=0.15), (device, measured)
+        (f_al, _), (f_un, _) = (op_times(_head(v), 1, 1, get_device(device), dtype="bf16") for v in (50304, 50257))
+        assert f_un / f_al == pytest.approx(measured, rel=0.15), device
+
+
 def test_measured_unaligned_table_and_attention_by_dtype():
     d = _profile_dict()
     d["compute"]["gemm_unaligned"] = {"fp32": {"flops": [1e6, 1e9], "slowdown": [2.0, 8.0]}}
