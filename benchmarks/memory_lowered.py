@@ -32,7 +32,9 @@ The optimizer is torch's AdamW with foreach=True (its default on a GPU; on a CPU
 default to the per-parameter loop, whose temporaries differ).
 
 Predicted = the plan's peak of that rank less the allocator fragmentation it reserves (the
-tracker counts tensors, not allocator blocks). Categories (plan <- tracker): params <-
+tracker counts tensors, not allocator blocks); with offload, plus the host bytes the plan
+books (params, gradients and optimizer state offloaded): on a CPU-only run the "device" and
+the host are the same memory, so only their sum is compared there. Categories (plan <- tracker): params <-
 SHARDED_PARAM (PARAM without FSDP); optimizer <- OPT; grads <- SHARDED_GRAD + UNSHARDED_GRAD
 (GRAD); activations <- ACT + TEMP + INP; buffers (less fragmentation) <- UNSHARDED_PARAM +
 ALL_GATHER + REDUCE_SCATTER + BUFFER. A category is the value at each side's own peak
@@ -112,21 +114,39 @@ def fake_lowering():
     """What of the lowering cannot read a fake tensor's data, run on real tensors or
     answered without the data (the module docstring's list); undone on exit."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     import autopar.lower.materialize as materialize
     import autopar.lower.mesh as mesh
 
-    init_device_mesh, still_sentinel = mesh.init_device_mesh, materialize._still_sentinel
+    def on_real_tensors(fn):
+        def run(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return run
+    def local_vote(self, stages, has_backward, p2p_done):
+        # the pipeline's warm-up vote (static or dynamic shapes) multiplies every stage's
+        # vote, received over the process group: a fake group receives nothing (a 0 vote),
+        # so each stage keeps the vote of this rank's stages
+        static = all(not InferenceMode.needs_dynamic(s._user_meta, has_backward) for s in stages)
+        for s in stages:
+            s._inference_mode = InferenceMode.STATIC if static else InferenceMode.DYNAMIC
 
-    def real_mesh(*args, **kwargs):
-        with unset_fake_temporarily():
-            return init_device_mesh(*args, **kwargs)
-    mesh.init_device_mesh = real_mesh
-    materialize._still_sentinel = lambda b: False
+    # every DeviceMesh (autopar's, and those FSDP2 concatenates for 2-D dp x tp sharding)
+    patches = [(mesh, "init_device_mesh", on_real_tensors(mesh.init_device_mesh)),
+               (DeviceMesh, "__init__", on_real_tensors(DeviceMesh.__init__)),
+               (materialize, "_still_sentinel", lambda b: False),
+               (_PipelineSchedule, "_warmup_p2p", local_vote)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        mesh.init_device_mesh, materialize._still_sentinel = init_device_mesh, still_sentinel
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def track(name: str, plan_dict: dict, rank: int) -> dict:
@@ -174,6 +194,10 @@ def compare(plan: dict, pp_rank: int, tracked: dict) -> dict:
     predicted = {c: breakdown.get(c, 0.0) - (frag if c == "buffers" else 0.0) for c in CATEGORIES}
     measured = {c: sum(tracked.get(k, 0.0) for k in TRACKED_AS[c]) for c in CATEGORIES}
     total_p = plan["predicted"]["peak_memory_bytes"][pp_rank] - frag
+    host = breakdown.get("host", 0.0)
+    if host:  # offloaded states: on a CPU-only run the host and the device are one device
+        total_p += host
+        predicted["host"] = host
     total_t = tracked["Total"]
     return {"predicted_bytes": total_p, "tracked_bytes": total_t, "error": total_p / total_t - 1,
             "predicted": predicted, "measured": measured,
@@ -197,7 +221,7 @@ def run_case(name: str, out: str) -> list[dict]:
             # each rank in its own process: one fake process group per process
             proc = subprocess.run([sys.executable, __file__, "--track", str(path), "--case", name,
                                    "--rank", str(rank)], capture_output=True, text=True, timeout=1800)
-            row = {"case": name, "rank": rank, "pp_rank": pp_rank}
+            row = {"case": name, "rank": rank, "pp_rank": pp_rank, "total_params": plan["model"]["total_params"]}
             if proc.returncode != 0:
                 row["failure"] = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
                 print(f"{name} rank {rank}: {row['failure']}", file=sys.stderr, flush=True)
