@@ -20,3 +20,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def benchmark_rows(script: str, cases: list[str], out: Path, timeout: int = 1500) -> list[dict]:
+    """`python3 benchmarks/<script> --cases ... --out out`: its rows, in the cases' order
+    (the benchmark's stderr shown when it fails)."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--cases", ",".join(cases), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(Path(f"{out}.json").read_text())["rows"]
+    assert list(dict.fromkeys(r["case"] for r in rows)) == cases
+    return rows

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, benchmark_rows
 
 from cost_models import comm as C
 from cost_models.compute import op_times
@@ -471,11 +471,7 @@ def test_memory_tracker_benchmark_agrees_with_fsdp_mem_tracker(tmp_path):
              "llama3_70b_l2_s4096_z2_full", "llama3_70b_l2_s4096_z3_none", "llama3_70b_l2_s4096_z3_selective",
              "gpt3_6.7b_l4_s2048_z2_selective", "gpt3_6.7b_l4_s2048_z3_full",
              "llama3_8b_l4_s2048_z3_none_fp32reduce"]
-    proc = subprocess.run([sys.executable, "benchmarks/memory_tracker.py", "--cases", ",".join(cases),
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
-    assert [r["case"] for r in rows] == cases
+    rows = benchmark_rows("memory_tracker.py", cases, out)
     for row in rows:
         assert row["tracked_bytes"] > 3.5 * 2 ** 30  # a real-size rank, not a toy
         assert abs(row["error"]) < 0.05, (row["case"], row["error"])

@@ -1,12 +1,8 @@
 """The memory of the program autopar's own lowering builds against the plan (issue 35, item 3)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from conftest import ROOT
+from conftest import benchmark_rows
 
 
 @pytest.mark.slow
@@ -21,11 +17,8 @@ def test_lowered_program_memory_agrees_with_the_plan(tmp_path):
     The committed table has every layout."""
     out = tmp_path / "ml"
     cases = ["llama3_8b_l4_s2048_dp8_z3_none", "llama3_8b_l4_s2048_dp8_z2_none", "llama3_8b_l4_s2048_dp8_z3_full"]
-    proc = subprocess.run([sys.executable, "benchmarks/memory_lowered.py", "--cases", ",".join(cases),
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "ml.json").read_text())["rows"]
-    assert [r["case"] for r in rows] == cases
+    rows = benchmark_rows("memory_lowered.py", cases, out, timeout=900)
+    assert [r["case"] for r in rows] == cases  # one rank each (dp only)
     for row in rows:
         assert "error" in row, row.get("failure")
         assert row["wrapper"] == "FSDP2"
