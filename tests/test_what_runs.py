@@ -86,6 +86,32 @@ def test_planner_offers_no_layout_the_lowering_refuses_and_says_why():
         autopar.plan(model, "cpu:1", inputs, global_batch_size=8, precision="fp32", constraints={"tp": 2})
 
 
+T5_FILE = """import torch, transformers
+def build_model():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0))
+def example_inputs(b):
+    return (torch.ones(b, 8, dtype=torch.long),) * 3
+"""
+
+
+def test_the_cli_offers_no_tp_the_lowering_cannot_run(tmp_path, capsys):
+    """Guards the mutation 'the CLI planning without the lowering check' (issue 35 item 4f:
+    commands/common.py passing check_lowering=limits to the planner). `autopar plan` builds
+    the model on the meta device; T5's blocks cannot run split over tp 2 (as the test above
+    finds on a CPU-built T5), so a pinned --tp 2 is refused with that reason rather than
+    planned. (Before this test the check on a meta-built model let T5's split through: its
+    split blocks now run on CPU fake tensors, as a CPU-built model's do.)"""
+    from autopar.cli import main
+
+    (tmp_path / "t5_tiny.py").write_text(T5_FILE)
+    code = main(["plan", str(tmp_path / "t5_tiny.py"), "--gpus", "2", "--device", "cpu", "--batch-size", "8",
+                 "--precision", "fp32", "--tp", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lowering cannot run it" in err and "cannot run split over tp=2" in err, err[-2000:]
+
+
 def test_limits_inside_a_process_group_are_those_of_a_fresh_process():
     from torch.testing._internal.distributed.fake_pg import FakeStore
     model, inputs = _llama()

@@ -139,6 +139,11 @@ def _fake_group(name: str, ranks: list[int]):
         _unregister_process_group(name)
 
 
+def _fake_on(t: torch.Tensor, device) -> torch.Tensor:
+    """A tensor of `t`'s shape, strides, dtype and grad flag on `device` (fake under FakeTensorMode)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+
+
 def _empty_copy(block: nn.Module, device) -> nn.Module:
     """The block with empty parameters and buffers on `device` (fake tensors
     when called under FakeTensorMode): real weights are never copied."""
@@ -193,14 +198,22 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, e
     on local tensors instead, as in the real step; only their local run is
     in bf16 here (tp_experts._low: values are not read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_flatten
+    from torch.utils._pytree import tree_flatten, tree_map_only
 
     from autopar.lower import tensor_parallel
 
     args, kwargs = inputs
     device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
     with FakeTensorMode(allow_non_fake_inputs=True), _index_math_on_real_tensors():
-        blk = _empty_copy(block, device or "cpu")
+        if device is None or device.type == "meta":
+            # A meta-built model (the CLI's) runs on fake CPU tensors as a CPU-built one does:
+            # DTensor on meta tensors let through what fails there (T5's attention output,
+            # viewed across its head split), so the CLI offered a split the check refuses
+            # to the same model built on the CPU.
+            device = torch.device("cpu")
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: _fake_on(t, device) if t.is_meta else t,
+                                         (args, kwargs))
+        blk = _empty_copy(block, device)
         if sequence_parallel and not ends:
             # A block inside its stack receives the previous block's sequence
             # shard (dim 1) and hands on its own: give it this rank's shard.
