@@ -205,15 +205,16 @@ def _run_split_block(block, block_plan, inputs, mesh, sequence_parallel: bool, e
     args, kwargs = inputs
     device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
     with FakeTensorMode(allow_non_fake_inputs=True), _index_math_on_real_tensors():
-        if device is None or device.type == "meta":
+        if (device is None or device.type == "meta") and mesh.device_type == "cpu":
             # A meta-built model (the CLI's) runs on fake CPU tensors as a CPU-built one does:
             # DTensor on meta tensors let through what fails there (T5's attention output,
             # viewed across its head split), so the CLI offered a split the check refuses
-            # to the same model built on the CPU.
+            # to the same model built on the CPU. (A GPU mesh keeps meta tensors: DTensor
+            # would move CPU weights to the mesh's device, away from the inputs.)
             device = torch.device("cpu")
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _fake_on(t, device) if t.is_meta else t,
                                          (args, kwargs))
-        blk = _empty_copy(block, device)
+        blk = _empty_copy(block, device or "cpu")
         if sequence_parallel and not ends:
             # A block inside its stack receives the previous block's sequence
             # shard (dim 1) and hands on its own: give it this rank's shard.
