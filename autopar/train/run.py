@@ -36,6 +36,8 @@ from autopar.train.schedule import DECAYS, lr_scheduler
 
 
 def parser(description: str = "train with the layout autopar planned") -> argparse.ArgumentParser:
+    # One piece over 80 lines: the job's whole command line, group by group, is what
+    # `train.py --help` prints; split up it would only scatter the flags.
     ap = argparse.ArgumentParser(description=description)
     data = ap.add_argument_group("data")
     source, held_out = data.add_mutually_exclusive_group(), data.add_mutually_exclusive_group()
