@@ -326,13 +326,13 @@ def write(rows: list, out: str, every: bool) -> None:
               "order); the gradient metadata a stage receives is that of its own outputs (the next stage's input "
               "gradients)."]
     lines += ["", "What disagrees, and why (tracked categories in benchmarks/results/memory_lowered.json):",
-              "- Several micro-batches a step with FSDP2 (the `_2mb` dp case, the pipeline): the lowering turns "
-              "gradient sync off for all but the last micro-batch (`set_requires_gradient_sync`, in "
-              "`ParallelModel._accumulate` and in torch's pipeline schedules), so FSDP2 keeps every layer's "
-              "unsharded gradient until the step's last backward (UNSHARDED_GRAD 3.58 GiB on the `_2mb` rank, "
-              "2.20 / 1.39 GiB on the pipeline ranks); the plan books gradients sharded over dp (0.90 GiB). "
-              "Either the lowering reduce-scatters every micro-batch under ZeRO-2/3 or the cost model books "
-              "unsharded gradients when it accumulates.",
+              "- Pipelines with FSDP2: torch's schedules turn gradient sync and reshard-after-backward off for "
+              "all but the last micro-batch (`backward_maybe_with_nosync`), so a stage keeps every layer's "
+              "unsharded gradient until the step's last backward (UNSHARDED_GRAD 2.20 / 1.39 GiB on the pipeline "
+              "ranks); the plan books gradients sharded over dp. Not priced yet. The `_2mb` dp case was -25.6% "
+              "for the same reason (UNSHARDED_GRAD 3.58 GiB) until `ParallelModel._accumulate` kept FSDP2's "
+              "gradient sync on for every micro-batch (reduce-scatters priced m times: "
+              "Layout.grads_reduced_per_micro_batch).",
               "- dp 2 x tp 4: the tracked peak is in the backward (embedding and head gradients unsharded, "
               "0.98 GiB, with 0.61 GiB of temporaries); the plan's peak is the optimizer step's.",
               "- Offload: on a CPU-only run the host and the device are one memory; only their sum is compared.",

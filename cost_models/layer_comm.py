@@ -21,7 +21,7 @@ from cost_models import comm as C
 from cost_models.compute import fast
 from cost_models.float8 import amax_all_reduces
 from cost_models.overlap import (all_reduce_exposed, fsdp_exposed, gradient_window_share, prefetch_exposed,
-                                 sharded_optimizer_exposed, tp_overlapped)
+                                 sharded_optimizer_exposed, sharded_optimizer_per_micro_batch_exposed, tp_overlapped)
 from cost_models.workload import LayerSpec
 
 
@@ -142,17 +142,23 @@ def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float) -> N
 
 
 def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout, cluster, fwd_s: float,
-                       bwd_window: float) -> None:
+                       bwd_window: float, per_micro_batch: bool) -> None:
     rs = C.collective_time("reduce_scatter", full_grads, dp.place, cluster)
     ag = C.collective_time("all_gather", full_params, dp.place, cluster)
     frac = (layout.dp - 1) / layout.dp
-    dp.collectives += [("reduce_scatter", full_grads * frac, rs), ("all_gather", full_params * frac, ag)]
-    dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(
-        rs, ag, fwd_s, bwd_window, gradient_window_share(layout), cluster.device_profile, dp.place, cluster)
+    m = layout.num_micro_batches if per_micro_batch else 1
+    dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs), ("all_gather", full_params * frac, ag)]
+    device, share = cluster.device_profile, gradient_window_share(layout)
+    if m == 1:
+        dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(rs, ag, fwd_s, bwd_window, share, device,
+                                                                       dp.place, cluster)
+        return
+    dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = sharded_optimizer_per_micro_batch_exposed(
+        rs, ag, fwd_s, bwd_window, share, m, device, dp.place, cluster)
 
 
 def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, layout, cluster, fwd_s: float,
-          bwd_window: float) -> None:
+          bwd_window: float, per_micro_batch: bool) -> None:
     # FSDP2 copies a unit's shards into the all-gather buffer (on the gather's stream,
     # priced with the collective) and out of it into the unsharded parameters (on
     # the compute stream: exposed), and the gradients into the reduce-scatter buffer.
@@ -174,10 +180,11 @@ def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, l
     rs = max(0.0, C.collective_time("reduce_scatter", full_grads, dp.place, cluster) + rs_extra)
     frac = (layout.dp - 1) / layout.dp
     m = layout.num_micro_batches
+    reduces = m if per_micro_batch else 1
     dp.collectives += [("all_gather", 2 * m * full_params * frac, 2 * m * ag),
-                       ("reduce_scatter", full_grads * frac, rs)]
+                       ("reduce_scatter", reduces * full_grads * frac, reduces * rs)]
     dp.fwd_exposed_s, dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = fsdp_exposed(
-        ag, rs, copy_out, fwd_s, bwd_window, m, device, dp.place, cluster)
+        ag, rs, copy_out, fwd_s, bwd_window, m, device, dp.place, cluster, rs_per_micro_batch=per_micro_batch)
 
 
 def _fsdp_one_rank(dp: DpComm, layer: LayerSpec, params_local: float, device) -> None:
@@ -212,12 +219,14 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
         # FSDP2 (zero >= 2) gathers float8 weights in float8; ZeroRedundancyOptimizer (zero 1,
         # beside DDP) all-gathers the parameters as held
         saved = min(float8_params, params_local) * max(0.0, p_bytes - 1) if zero >= 2 else 0.0
+        # Layout.grads_reduced_per_micro_batch: FSDP2 units (ZeRO >= 2) reduce every micro-batch
+        per_mb = layout.grads_reduced_per_micro_batch and zero >= 2 and layout.num_micro_batches > 1
         if zero == 0:
             _ddp(dp, full_grads, layout, cluster, bwd_window)
         elif zero in (1, 2):
-            _sharded_optimizer(dp, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window)
+            _sharded_optimizer(dp, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
         else:
-            _fsdp(dp, layer, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window)
+            _fsdp(dp, layer, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
     if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         _fsdp_one_rank(dp, layer, params_local, device)
     if offload == "params":

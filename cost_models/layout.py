@@ -66,6 +66,12 @@ class Layout:
     # cover, and the GEMM loses the SMs the overlap takes (cost_models/overlap.py: tp_overlapped).
     # autopar lowers plain DTensor collectives, so its own plans leave this False.
     tp_comm_overlap: bool = False
+    # Under gradient accumulation, FSDP2 units (ZeRO >= 2) reduce-scatter each micro-batch's
+    # gradients under that micro-batch's backward (torchtitan, DeepSpeed ZeRO-2/3, and
+    # autopar's lowering at pp = 1): the gradients stay sharded, as memory.py books them,
+    # and the reduce-scatter runs m times. False: once, after the last micro-batch
+    # (Megatron's distributed optimizer, which holds whole gradient buffers until then).
+    grads_reduced_per_micro_batch: bool = False
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property

@@ -72,14 +72,32 @@ def sharded_optimizer_exposed(rs_s: float, ag_s: float, fwd_s: float, bwd_window
     return rs_exp + ag_exp + contention, contention
 
 
+def sharded_optimizer_per_micro_batch_exposed(rs_s: float, ag_s: float, fwd_s: float, bwd_window_s: float,
+                                              share: float, m: int, device, place, cluster):
+    """ZeRO-2 under FSDP2 with the gradients reduced every micro-batch
+    (Layout.grads_reduced_per_micro_batch): (exposed seconds per backward, per step,
+    contention seconds per step). Each reduce-scatter hides under its own backward,
+    the updated parameters gather once under the next forward."""
+    rs_exp, ag_exp = exposed(rs_s, share * bwd_window_s, device), exposed(ag_s, share * fwd_s, device)
+    rs_cont, ag_cont = C.contention_s(rs_s - rs_exp, place, cluster), C.contention_s(ag_s - ag_exp, place, cluster)
+    return rs_exp + rs_cont, ag_exp + ag_cont, m * rs_cont + ag_cont
+
+
 def fsdp_exposed(ag_s: float, rs_s: float, copy_out_s: float, fwd_s: float, bwd_window_s: float, m: int, device,
-                 place, cluster):
+                 place, cluster, rs_per_micro_batch: bool = False):
     """ZeRO-3 (FSDP): (forward, backward per micro-batch, step) exposed seconds and the
     step's contention seconds. Each micro-batch's prefetched all-gathers hide under its
     forward and again its backward, and slow what they hide under; the step's one
     reduce-scatter shares the last backward's window with that backward's all-gather.
     The copy out of the all-gather buffer runs on the compute stream: exposed."""
     fwd_exp = exposed(ag_s, C.FSDP_PREFETCH_OVERLAP * fwd_s, device)
+    if rs_per_micro_batch:
+        # every backward holds its all-gathers and its own reduce-scatter (Layout.grads_reduced_per_micro_batch)
+        bwd_exp = exposed(ag_s + rs_s, C.FSDP_PREFETCH_OVERLAP * bwd_window_s, device)
+        fwd_cont = C.contention_s(ag_s - fwd_exp, place, cluster)
+        bwd_cont = C.contention_s(ag_s + rs_s - bwd_exp, place, cluster)
+        return (max(0.0, fwd_exp + fwd_cont + copy_out_s), max(0.0, bwd_exp + bwd_cont + copy_out_s), 0.0,
+                m * (fwd_cont + bwd_cont))
     bwd_exp = exposed(ag_s, C.FSDP_PREFETCH_OVERLAP * bwd_window_s, device)
     # the reduce-scatter shares the last backward's window with the all-gather
     step_exp = max(0.0, exposed(ag_s + rs_s, C.FSDP_PREFETCH_OVERLAP * bwd_window_s, device) - bwd_exp)

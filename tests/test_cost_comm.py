@@ -72,6 +72,37 @@ def test_zero3_traffic_is_1_5x_zero2():
     assert vol[3] / vol[2] == pytest.approx(1.5)
 
 
+def test_fsdp_units_reduce_every_micro_batch_when_the_lowering_does():
+    """Under gradient accumulation autopar's FSDP2 units reduce-scatter each micro-batch's
+    gradients (ParallelModel._accumulate, as torchtitan; they stay sharded, as memory.py
+    books them): Layout.grads_reduced_per_micro_batch prices m reduce-scatters, each under
+    its own backward, where Megatron's distributed optimizer (the field off) reduces once.
+    candidate_layout sets it for autopar's program at pp = 1 and dp > 1 only."""
+    from autopar.engine import ENGINES
+    from autopar.solve.layout import candidate_layout
+    from autopar.solve.search_space import Candidate
+
+    model = gpt("g", hidden=4096, heads=32, layers=4, seq_len=2048, vocab_size=51200)
+    layer, c, m = model.layers[1], ClusterSpec.preset("dgx-h100", nodes=4), 4
+    for zero in (2, 3):
+        cost = {flag: layer_cost(layer, model, Layout(dp=32, micro_batch_size=1, num_micro_batches=m,
+                                                      grads_reduced_per_micro_batch=flag), c, zero=zero)
+                for flag in (False, True)}
+        rs = {flag: sum(b for kind, b, _ in cost[flag].dp_collectives if kind == "reduce_scatter") for flag in cost}
+        assert rs[True] == pytest.approx(m * rs[False]) and rs[False] > 0
+        assert cost[True].dp_step_exposed_s <= cost[False].dp_step_exposed_s  # none left for the step's end
+    one = Layout(dp=32, micro_batch_size=1, num_micro_batches=1, grads_reduced_per_micro_batch=True)
+    assert layer_cost(layer, model, one, c, zero=3).dp_collectives == \
+        layer_cost(layer, model, Layout(dp=32, micro_batch_size=1, num_micro_batches=1), c, zero=3).dp_collectives
+    cand = dict(micro_batch_size=1, num_micro_batches=m, schedule="accumulate")
+    assert candidate_layout(Candidate(pp=1, dp=32, tp=1, **cand)).grads_reduced_per_micro_batch
+    assert not candidate_layout(Candidate(pp=1, dp=1, tp=1, **cand)).grads_reduced_per_micro_batch
+    assert not candidate_layout(Candidate(pp=2, dp=16, tp=1, micro_batch_size=1, num_micro_batches=m,
+                                          schedule="1f1b")).grads_reduced_per_micro_batch
+    assert not candidate_layout(Candidate(pp=1, dp=32, tp=1, **cand),
+                                engine=ENGINES["megatron"]).grads_reduced_per_micro_batch
+
+
 def test_tp_traffic_is_megatrons_four_all_reduces_per_block():
     """Guards the mutation 'the all-reduce factor halved' in the bytes a tp group moves
     (issue 35 item 4h; the all-reduce's time is test_ring_formulas_are_nccl_tests'): a GPT

@@ -274,8 +274,14 @@ class ParallelModel:
         tchunks = targets.tensor_split(n)
         stage = self.stages[0]
         total = torch.zeros((), device=self.device)
+        # DDP (replicate), and FSDP2 on one rank, reduce whole gradients once, after the last
+        # micro-batch. FSDP2 over dp ranks reduce-scatters every micro-batch's (as torchtitan):
+        # with sync off it would hold every unit's unsharded gradient until the last backward,
+        # memory the plan does not book (Layout.grads_reduced_per_micro_batch, priced m times;
+        # benchmarks/memory_lowered.py measured it)
+        once = self._replicated or (self._fsdp and self.plan.mesh.dp == 1)
         for i in range(n):
-            if self._fsdp or self._replicated:  # sync gradients once, after the last micro-batch
+            if once:
                 stage.set_requires_gradient_sync(i == n - 1)
             loss = self.loss_fn(stage(*(c[i] for c in chunks)), tchunks[i])
             scaled = loss if self.grad_scaler is None else self.grad_scaler.scale_loss(loss)
