@@ -112,9 +112,9 @@ def write_export(plan, graph, target: str, path: str | None, *, clip: float = DE
     path = path or TARGETS[target][1]
     if graph is not None:
         plan = with_shape(plan, graph)
-    result, priced = export(plan, target, clip), None
-    if graph is not None:
         result, priced = _fastest_fitting(plan, graph, target, clip)
+    else:
+        result, priced = export(plan, target, clip), None
     with open(path, "w", encoding="utf-8") as f:
         f.write(result.text)
     print(f"wrote {path}: {result.target} config of {plan.model.get('name') or 'the model'}: {result.summary}",

@@ -55,7 +55,7 @@ def config(near) -> dict:
             "fsdp_activation_checkpointing": common.checkpoint_mode(near) != "none",
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": True}
-    if fsdp:  # the mesh said explicitly (accelerate reads it with FSDP2 only)
+        # the mesh said explicitly (accelerate reads it with FSDP2 only)
         cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1,
                                      "parallelism_config_dp_shard_size": m.dp,
                                      "parallelism_config_tp_size": m.tp, "parallelism_config_cp_size": 1}

@@ -57,7 +57,7 @@ def describe(plan: Plan) -> str:
         parts.append(f"{what} {'/'.join(str(v) for v in values)}")
     if plan.sequence_parallel:
         parts.append("sequence parallel")
-    if any(c.float8 for c in plan.layer_choices):
+    if has_float8(plan):
         parts.append("float8")
     return ", ".join(parts)
 
