@@ -306,15 +306,21 @@ def _train(args, model_spec: str, plan_path: str) -> int:
     return 0
 
 
+def _not_whole_micro_batches(plan, size: int) -> str | None:
+    """Why a global batch of `size` is no whole number of the plan's micro-batches on every dp rank."""
+    quantum = plan.micro_batch_size * plan.mesh.dp
+    if size >= 1 and size % quantum == 0:
+        return None
+    return (f"the plan's layout runs whole micro-batches of {plan.micro_batch_size} on each of its {plan.mesh.dp} "
+            f"data-parallel ranks, so the global batch must be a multiple of {quantum}")
+
+
 def _final_batch_refusal(plan, size: int, batch_norms: list[str]) -> str | None:
     """Why the plan's layout cannot run a global batch of `size` (None: it can)."""
     from autopar.lower.parallel_model import runtime_batch_refusal
 
     quantum = plan.micro_batch_size * plan.mesh.dp
-    if size % quantum:
-        return (f"its layout runs whole micro-batches of {plan.micro_batch_size} on each of its {plan.mesh.dp} "
-                f"data-parallel ranks (multiples of {quantum})")
-    return runtime_batch_refusal(plan, size // quantum, batch_norms)
+    return _not_whole_micro_batches(plan, size) or runtime_batch_refusal(plan, size // quantum, batch_norms)
 
 
 def _plan_for_batch(args, loaded, plan, plan_path: str, *, shared: bool):
@@ -379,10 +385,9 @@ def _batch_sizes(args, plan, batch_norms: list[str]) -> BatchSizes:
     quantum = plan.micro_batch_size * plan.mesh.dp
     fix = (f"re-plan for it: autopar compile MODEL --batch-size {final} (plus the flags you planned with), "
            f"or pick a multiple of {quantum}")
-    if final < 1 or final % quantum:
-        raise AutoparError(f"--batch-size {final}: the plan's layout runs whole micro-batches of "
-                           f"{plan.micro_batch_size} on each of its {plan.mesh.dp} data-parallel ranks, so the global "
-                           f"batch must be a multiple of {quantum}", hint=fix)
+    not_whole = _not_whole_micro_batches(plan, final)
+    if not_whole:
+        raise AutoparError(f"--batch-size {final}: {not_whole}", hint=fix)
     start, steps = None, 0
     if args.batch_ramp:
         try:
