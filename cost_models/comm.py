@@ -16,7 +16,10 @@ and, for groups that span nodes, a double-binary tree all-reduce, t = 2 S / B +
 faster, so do we. Inside one node NCCL runs rings (trees span nodes).
 
 Placement: mesh axes are laid out tp innermost, then dp, then pp, and ranks
-are numbered node-major (ranks 0..g-1 on node 0). A group inside one node
+are numbered node-major (ranks 0..g-1 on node 0). Under HSDP the dp axis is
+dp_replicate x dp_shard with the shard group inner: a shard group is dp_shard
+neighbouring tp slabs (one node when dp_shard x tp <= GPUs per node), a
+replicate group strides over them (one member per shard group, across nodes). A group inside one node
 runs at the intra-node link's bus bandwidth. A group that spans nodes pays
 the network: each GPU has its own NIC (one rail per GPU, as in DGX / HGX
 nodes), so a group with r members per node drives r rails at once and its
@@ -48,10 +51,13 @@ class GroupPlacement:
         return "intra_node" if self.nodes_spanned <= 1 else "inter_node"
 
 
+AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate")
+
+
 @lru_cache(maxsize=4096)
-def _placement(axis: str, tp: int, dp: int, pp: int, gpus_per_node: int) -> GroupPlacement:
-    stride = {"tp": 1, "dp": tp, "pp": tp * dp}[axis]
-    size = {"tp": tp, "dp": dp, "pp": pp}[axis]
+def _placement(axis: str, tp: int, dp: int, pp: int, gpus_per_node: int, shard: int) -> GroupPlacement:
+    stride = {"tp": 1, "dp": tp, "pp": tp * dp, "dp_shard": tp, "dp_replicate": tp * shard}[axis]
+    size = {"tp": tp, "dp": dp, "pp": pp, "dp_shard": shard, "dp_replicate": dp // shard}[axis]
     ranks = [i * stride for i in range(size)]  # the group of rank 0; others are translates
     nodes: dict[int, int] = {}
     for r in ranks:
@@ -59,10 +65,13 @@ def _placement(axis: str, tp: int, dp: int, pp: int, gpus_per_node: int) -> Grou
     return GroupPlacement(axis, size, len(nodes), max(nodes.values()))
 
 
-def group_placement(axis: str, tp: int, dp: int, pp: int, cluster: ClusterSpec) -> GroupPlacement:
-    if axis not in ("tp", "dp", "pp"):
-        raise CostModelError(f"unknown mesh axis '{axis}' (tp, dp, pp)")
-    return _placement(axis, tp, dp, pp, cluster.gpus_per_node)
+def group_placement(axis: str, tp: int, dp: int, pp: int, cluster: ClusterSpec,
+                    dp_shard: int | None = None) -> GroupPlacement:
+    """Where rank 0's group of `axis` lands; `dp_shard` (HSDP's shard group size, None:
+    the whole dp) places the dp_shard and dp_replicate groups."""
+    if axis not in AXES:
+        raise CostModelError(f"unknown mesh axis '{axis}' ({', '.join(AXES)})")
+    return _placement(axis, tp, dp, pp, cluster.gpus_per_node, dp_shard or dp)
 
 
 def bus_bandwidth(place: GroupPlacement, cluster: ClusterSpec) -> tuple[float, float]:

@@ -160,17 +160,7 @@ def _comm_rows(model: ModelSpec, layout: Layout, cluster: ClusterSpec, costs: li
         comm.append({"axis": "tp", "collective": label, "bytes": nbytes, "time_s": t, "exposed_s": t,
                      "tier": tp_place.tier})
     if layout.dp > 1:
-        dp_place = C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster)
-        by_kind: dict = {}
-        for j in idx:
-            for kind, nbytes, t in costs[j].dp_collectives:
-                e = by_kind.setdefault(kind, [0.0, 0.0])
-                e[0] += nbytes
-                e[1] += t
-        total_t = sum(t for _, t in by_kind.values()) or 1.0
-        for kind, (nbytes, t) in sorted(by_kind.items()):
-            comm.append({"axis": "dp", "collective": kind, "bytes": nbytes, "time_s": t,
-                         "exposed_s": dp_exposed_s * t / total_t, "tier": dp_place.tier})
+        comm += _dp_rows(layout, cluster, costs, idx, dp_exposed_s)
     if pp > 1:
         b, s1, bounds = layout.micro_batch_size, model.seq_len or 1, pipe.bounds
         nbytes = 2 * m * sum(fast(layers[bounds[i + 1] - 1].output_bytes)(b, s1) * byte_scale
@@ -178,6 +168,27 @@ def _comm_rows(model: ModelSpec, layout: Layout, cluster: ClusterSpec, costs: li
         comm.append({"axis": "pp", "collective": "p2p", "bytes": nbytes, "time_s": m * st.p2p_s,
                      "exposed_s": st.pp_exposed_s, "tier": "intra_node" if pipe.same_node else pipe.place.tier})
     return comm
+
+
+def _dp_rows(layout: Layout, cluster: ClusterSpec, costs: list, idx, dp_exposed_s: float) -> list:
+    """The dp axis's rows, one per collective kind. Under HSDP the gathers and
+    reduce-scatters run over the dp_shard group and the gradient shards' all-reduce over
+    dp_replicate: each row says its own group and the links it crosses."""
+    place = {axis: C.group_placement(axis, layout.tp, layout.dp, layout.pp, cluster, layout.dp_shard)
+             for axis in ("dp", "dp_shard", "dp_replicate")}
+    by_kind: dict = {}
+    for j in idx:
+        for kind, nbytes, t in costs[j].dp_collectives:
+            e = by_kind.setdefault(kind, [0.0, 0.0])
+            e[0] += nbytes
+            e[1] += t
+    total_t = sum(t for _, t in by_kind.values()) or 1.0
+    rows = []
+    for kind, (nbytes, t) in sorted(by_kind.items()):
+        axis = ("dp_replicate" if kind == "all_reduce" else "dp_shard") if layout.hsdp else "dp"
+        rows.append({"axis": axis, "collective": kind, "bytes": nbytes, "time_s": t,
+                     "exposed_s": dp_exposed_s * t / total_t, "tier": place[axis].tier})
+    return rows
 
 
 def _per_stage(layers: list, costs: list, pipe: Pipeline, pp: int, peaks: list) -> list:

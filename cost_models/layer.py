@@ -134,7 +134,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
     float8_params = weight_elements(layer, b, seq, tp) if float8 and layout.tp == 1 else 0.0
     dp = dp_comm(layer, layout, cluster, zero, offload, params_local, state_bytes, fwd_s, bwd_s + recompute_s,
                  float8_params)
-    opt_params = params_local / (layout.dp if zero >= 1 else 1)
+    opt_params = params_local / (layout.shard_ranks if zero >= 1 else 1)
     m = layout.num_micro_batches
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tpc.fwd_s + tpc.bwd_s,
@@ -150,5 +150,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
         optimizer_temp_bytes=optimizer_temp_bytes(layout, device, opt_params, offload),
         loss_grad_bytes=loss_grad_bytes(layer, b, s1, byte_scale, tp),
         model_flops=3 * fast(layer.fwd_flops)(b, s1) / tp, recompute_flops=recompute_flops,
-        dp_collectives=tuple(dp.collectives), tier={"tp": tpc.place.tier, "dp": dp.place.tier}, float8=float8,
+        dp_collectives=tuple(dp.collectives), tier={"tp": tpc.place.tier, "dp": dp.place.tier,
+                                                      **({"dp_replicate": dp.replica_place.tier}
+                                                         if dp.replica_place else {})}, float8=float8,
     )

@@ -6,6 +6,7 @@ how many bytes each moves and how long it takes on its group's links.
 - data parallel, per ZeRO level: DDP's gradient all-reduce, ZeRO-1/2's
   reduce-scatter and all-gather, FSDP's per-micro-batch all-gathers and
   per-step reduce-scatter, with the copies in and out of their buffers;
+  HSDP's all-reduce of the gradient shards across replicas;
   FSDP2 on one rank (its casts and hooks); BatchNorm statistics kept global;
   offloaded parameters coming up from the host.
 
@@ -128,6 +129,7 @@ class DpComm:
     bwd_exposed_s: float = 0.0
     step_exposed_s: float = 0.0
     contention_s: float = 0.0
+    replica_place: C.GroupPlacement | None = None  # HSDP: the group its gradient shards are all-reduced over
 
 
 def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float) -> None:
@@ -145,7 +147,7 @@ def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout
                        bwd_window: float, per_micro_batch: bool) -> None:
     rs = C.collective_time("reduce_scatter", full_grads, dp.place, cluster)
     ag = C.collective_time("all_gather", full_params, dp.place, cluster)
-    frac = (layout.dp - 1) / layout.dp
+    frac = (layout.shard_ranks - 1) / layout.shard_ranks
     m = layout.num_micro_batches if per_micro_batch else 1
     dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs), ("all_gather", full_params * frac, ag)]
     device, share = cluster.device_profile, gradient_window_share(layout)
@@ -174,17 +176,39 @@ def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, l
         copy_in, rs_extra = 0.0, reduce_s - C.collective_time("reduce_scatter", full_grads, timed, cluster)
         copy_out = gather_s - C.collective_time("all_gather", full_params, timed, cluster)
     else:
-        copy_in, copy_out = copy_s(2 * full_params / layout.dp, device), copy_s(2 * full_params, device)
+        copy_in, copy_out = copy_s(2 * full_params / layout.shard_ranks, device), copy_s(2 * full_params, device)
         rs_extra = copy_s(2 * full_grads, device)
     ag = C.collective_time("all_gather", full_params, dp.place, cluster) + copy_in
     rs = max(0.0, C.collective_time("reduce_scatter", full_grads, dp.place, cluster) + rs_extra)
-    frac = (layout.dp - 1) / layout.dp
+    frac = (layout.shard_ranks - 1) / layout.shard_ranks
     m = layout.num_micro_batches
     reduces = m if per_micro_batch else 1
     dp.collectives += [("all_gather", 2 * m * full_params * frac, 2 * m * ag),
                        ("reduce_scatter", reduces * full_grads * frac, reduces * rs)]
     dp.fwd_exposed_s, dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = fsdp_exposed(
         ag, rs, copy_out, fwd_s, bwd_window, m, device, dp.place, cluster, rs_per_micro_batch=per_micro_batch)
+
+
+def _replica_all_reduce(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float) -> None:
+    """HSDP: the all-reduce of each gradient shard (1/dp_shard of the gradients) across the
+    replicas, after the reduce-scatter inside the shard group. This is what torch's FSDP2
+    runs on a 2-D (replicate, shard) mesh (torch.distributed.fsdp.fully_shard docs: "FSDP
+    ... with a 2D mesh ... hybrid sharded data parallel, reduce-scatter then all-reduce";
+    the FSDP paper, Zhao et al. 2023, section 3.2.2 "Hybrid Sharding": reduce-scatter
+    within a shard group, all-reduce across replication groups). Once per step: with
+    gradient accumulation the lowering turns the all-reduce off until the last micro-batch
+    (FSDPModule.set_requires_all_reduce), the pipeline schedules sync only the last. It
+    crosses nodes while the reduce-scatter runs inside one, on other links, so it hides
+    under the last backward as DDP's all-reduce does (its own share of that window)."""
+    place = C.group_placement("dp_replicate", layout.tp, layout.dp, layout.pp, cluster, layout.dp_shard)
+    shard = full_grads / layout.shard_ranks
+    ar = C.collective_time("all_reduce", shard, place, cluster)
+    dp.collectives.append(("all_reduce", 2 * shard * (layout.replicas - 1) / layout.replicas, ar))
+    exposed_s, contention = all_reduce_exposed(ar, bwd_window, gradient_window_share(layout), cluster.device_profile,
+                                               place, cluster)
+    dp.step_exposed_s += exposed_s + contention
+    dp.contention_s += contention
+    dp.replica_place = place
 
 
 def _fsdp_one_rank(dp: DpComm, layer: LayerSpec, params_local: float, device) -> None:
@@ -212,7 +236,10 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
     in float8, one byte each (cost_models/float8.py)."""
     device = cluster.device_profile
     p_bytes, g_bytes, _ = state_bytes
-    dp = DpComm(C.group_placement("dp", layout.tp, layout.dp, layout.pp, cluster))
+    # ZeRO >= 1 under HSDP shards (gathers, reduce-scatters) inside the dp_shard group only
+    hsdp = layout.hsdp and zero >= 1
+    dp = DpComm(C.group_placement("dp_shard" if hsdp else "dp", layout.tp, layout.dp, layout.pp, cluster,
+                                  layout.dp_shard))
     full_params = params_local * p_bytes
     full_grads = params_local * g_bytes
     if layout.dp > 1 and params_local > 0:
@@ -227,11 +254,13 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
             _sharded_optimizer(dp, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
         else:
             _fsdp(dp, layer, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
+        if hsdp:
+            _replica_all_reduce(dp, full_grads, layout, cluster, bwd_window)
     if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         _fsdp_one_rank(dp, layer, params_local, device)
     if offload == "params":
         # sharded params come up from the host for every forward and backward
-        h2d = (params_local / (layout.dp if zero >= 3 else 1)) * p_bytes / cluster.host_link_profile.bus_bandwidth
+        h2d = (params_local / (layout.shard_ranks if zero >= 3 else 1)) * p_bytes / cluster.host_link_profile.bus_bandwidth
         fwd_h2d, bwd_h2d = prefetch_exposed(h2d, fwd_s, bwd_window, device)
         dp.fwd_exposed_s += fwd_h2d
         dp.bwd_exposed_s += bwd_h2d

@@ -2,7 +2,9 @@
 
 Mesh axes are tp (innermost: consecutive ranks, inside a node first), dp,
 then pp (outermost), ranks numbered node-major; `comm.py` derives which tier
-each group's collectives pay from that order. A Layout is what the planner
+each group's collectives pay from that order. Under HSDP (`dp_shard` < dp)
+the dp axis splits into dp_replicate x dp_shard, the shard group inner
+(neighbours: inside a node when dp_shard x tp fits one). A Layout is what the planner
 searches over and what `estimate()` prices; it holds no model or hardware.
 """
 from __future__ import annotations
@@ -72,6 +74,11 @@ class Layout:
     # and the reduce-scatter runs m times. False: once, after the last micro-batch
     # (Megatron's distributed optimizer, which holds whole gradient buffers until then).
     grads_reduced_per_micro_batch: bool = False
+    # HSDP (hybrid sharded data parallelism, FSDP2's fully_shard on a 2-D (replicate, shard)
+    # mesh): ZeRO >= 1 states are sharded over groups of `dp_shard` dp ranks and the
+    # gradient shards all-reduced across the dp / dp_shard replicas. None: one shard group
+    # of the whole dp (plain FSDP / ZeRO), which is what every layout before it meant.
+    dp_shard: int | None = None
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -83,6 +90,20 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @property
+    def shard_ranks(self) -> int:
+        """The dp ranks ZeRO >= 1 states are sharded over (the whole dp unless HSDP)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of the sharded states HSDP keeps (dp / dp_shard; 1 without HSDP)."""
+        return self.dp // self.shard_ranks
+
+    @property
+    def hsdp(self) -> bool:
+        return self.shard_ranks < self.dp
+
+    @property
     def num_stages(self) -> int:
         return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
 
@@ -92,6 +113,9 @@ class Layout:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostModelError(f"layout.{key} must be a positive integer, got {value!r}")
+        if self.dp_shard is not None and (isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int)
+                                          or self.dp_shard < 1 or self.dp % self.dp_shard):
+            raise CostModelError(f"layout.dp_shard must be a positive divisor of dp {self.dp}, got {self.dp_shard!r}")
         checks = (("schedule", SCHEDULES), ("checkpoint", CHECKPOINTS), ("offload", OFFLOADS),
                   ("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("main_grads", MAIN_GRADS))
         for key, allowed in checks:

@@ -122,7 +122,9 @@ def layer_states(params_local: float, layout, zero: int, offload: str) -> tuple[
     """Model states per GPU of one layer's `params_local` parameters (already divided
     by tp), and the (param, gradient, optimizer) bytes per parameter as held."""
     states = model_state_bytes(params_local, precision=layout.precision, optimizer=layout.optimizer, zero=zero,
-                               dp=layout.dp, offload=offload)
+                               dp=layout.shard_ranks, offload=offload)
+    # HSDP shards the states over the dp_shard group only, each replica a full copy (FSDP
+    # paper, Zhao et al. 2023, 3.2.2 "Hybrid Sharding": memory of a sharding factor F)
     p_bytes, g_bytes, k_bytes = state_bytes_per_param(layout.precision, layout.optimizer)
     if fp32_main_grads(layout):  # fp32 main gradients: 4 bytes each where the gradients are held, and reduced in fp32
         states.grads *= 4 / g_bytes
@@ -133,9 +135,9 @@ def layer_states(params_local: float, layout, zero: int, offload: str) -> tuple[
         # the FSDP buffer), and a gradient shard takes its parameter's dtype. 4 + 4 + 8
         # bytes per parameter / dp (FSDPMemTracker: sharded param, sharded grad, optimizer
         # state). DeepSpeed's stage 3 also keeps a 16-bit shard: not modelled.
-        states.params = 4 * params_local / layout.dp
-        states.grads = 4 * params_local / layout.dp
-        states.optimizer = (k_bytes - 4) * params_local / layout.dp
+        states.params = 4 * params_local / layout.shard_ranks
+        states.grads = 4 * params_local / layout.shard_ranks
+        states.optimizer = (k_bytes - 4) * params_local / layout.shard_ranks
     return states, (p_bytes, g_bytes, k_bytes)
 
 

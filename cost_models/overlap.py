@@ -13,6 +13,10 @@ collective gets is decided here:
 - ZeRO-3 (FSDP): every micro-batch's prefetched all-gather under the forward
   and again the backward (FSDP_PREFETCH_OVERLAP of each), the step's
   reduce-scatter beside the last backward's all-gather;
+- HSDP (Layout.dp_shard): the gathers and reduce-scatters as above inside the
+  shard group, and the gradient shards' all-reduce across replicas under the
+  last backward as DDP's (`all_reduce_exposed`): it crosses nodes while the
+  reduce-scatter runs inside one, on other links;
 - a pipeline whose sends block (Megatron, DeepSpeed) reduces after the
   flush: no window;
 - tensor-parallel collectives hide only when they run chunk by chunk under

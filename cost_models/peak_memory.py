@@ -53,7 +53,7 @@ def _model_states(rk: RankLayers) -> tuple[float, float, float]:
         tied = layers[j].attrs.get("tied_param_count", 0) if layers[j].shared_params else 0
         if tied and not any(layers[k].kind == "embedding" for k in idx):
             extra = model_state_bytes(tied / tp_for(layers[j], layout.tp), precision=layout.precision,
-                                      optimizer=layout.optimizer, zero=rk.zeros[j], dp=layout.dp,
+                                      optimizer=layout.optimizer, zero=rk.zeros[j], dp=layout.shard_ranks,
                                       offload=rk.offloads[j])
             params, grads, optim = params + extra.params, grads + extra.grads, optim + extra.optimizer
     return params, grads, optim
@@ -102,7 +102,7 @@ class _FsdpBackward:
         self.own = [j for j in units if j not in self.root]
 
     def rs_buffers(self, n: float) -> float:  # a reduce-scatter's input and output shard
-        return n * self.red * (1 + 1 / self.rk.layout.dp)
+        return n * self.red * (1 + 1 / self.rk.layout.shard_ranks)
 
     def unit_moment(self, u: int, optim: float) -> tuple[float, tuple]:
         """(bytes, (params, grads, activations, buffers, fragmentation)) while unit u's backward runs."""
