@@ -1,0 +1,233 @@
+"""Expert parallelism: an MoE layer's experts split over a 1-D "ep" DeviceMesh.
+
+As torchtitan's expert parallelism (torchtitan/models/common/token_dispatcher.py,
+`AllToAllTokenDispatcher`; moe_sharding.py): each ep rank keeps
+experts / ep of the layer's experts; the router and any shared experts stay
+whole (replicated) on every rank. Each rank routes its own tokens, then
+
+  dispatch: its (token, choice) rows, sorted by expert, go to the rank that
+            holds the expert (one all-to-all; the row counts are exchanged
+            first, as torchtitan does, so the receiving sizes are known);
+  compute:  the rank's local experts run on the rows they received, through
+            the model's own experts code (its grouped GEMM, biases, clamps);
+  combine:  the outputs go back by the inverse all-to-all and are summed over
+            the top-k choices with the routing weights, on the token's rank.
+
+The all-to-alls are torch's autograd ones
+(`torch.distributed._functional_collectives.all_to_all_single_autograd`):
+backward sends the gradients the same way back.
+
+ep folds into data parallelism (torchtitan: dp_shard x cp = efsdp x ep): each
+ep rank reads different samples. So the parameters outside the experts are
+replicated and their gradients must be averaged over the ep group, and an
+expert's gradient (summed from every rank's tokens) divided by ep:
+`reduce_gradients` does both with a plain all-reduce; the wiring into the Plan
+folds them into FSDP2 over the dp mesh (a gradient divide factor for the
+experts, as torchtitan sets on its efsdp mesh).
+
+The load-balancing loss: transformers' MoE models compute it from the router
+logits they record from the router module (`OutputRecorder(...Router,
+index=0)`). Those logits are all-gathered over ep (autograd: backward
+reduce-scatters), so the loss is the one of the whole batch, as one process
+computes it on the concatenated batch; its gradient, averaged over ep by
+`reduce_gradients`, is that process's too.
+
+Forms run:
+* experts as one module with 3-D parameters (experts, ...), called as
+  `experts(tokens, top_k_index, top_k_weights)`: transformers 5.x Mixtral,
+  Qwen2/3-MoE, OLMoE, DeepSeek-V3 (shared experts stay dense), GPT-OSS;
+* experts as an nn.ModuleList the block loops over itself (a hand-written
+  router): each entry becomes a proxy that sends the tokens the loop hands it
+  to the expert's owner and back (one all-to-all pair per expert: every rank
+  must call every expert, in the same order, as `for e in range(E)` does).
+
+Refused, with the reason: DBRX (its experts are 2-D (experts x ffn, hidden)
+weights viewed per expert, and its router returns the logits the block routes
+on, so they cannot be gathered without changing the routing); experts not
+divisible by ep.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import (
+    all_gather_single_autograd, all_to_all_single, all_to_all_single_autograd, wait_tensor)
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.errors import AutoparError
+
+_ROUTER_NAMES = ("gate", "router")
+
+
+class ExpertParallelError(AutoparError):
+    """An MoE layer the expert-parallel style cannot split (the message says why)."""
+
+
+def _local_range(num_experts: int, mesh: DeviceMesh, where: str) -> tuple[int, int]:
+    ep = mesh.size()
+    if num_experts % ep:
+        raise ExpertParallelError(f"{where}: {num_experts} experts do not split over ep={ep}",
+                                  hint=f"choose an ep degree that divides {num_experts}")
+    per = num_experts // ep
+    rank = mesh.get_local_rank()
+    return rank * per, (rank + 1) * per
+
+
+def _exchange(rows: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int, mesh: DeviceMesh):
+    """Dispatch: rows sorted by expert go to the expert's rank. Returns the rows this
+    rank received, the local expert of each, and the splits the combine inverts."""
+    ep = mesh.size()
+    counts = torch.bincount(expert_of_row, minlength=num_experts)
+    with torch.no_grad():  # row counts per (source rank, local expert): the receiving sizes
+        got = wait_tensor(all_to_all_single(counts, None, None, mesh)).view(ep, num_experts // ep)
+    send = counts.view(ep, -1).sum(1).tolist()
+    recv = got.sum(1).tolist()
+    received = all_to_all_single_autograd(rows, recv, send, mesh)
+    local = torch.arange(num_experts // ep).repeat(ep)
+    local_expert = torch.repeat_interleave(local, got.reshape(-1))
+    return received, local_expert, (send, recv)
+
+
+class ExpertParallelExperts(nn.Module):
+    """Stands where the layer's experts module stood: same call
+    (tokens, top_k_index, top_k_weights) -> combined output; `local` is the
+    model's own experts module holding this rank's experts only."""
+
+    def __init__(self, local: nn.Module, num_experts: int, mesh: DeviceMesh):
+        super().__init__()
+        self.local, self.num_experts, self.mesh = local, num_experts, mesh
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = x[order // k]  # one row per (token, choice), grouped by expert
+        received, local_expert, (send, recv) = _exchange(rows, flat[order], self.num_experts, self.mesh)
+        # The model's own experts code on the received rows, one choice each, weight 1:
+        # the routing weights are applied after the combine, on the token's own rank
+        # (no weights to send, their gradient stays local).
+        ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
+        out = self.local(received, local_expert[:, None], ones)
+        back = all_to_all_single_autograd(out.reshape(received.shape[0], -1), send, recv, self.mesh)
+        y = torch.empty_like(back).index_copy(0, order, back).view(tokens, k, -1)
+        y = (y * top_k_weights.view(tokens, k, 1).to(y.dtype)).sum(1)
+        return y.to(hidden.dtype).reshape(shape)
+
+
+class _ExpertProxy(nn.Module):
+    """One entry of a ModuleList of experts the block loops over itself: the rows the
+    loop hands it go to the expert's owner, run there, and come back. Every rank calls
+    every proxy in the same order (the all-to-all pair is collective)."""
+
+    def __init__(self, expert: nn.Module | None, owner: int, mesh: DeviceMesh):
+        super().__init__()
+        self.expert, self.owner, self.mesh = expert, owner, mesh
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        ep, me = self.mesh.size(), self.mesh.get_local_rank()
+        shape = rows.shape
+        flat = rows.reshape(-1, shape[-1])
+        counts = torch.zeros(ep, dtype=torch.long)
+        counts[self.owner] = flat.shape[0]
+        with torch.no_grad():
+            got = wait_tensor(all_to_all_single(counts, None, None, self.mesh))
+        send, recv = counts.tolist(), got.tolist()
+        received = all_to_all_single_autograd(flat, recv, send, self.mesh)
+        out = self.expert(received) if me == self.owner else received.new_zeros(0, shape[-1])
+        # a non-owner sends nothing and has no expert: its output keeps the graph alive
+        out = out if me == self.owner else out + received.sum() * 0
+        back = all_to_all_single_autograd(out, send, recv, self.mesh)
+        return back.reshape(*shape[:-1], back.shape[-1])
+
+
+def _expert_params(experts: nn.Module, num_experts: int) -> dict:
+    return {name: p for name, p in experts.named_parameters(recurse=False)
+            if p.dim() >= 2 and p.shape[0] == num_experts}
+
+
+def _gather_router_logits(router: nn.Module, mesh: DeviceMesh, where: str) -> None:
+    """The router's first output (the logits the model records for its load-balancing
+    loss, never routed on in these blocks) becomes the whole ep group's, in rank order."""
+    forward = router.forward
+
+    def gathered(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ExpertParallelError(
+                f"{where}: the router returns {type(out).__name__}, not (logits, weights, indices)",
+                hint="route inside the router module, as transformers' MoE routers do, so its logits "
+                     "are only recorded (for the load-balancing loss), never routed on")
+        return (all_gather_single_autograd(out[0].contiguous(), 0, mesh),) + out[1:]
+    router.forward = gathered
+
+
+def _split_fused(moe: nn.Module, experts: nn.Module, mesh: DeviceMesh, where: str) -> None:
+    num = getattr(experts, "num_experts", None)
+    params = _expert_params(experts, num) if num else {}
+    if not params or len(params) != len(list(experts.parameters())):
+        raise ExpertParallelError(
+            f"{where}: {type(experts).__name__} keeps no 3-D (experts, ...) weights (DBRX stores its experts "
+            f"as 2-D (experts x ffn, hidden) weights viewed per expert, and routes on its router's logits)",
+            hint="run this model with ep=1 (its experts replicated, or split by tp)")
+    router = next((getattr(moe, n) for n in _ROUTER_NAMES if isinstance(getattr(moe, n, None), nn.Module)), None)
+    if router is None:
+        raise ExpertParallelError(f"{where}: no router module (`gate` or `router`) beside the experts",
+                                  hint="name the router module `gate` or `router`, as transformers does")
+    lo, hi = _local_range(num, mesh, where)
+    for name, p in params.items():
+        setattr(experts, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+    experts.num_experts = hi - lo
+    _gather_router_logits(router, mesh, where)
+    moe.experts = ExpertParallelExperts(experts, num, mesh)
+
+
+def _split_module_list(moe: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh, where: str) -> None:
+    lo, hi = _local_range(len(experts), mesh, where)
+    per = hi - lo
+    moe.experts = nn.ModuleList(_ExpertProxy(e if lo <= i < hi else None, i // per, mesh)
+                                for i, e in enumerate(experts))
+
+
+def parallelize_experts(moe: nn.Module, ep_mesh: DeviceMesh, *, where: str = "") -> nn.Module:
+    """Split `moe`'s experts (its `experts` child) over the 1-D `ep_mesh`; the router and
+    shared experts stay replicated. Returns `moe`, changed in place."""
+    where = where or type(moe).__name__
+    if ep_mesh.ndim != 1:
+        raise ExpertParallelError(f"{where}: expert parallelism takes a 1-D ep mesh, got {ep_mesh.ndim}-D",
+                                  hint="pass mesh['ep']")
+    experts = getattr(moe, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        _split_module_list(moe, experts, ep_mesh, where)
+    elif isinstance(experts, nn.Module):
+        _split_fused(moe, experts, ep_mesh, where)
+    else:
+        raise ExpertParallelError(f"{where}: no `experts` module", hint="pass the MoE layer that holds the experts")
+    return moe
+
+
+def expert_parameters(model: nn.Module) -> set:
+    """The parameters held by ep-split experts (each on one ep rank only)."""
+    found = set()
+    for m in model.modules():
+        if isinstance(m, ExpertParallelExperts):
+            found |= set(m.local.parameters())
+        elif isinstance(m, _ExpertProxy) and m.expert is not None:
+            found |= set(m.expert.parameters())
+    return found
+
+
+def reduce_gradients(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """After backward: the replicated parameters' gradients averaged over ep (each ep
+    rank saw other samples), the experts' divided by ep (their gradient already sums
+    every rank's tokens, each rank's loss a mean over its own samples)."""
+    ep, group = ep_mesh.size(), ep_mesh.get_group()
+    local = expert_parameters(model)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if p not in local:
+            dist.all_reduce(p.grad, group=group)
+        p.grad.div_(ep)
