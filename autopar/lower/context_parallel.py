@@ -1,0 +1,253 @@
+"""Context parallelism (cp): every sequence cut over the ranks of a 1-D "cp" mesh.
+
+The style is torch's own (`torch.distributed.tensor.experimental.context_parallel`,
+as torchtitan's torchtitan/distributed/context_parallel uses it): the batch's
+sequence-indexed tensors (input ids, labels, position tables or ids) are split
+on their sequence dim, load-balanced for a causal mask by torch's head-tail
+balancer (rank r of cp holds chunks r and 2 cp - 1 - r of 2 cp equal chunks, so
+every rank sees the same share of the causal triangle), and every
+`F.scaled_dot_product_attention` inside the context runs as torch's ring
+attention: each rank keeps its query shard while the key/value shards travel
+the ring (cp - 1 steps), partial outputs merged by their log-sum-exp. Every
+other op (embeddings, norms, MLPs, the head, the loss) is position-local and
+runs unchanged on the rank's tokens.
+
+What this file adds to torch:
+  * the CPU kernel. torch's CP dispatcher knows the CUDA kernels only (flash,
+    memory-efficient, cuDNN); on CPU SDPA lowers to
+    `_scaled_dot_product_flash_attention_for_cpu`, which returns the same
+    (output, logsumexp (b, h, s)) pair. `register_cpu_ring_attention` adds it and
+    its backward to torch's CP op table, each run by torch's own
+    `_templated_ring_attention(_backward)`: same ring, same rotation, same merge.
+  * the loss over cp: each rank scores its own tokens; `token_loss` divides the
+    local sum by the global count of scored tokens, so after the gradient
+    averaging over cp (`apply_context_parallel`: torch's `replicate` on the cp
+    mesh) the step is the mean over every token, as one process computes it.
+  * the refusals (`refusal`): what torch's ring cannot split.
+
+Not wired into the Plan yet (docs/lowering.md "Context parallelism").
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.errors import PlanMismatchError
+
+_SEQ_DIM = 2  # (batch, heads, seq, head_dim): the dim torch's ring attention splits
+_REGISTERED = False
+
+
+def register_cpu_ring_attention() -> None:
+    """Add the CPU flash kernel (and its backward) to torch's CP op table, so
+    `context_parallel` runs ring attention on CPU tensors (gloo) too. The
+    handlers unwrap the Shard(2) DTensors CP made of q, k, v, run torch's ring
+    on the local shards and hand back Shard(2) DTensors, as torch's
+    `_sdpa_handler` does for the CUDA kernels."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+    aten = torch.ops.aten
+
+    def _wrap(tensors, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Shard(_SEQ_DIM)], run_check=False) for t in tensors)
+
+    def _forward(op_call, args, kwargs):
+        query, key, value = args[:3]
+        dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+        is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise NotImplementedError("context parallel ring attention takes no attn_mask (is_causal only)")
+        mesh = query.device_mesh
+        out, lse = cp_attention._templated_ring_attention(
+            mesh.get_group(), _SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu,
+            query.to_local(), key.to_local(), value.to_local(), is_causal=is_causal,
+            dropout_p=dropout_p, scale=kwargs.get("scale"))[:2]
+        return _wrap((out, lse), mesh)
+
+    def _backward(op_call, args, kwargs):
+        grad_out, query, key, value, out, lse, dropout_p, is_causal = args[:8]
+        mesh = query.device_mesh
+        grads = cp_attention._templated_ring_attention_backward(
+            mesh.get_group(), _SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad_out.to_local(), grad_out_name="grad_out", query=query.to_local(),
+            key=key.to_local(), value=value.to_local(), out=out.to_local(), logsumexp=lse.to_local(),
+            is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"))
+        return _wrap(grads[:3], mesh)
+
+    # `custom_ops` is the table torch's `_enable_cp_dtensor_dispatcher` installs into
+    # DTensor's dispatcher on entering `context_parallel` and removes on leaving it:
+    # outside the context the CPU kernel keeps its ordinary (tp) sharding rules.
+    cp_attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _forward
+    cp_attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _backward
+    _REGISTERED = True
+
+
+def _hf_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config if hasattr(config, "_attn_implementation") else None
+
+
+def refusal(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph=None) -> str | None:
+    """Why `model` cannot run with its sequence of `seq_len` cut over `cp` ranks,
+    or None. Checked before anything is built (every rank alike): the load
+    balancing, the attention implementation, masks the ring cannot split; and,
+    given the captured `graph`, what its attention ops were called with."""
+    if cp <= 1:
+        return None
+    if seq_len % (2 * cp):
+        return (f"context parallel {cp} needs the sequence ({seq_len}) in 2 x cp = {2 * cp} equal chunks "
+                f"(the causal load balancing); pad the sequence to a multiple of {2 * cp}")
+    if n_inputs > 1:
+        return ("context parallel takes token ids only: an explicit attention mask (padding, packed "
+                "documents) is not split by torch's ring attention; drop the mask or use cp 1")
+    config = _hf_config(model)
+    if config is not None:
+        impl = config._attn_implementation
+        if impl != "sdpa":
+            return (f"attention implementation '{impl}' does not call scaled_dot_product_attention, which "
+                    f"context parallel splits; load the model with attn_implementation='sdpa'")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return (f"sliding-window attention (window {config.sliding_window}) is a mask torch's ring "
+                    f"attention does not split; use cp 1")
+    for path, buf in model.named_buffers():
+        if buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] >= seq_len:
+            return (f"buffer '{path}' {tuple(buf.shape)} looks like a precomputed attention mask (square over "
+                    f"positions); context parallel needs is_causal SDPA without one")
+    return graph_refusal(graph) if graph is not None else None
+
+
+def graph_refusal(graph) -> str | None:
+    """The captured graph's attention facts (capture/metrics.py: `attention`,
+    `attn_mask`, `causal` in each layer's attrs): every attention layer must run
+    SDPA, causal, without a mask tensor."""
+    for layer in graph.layers:
+        attrs = getattr(layer, "attrs", None) or {}
+        if "heads" not in attrs:
+            continue
+        if attrs.get("attention") == "eager":
+            return (f"layer '{layer.name}' computes attention by hand (matmul + softmax), not through "
+                    f"scaled_dot_product_attention: context parallel cannot split it")
+        if attrs.get("attn_mask"):
+            return (f"layer '{layer.name}' passes an attention mask tensor to SDPA: torch's ring attention "
+                    f"takes is_causal only")
+        if attrs.get("causal") is False:
+            return (f"layer '{layer.name}' runs non-causal attention: the load-balanced ring needs "
+                    f"is_causal=True")
+    return None
+
+
+def _global_positions(positions: torch.Tensor):
+    def pre_hook(module, args, kwargs):
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": positions}
+        return (*args[:1], positions, *args[2:]), kwargs
+    return pre_hook
+
+
+def position_tables(model: nn.Module, seq_len: int) -> list[tuple[nn.Module, str]]:
+    """Buffers indexed by position on dim 0 (RoPE cos / sin tables, learned
+    position tables kept as buffers): 2-D, at least `seq_len` rows, not a mask.
+    The model slices them by its local length, so each rank must hold the rows
+    of its own positions, in the load-balanced order."""
+    found = []
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.dim() == 2 and buf.shape[0] >= seq_len and buf.shape[0] != buf.shape[1]:
+                found.append((module, name))
+    return found
+
+
+@contextlib.contextmanager
+def sequence_shard(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torch.Tensor, *,
+                   shift_labels: bool = False):
+    """Inside: ring attention on, and this rank's share of the batch, as
+    (inputs, labels); the model's position tables (`position_tables`) and rotary
+    embeddings (a module with an `inv_freq` buffer, as transformers' are) see the
+    global positions of the rank's tokens.
+    `inputs` and `labels` are (batch, seq); labels are aligned with inputs, or
+    `shift_labels=True` (Hugging Face's convention: the model shifts them) shifts
+    them over the whole sequence first, as transformers' own loss would, with
+    -100 after the last token. The user's tensors and buffers are left as they
+    were on exit."""
+    from torch.distributed.tensor.experimental import context_parallel
+    register_cpu_ring_attention()
+    b, s = inputs.shape
+    inputs, labels = inputs.clone(), labels.clone()
+    if shift_labels:
+        labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    buffers, dims, hooks = [inputs, labels], [1, 1], []
+    rotaries = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if rotaries:
+        # transformers numbers the tokens it is given 0..s/cp - 1. Its rotary embedding
+        # must see their global positions, but its mask builder must not: positions that
+        # jump (the balanced order) read as packed documents and build a mask, where
+        # plain local positions let SDPA run is_causal, which the ring splits.
+        positions = torch.arange(s).expand(b, s).contiguous()
+        buffers.append(positions)
+        dims.append(1)
+        hooks = [m.register_forward_pre_hook(_global_positions(positions), with_kwargs=True) for m in rotaries]
+    tables = position_tables(model, s)
+    originals = [module._buffers[name] for module, name in tables]
+    for module, name in tables:
+        module._buffers[name] = module._buffers[name][:s].clone()  # the model slices [:local s]: rows of this rank
+        buffers.append(module._buffers[name])
+        dims.append(0)
+    try:
+        with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=dims, no_restore_buffers=set(buffers)):
+            yield inputs, labels
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for (module, name), original in zip(tables, originals):
+            module._buffers[name] = original
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_mesh, ignore_index: int = -100):
+    """(loss to backpropagate, the global mean loss) for this rank's tokens.
+    Cross entropy summed over the rank's scored tokens, divided by the scored
+    tokens of every rank (one tiny all-reduce over cp): with gradients averaged
+    over cp (`apply_context_parallel`), the step's gradient is the mean over all
+    tokens, as one process computes it, also when ranks score different numbers
+    of tokens (-100 labels)."""
+    import torch.distributed._functional_collectives as funcol
+    group = cp_mesh.get_group()
+    local_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
+                                reduction="sum")
+    count = (labels != ignore_index).sum().to(torch.float32)
+    total = funcol.all_reduce(count.detach(), "sum", group).clamp(min=1)
+    for_backward = local_sum * cp_mesh.size() / total
+    mean = funcol.all_reduce(local_sum.detach(), "sum", group) / total
+    return for_backward, mean
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh) -> nn.Module:
+    """Parameters whole on every cp rank, gradients averaged over cp: torch's
+    `replicate` on the cp mesh (torchtitan folds cp into FSDP's mesh instead,
+    dp_shard_cp; composing with autopar's dp/FSDP is the wiring step)."""
+    from autopar.lower.data_parallel import apply_replicate
+    register_cpu_ring_attention()
+    return apply_replicate(model, cp_mesh)
+
+
+def check(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph=None) -> None:
+    """`refusal` as an error (every rank raises alike, before any collective)."""
+    reason = refusal(model, seq_len, cp, n_inputs=n_inputs, graph=graph)
+    if reason:
+        raise PlanMismatchError(reason)
+
+
+def unshard(cp_mesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+    """The whole sequence back in order (torch's `context_parallel_unshard`;
+    for checks and evaluation, not the training step)."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import context_parallel_unshard
+    return context_parallel_unshard(cp_mesh, [tensor], [seq_dim])[0]
+
+
+__all__ = ["apply_context_parallel", "check", "graph_refusal", "position_tables", "refusal",
+           "register_cpu_ring_attention", "sequence_shard", "token_loss", "unshard"]

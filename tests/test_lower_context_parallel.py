@@ -1,0 +1,150 @@
+"""Context parallelism (autopar/lower/context_parallel.py) on gloo ranks.
+
+cp = 2 cuts each sequence over two CPU ranks; torch's ring attention runs the
+attention (its CPU kernel added by `register_cpu_ring_attention`), everything
+else runs on the rank's tokens. Held to one process: the loss of every step and
+the parameters after 3 AdamW steps in fp32, for the zoo Llama and for
+transformers' LlamaForCausalLM. The refusals are checked without ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_world
+
+STEPS, LR = 3, 1e-2
+_MESHES: dict = {}
+
+
+def _zoo_llama():
+    from autopar.zoo.llama import Llama, LlamaConfig
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=64, seq_len=16, dim=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64))
+
+
+def _hf_llama(attn="sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg)
+
+
+def _batches(vocab: int, seq: int, pad_tail: bool):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, vocab, (2, seq), generator=g)
+        y = torch.randint(0, vocab, (2, seq), generator=g)
+        if pad_tail:  # padding: the ranks score different numbers of tokens
+            y[0, -5:] = -100
+        out.append((x, y))
+    return out
+
+
+def _logits(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _reference(model, batches, hf: bool):
+    import copy
+
+    import torch.nn.functional as F
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses = []
+    for x, y in batches:
+        logits = _logits(ref(x, use_cache=False) if hf else ref(x))
+        if hf:
+            loss = ref.loss_function(logits=logits, labels=y, vocab_size=logits.shape[-1])
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in ref.named_parameters()}
+
+
+def _cp_world(rank, world, models):
+    # one world for both models: spawning and importing cost more than the steps
+    return {which: _cp_run(rank, world, which) for which in models}
+
+
+def _cp_run(rank, world, which):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.lower import context_parallel as cp
+    hf = which == "hf"
+    model = _hf_llama() if hf else _zoo_llama()
+    batches = _batches(64, 16, pad_tail=True)
+    ref_losses, ref_params = _reference(model, batches, hf)
+    mesh = _MESHES.get(world) or _MESHES.setdefault(world, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    cp.check(model, 16, world)
+    cp.apply_context_parallel(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in batches:
+        with cp.sequence_shard(model, mesh, x, y, shift_labels=hf) as (lx, ly):
+            # torch's head-tail balancing: rank r holds chunks r and 2 cp - 1 - r of 2 cp
+            chunks = x.chunk(2 * world, dim=1)
+            assert torch.equal(lx, torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=1))
+            out = model(lx, use_cache=False) if hf else model(lx)
+            loss, mean = cp.token_loss(_logits(out), ly, mesh)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean.item())
+    params = dict(model.named_parameters())
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param": max((params[k].detach() - v).abs().max().item() for k, v in ref_params.items()),
+            "moved": max((params[k].detach() - v).abs().max().item()
+                         for k, v in dict(_hf_llama().named_parameters() if hf else
+                                          _zoo_llama().named_parameters()).items()),
+            "losses": losses}
+
+
+@pytest.mark.slow
+def test_cp2_matches_one_process():
+    for rank in run_world(_cp_world, 2, ("zoo", "hf"), timeout=180):
+        for which, r in rank.items():
+            assert r["loss"] < 1e-5, (which, r)
+            assert r["param"] < 1e-5, (which, r)
+            assert r["moved"] > 1e-3, (which, r)  # the steps changed the weights: the comparison is not vacuous
+
+
+def test_refusals_name_the_reason():
+    from types import SimpleNamespace
+
+    from autopar.errors import PlanMismatchError
+    from autopar.lower import context_parallel as cp
+    model = _zoo_llama()
+    assert cp.refusal(model, 16, 1) is None and cp.refusal(model, 16, 2) is None
+    assert "2 x cp = 4 equal chunks" in cp.refusal(model, 18, 2)
+    assert "attention mask" in cp.refusal(model, 16, 2, n_inputs=2)
+    assert "attn_implementation='sdpa'" in cp.refusal(_hf_llama("eager"), 16, 2)
+    windowed = _hf_llama()
+    windowed.config.sliding_window = 8
+    assert "sliding-window" in cp.refusal(windowed, 16, 2)
+    masked = _zoo_llama()
+    masked.register_buffer("causal_mask", torch.ones(16, 16).tril())
+    assert "causal_mask" in cp.refusal(masked, 16, 2)
+    with pytest.raises(PlanMismatchError, match="equal chunks"):
+        cp.check(model, 18, 2)
+
+    def graph(**attrs):
+        return SimpleNamespace(layers=[SimpleNamespace(name="embed", attrs={}),
+                                       SimpleNamespace(name="layers.0", attrs={"heads": 4, **attrs})])
+    assert cp.graph_refusal(graph(attention="sdpa", causal=True, attn_mask=False)) is None
+    assert "by hand" in cp.graph_refusal(graph(attention="eager", causal=None))
+    assert "mask tensor" in cp.graph_refusal(graph(attention="sdpa", causal=False, attn_mask=True))
+    assert "non-causal" in cp.graph_refusal(graph(attention="sdpa", causal=False, attn_mask=False))
+
+
+def test_position_tables_found():
+    from autopar.lower import context_parallel as cp
+    found = sorted(name for _, name in cp.position_tables(_zoo_llama(), 16))
+    assert found == ["rope_cos", "rope_sin"]
+    assert cp.position_tables(_hf_llama(), 16) == []  # its positions enter through the rotary hook
