@@ -41,10 +41,33 @@ class Mesh:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    # HSDP: ZeRO states sharded over groups of dp_shard dp ranks (neighbours), the
+    # gradient shards all-reduced across the dp / dp_shard replicas. None (and absent
+    # from the JSON): one shard group of the whole dp, as every plan before the field.
+    dp_shard: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The dp ranks the ZeRO states are sharded over (the whole dp unless HSDP)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shard_ranks if self.dp % self.shard_ranks == 0 else 1
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_shard is not None and self.dp_shard < self.dp
+
+    def dp_text(self) -> str:
+        """'dp 8' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        if not self.hsdp:
+            return f"dp {self.dp}"
+        return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards"
 
 
 @dataclass
@@ -158,7 +181,10 @@ class Plan:
 
     # -- JSON ------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["mesh"].get("dp_shard") is None:  # not HSDP: the JSON of every plan before the field
+            d["mesh"].pop("dp_shard", None)
+        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         # sort_keys keeps the text identical for identical plans (determinism).

@@ -106,12 +106,31 @@ def plan_problem(plan) -> str | None:
                     return f"{where}.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}"
             if not isinstance(c.module_paths, list):
                 return f"{where}.module_paths must be a list of module names"
+    problem = hsdp_problem(plan)
+    if problem:
+        return problem
     num_layers = plan.model.get("num_layers") if isinstance(plan.model, dict) else None
     if num_layers is not None and num_layers != len(seen):
         return f"model.num_layers is {num_layers!r} but the stages place {len(seen)} layers"
     if (plan.solver or {}).get("status") == "manual":  # hand-made (plan_for_model): nothing was predicted
         return None
     return _predicted_problem(plan.predicted, m.pp)
+
+
+def hsdp_problem(plan) -> str | None:
+    """mesh.dp_shard (HSDP) must divide dp, and shards ZeRO states: every layer at ZeRO >= 1."""
+    m = plan.mesh
+    if m.dp_shard is None:
+        return None
+    if not is_positive_int(m.dp_shard) or m.dp % m.dp_shard:
+        return (f"mesh.dp_shard {m.dp_shard!r} must divide mesh.dp {m.dp} (dp = replicas x dp_shard); "
+                f"pick a divisor of {m.dp} or drop dp_shard")
+    zero0 = [c.name for c in plan.layer_choices if c.zero == 0]
+    if m.hsdp and zero0:
+        return (f"mesh.dp_shard {m.dp_shard} (HSDP) shards ZeRO states, but layer {zero0[0]!r}"
+                + (f" and {len(zero0) - 1} more" if len(zero0) > 1 else "")
+                + " have zero 0; set their zero to 1, 2 or 3, or drop dp_shard")
+    return None
 
 
 def _cluster_problem(cluster, world: int) -> str | None:
@@ -149,4 +168,4 @@ def _predicted_problem(p, pp: int) -> str | None:
     return None
 
 
-__all__ = ["load_plan_file", "plan_problem", "type_problem"]
+__all__ = ["load_plan_file", "plan_problem", "hsdp_problem", "type_problem"]

@@ -24,6 +24,12 @@ and collects what no layer owns (tied weights). The dp axis of the mesh is
 used; with tp > 1 FSDP2 composes with the TP DTensors (2-D sharding).
 Gradient averaging over dp matches a mean loss over the global batch.
 
+HSDP (`plan.mesh.dp_shard` < dp): `fully_shard` on the 2-D ("dp_replicate",
+"dp_shard") submesh (`fsdp_mesh`), which FSDP2 runs as hybrid sharding: the
+states sharded inside a shard group, the gradients reduce-scattered there and
+the shards all-reduced across the replicas. Every layer is an FSDP2 unit then
+(no `replicate`: ZeRO 0/1 layers run as ZeRO 2, said by `zero_substitutions`).
+
 Modules that must keep fp32 parameters under bf16 / fp16 plans get an FSDP
 unit of their own with an fp32 MixedPrecisionPolicy (`fp32_modules`):
 BatchNorm (its running statistics are fp32; torch's batch_norm takes a bf16
@@ -44,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from autopar.lower.mesh import hsdp_mesh
 from autopar.lower.model_layers import ModelLayout
 from autopar.precision import DTYPES as _DTYPES
 
@@ -78,13 +85,15 @@ def zero_substitutions(plan) -> list[str]:
     less memory than planned: gradients and optimizer state sharded)."""
     if plan.mesh.dp == 1 or uses_replicate(plan):
         return []
+    hsdp = plan.mesh.hsdp
     out = []
     for level in (0, 1):
         names = [c.name for c in plan.layer_choices if c.zero == level and c.offload == "none"]
         if names:
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            why = "tensor/pipeline parallelism" if plan.mesh.tp > 1 or plan.mesh.pp > 1 else \
-                "other layers' FSDP2 sharding (zero 2/3 or offload)"
+            why = ("HSDP (FSDP2 on the dp_replicate x dp_shard mesh)" if hsdp else
+                   "tensor/pipeline parallelism" if plan.mesh.tp > 1 or plan.mesh.pp > 1 else
+                   "other layers' FSDP2 sharding (zero 2/3 or offload)")
             out.append(f"zero {level} lowered as zero 2 for layer(s) {shown}: under {why} data parallelism is "
                        f"FSDP2, which has no mode that keeps whole gradients; it moves the same bytes and holds "
                        f"less memory (gradients{' and optimizer state' if level == 0 else ''} sharded over dp)")
@@ -106,8 +115,14 @@ def wraps(plan) -> bool:
 
 
 def uses_replicate(plan) -> bool:
-    return (plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1
+    return (plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and not plan.mesh.hsdp
             and all(c.zero <= 1 and c.offload == "none" for c in plan.layer_choices))
+
+
+def fsdp_mesh(plan, mesh):
+    """The mesh fully_shard shards over: the dp axis, or under HSDP the 2-D
+    (dp_replicate, dp_shard) submesh, which FSDP2 takes as (replicate, shard)."""
+    return hsdp_mesh(plan, mesh) if plan.mesh.hsdp else mesh["dp"]
 
 
 def zero_redundancy_optimizer(params, optimizer_cls, kwargs, dp_mesh):

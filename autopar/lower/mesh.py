@@ -5,6 +5,13 @@ Rank order is pp-major, tp-minor: the tp group of a rank is its neighbours
 stride over tp, and pp groups stride over the whole dp x tp slab. Stage i of
 the plan runs on pp coordinate i % pp.
 
+Under HSDP (`Mesh.dp_shard` < dp) the mesh keeps its three axes, so everything
+that reads mesh["dp"] (the loss and token counts, the data's dp rank,
+BatchNorm, ZeroRedundancyOptimizer) sees the whole dp; `hsdp_mesh` unflattens
+dp into ("dp_replicate", "dp_shard") for FSDP2, the shard axis inner so a
+shard group is neighbouring tp slabs (one node when dp_shard x tp fits it),
+the order torchtitan's parallel_dims lays them in.
+
 Everything that could make ranks disagree (world size, missing launcher
 environment) is checked here, before the first collective, so a wrong launch
 fails with a message instead of hanging.
@@ -22,6 +29,7 @@ from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
 
 AXES = ("pp", "dp", "tp")
+HSDP_AXES = ("dp_replicate", "dp_shard")
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -86,6 +94,15 @@ def build_mesh(plan: Plan) -> DeviceMesh:
         # process's masks). docs/lowering.md says so once instead of every rank every run.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     return init_device_mesh(device_type(), (m.pp, m.dp, m.tp), mesh_dim_names=AXES)
+
+
+def hsdp_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard) mesh of this rank's dp group, which FSDP2's
+    fully_shard runs as HSDP. Unflattened from "dp" (DeviceMesh._unflatten, as
+    torchtitan builds its meshes) rather than built 4-D and flattened: torch 2.13
+    deprecates slicing a flattened dim from the root mesh. Collective: every rank calls it."""
+    m = plan.mesh
+    return mesh._unflatten("dp", (m.replicas, m.dp_shard), HSDP_AXES)[HSDP_AXES]
 
 
 def local_device() -> torch.device:

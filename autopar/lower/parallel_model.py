@@ -283,6 +283,8 @@ class ParallelModel:
         for i in range(n):
             if once:
                 stage.set_requires_gradient_sync(i == n - 1)
+            elif self.plan.mesh.hsdp:  # HSDP: the shards cross replicas once, summed (priced once per step)
+                stage.set_requires_all_reduce(i == n - 1)
             loss = self.loss_fn(stage(*(c[i] for c in chunks)), tchunks[i])
             scaled = loss if self.grad_scaler is None else self.grad_scaler.scale_loss(loss)
             (scaled / n).backward()
@@ -560,8 +562,9 @@ def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, 
             data_parallel.apply_replicate(stages[0], mesh["dp"])
             replicated = True
         else:
+            dp_mesh = data_parallel.fsdp_mesh(plan, mesh)  # under HSDP the 2-D (replicate, shard) mesh
             for s in stages:
-                data_parallel.apply_fsdp(s, layout, s.stage_index, mesh["dp"], plan.precision, tied_local,
+                data_parallel.apply_fsdp(s, layout, s.stage_index, dp_mesh, plan.precision, tied_local,
                                          data_parallel.main_grads(plan))
             fsdp = True
     if not fsdp and plan.precision in LOW_PRECISION:

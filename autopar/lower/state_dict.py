@@ -92,8 +92,9 @@ def _plain_placements(t) -> list | None:
         return None
     out, changed = list(t.placements), False
     for i, p in enumerate(t.placements):
-        inner = not any(getattr(q, "dim", None) == p.dim for q in t.placements[i + 1:])
-        if type(p).__name__ == "_StridedShard" and inner:
+        if type(p).__name__ != "_StridedShard":  # HSDP's Replicate on dp_replicate has no dim
+            continue
+        if not any(getattr(q, "dim", None) == p.dim for q in t.placements[i + 1:]):
             out = [Replicate() if j < i and getattr(q, "dim", None) == p.dim else q for j, q in enumerate(out)]
             out[i], changed = Shard(p.dim), True
     return out if changed else None
