@@ -234,3 +234,45 @@ def test_every_stage_runs_its_stand_ins_on_fake_tensors_before_pipelines_are_off
     assert "pipeline stage 1 of 2 fails on its stand-ins" in got["pipeline"] and "patch_embeddings" in got["pipeline"]
     blocks = [m for m in vit.modules() if type(m).__name__ == "ViTLayer"]
     assert len(blocks) == 2 and not any(b._forward_pre_hooks for b in blocks)  # tried stages leave no hooks
+
+
+def _deep_llama(layers=6, **extra):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra)
+    return transformers.LlamaForCausalLM(cfg), lambda b: (torch.zeros(b, SEQ, dtype=torch.long),)
+
+
+def test_stacks_of_identical_blocks_are_checked_on_two_and_give_the_whole_models_answer(monkeypatch):
+    """limits cuts a stack of identical blocks to two (short_stacks.py): the same answer as the
+    whole model's, the model restored after, and the whole model asked when the short one refuses."""
+    from autopar.lower import what_runs
+    model, inputs = _deep_llama()
+    graph = autopar.capture(model, inputs)
+    calls = []
+    real = what_runs._limits
+    monkeypatch.setattr(what_runs, "_limits", lambda m, g, *a: calls.append(len(m.model.layers)) or real(m, g, *a))
+    short = limits(model, graph, inputs)
+    assert calls == [2] and len(model.model.layers) == 6  # asked of two blocks only, then put back
+    calls.clear()
+    monkeypatch.setattr(what_runs, "_short_answer", lambda *a: None)
+    assert limits(model, graph, inputs) == short and calls == [6]
+    # a refusal on the short stack is asked again of the whole model
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(what_runs, "_limits",
+                        lambda m, g, *a: calls.append(len(m.model.layers)) or {**real(m, g, *a), "pipeline": "no"})
+    assert limits(model, graph, inputs)["pipeline"] == "no" and calls == [2, 6]
+
+
+def test_blocks_that_differ_keep_the_whole_stack():
+    """Per-layer windows (a config attribute that differs between blocks) are not one computation."""
+    from autopar.lower.short_stacks import short_stacks
+    model, inputs = _deep_llama()
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.window = 4 if i % 2 else 8
+    graph = autopar.capture(model, inputs)
+    with short_stacks(model, graph, ["model.layers"]) as short:
+        assert short is None and len(model.model.layers) == 6
+    model, inputs = _deep_llama()
+    with short_stacks(model, graph, ["model.layers"]) as short:
+        assert len(model.model.layers) == 2 and len(short.layers) == len(graph.layers) - 4

@@ -416,11 +416,27 @@ def limits(model: nn.Module, graph, example_inputs, tp_degrees=None) -> dict:
     if not dist.is_available():
         return {"checked": False, "why": "this torch has no torch.distributed: layouts are checked when lowered"}
     try:
-        return _limits(model, graph, example_inputs, tp_degrees)
+        short = _short_answer(model, graph, example_inputs, tp_degrees)
+        return short if short is not None else _limits(model, graph, example_inputs, tp_degrees)
     except AutoparError as exc:
         return {"checked": False, "why": exc.message}
     except Exception as exc:  # noqa: BLE001 - the planner still plans; lowering checks again
         return {"checked": False, "why": f"the check failed: {_first_line(exc)}"}
+
+
+def _short_answer(model, graph, example_inputs, tp_degrees) -> dict | None:
+    """The answer of the model with its stacks of identical blocks cut short
+    (short_stacks.py), when that answer refuses nothing; else None."""
+    from autopar.lower.manual_plan import plan_for_model
+    from autopar.lower.model_layers import resolve
+    from autopar.lower.short_stacks import clean, short_stacks
+    try:
+        stacks = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph)).stacks
+        with short_stacks(model, graph, stacks) as short:
+            answer = None if short is None else _limits(model, short, example_inputs, tp_degrees)
+    except Exception:  # noqa: BLE001 - the whole model gives the answer
+        return None
+    return answer if answer is not None and clean(answer) else None
 
 
 def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
