@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.capture.cp_facts import cp_facts
 from autopar.capture.tp_dataflow import tp_flow
 from autopar.capture.tracer import PointTrace
 from autopar.checkpoint_policy import SAVED_OP_NAMES
@@ -291,6 +292,8 @@ def _layer_facts(m: LayerMetrics, trace: PointTrace, layer: int, fwd: list, bwd:
         if widest is not None:
             m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
+    if m.has_attention:  # what context parallelism splits and moves (cp_facts.py)
+        m.attrs.update(cp_facts(fwd))
 
 
 def backward_walk(trace: PointTrace, layer: int, fwd: list, bwd: list) -> list:

@@ -1,0 +1,60 @@
+"""Context-parallel facts read off a captured layer (autopar/capture/cp_facts.py)
+and the lowering's refusal from them (context_parallel.graph_refusal)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.capture import capture
+from autopar.lower.context_parallel import graph_refusal
+from test_lower_context_parallel import _hf_llama, _zoo_llama
+
+KEYS = ("attention", "attn_mask", "position_mixing", "cp_kv_elems_per_token", "causal")
+CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+class _MaskedBlock(nn.Module):
+    """GPT-style attention given an explicit boolean mask instead of is_causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, 32))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(64, 32), nn.ModuleList([_MaskedBlock()]), nn.Linear(32, 64)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _facts(model):
+    graph = capture(model, (torch.randint(0, 64, (2, 16)),), dtype="fp32")
+    return graph, [{k: layer.attrs.get(k) for k in KEYS} for layer in graph.layers if "heads" in layer.attrs]
+
+
+def test_cp_facts_and_refusals_from_the_graph():
+    # zoo Llama: 4 heads of 8 after repeat_kv (kv_heads 2): the ring moves what SDPA reads
+    graph, facts = _facts(_zoo_llama())
+    assert facts == [{"attention": "sdpa", "attn_mask": False, "position_mixing": [CPU_FLASH],
+                      "cp_kv_elems_per_token": 2 * 4 * 8, "causal": True}] * 2
+    assert graph_refusal(graph) is None
+    graph, facts = _facts(_Masked())
+    assert facts[0]["attn_mask"] is True and facts[0]["causal"] is False
+    assert "mask tensor" in graph_refusal(graph)
+    graph, facts = _facts(_hf_llama("eager"))
+    assert facts[0]["attention"] == "eager" and facts[0]["position_mixing"] == ["aten._softmax"]
+    assert "by hand" in graph_refusal(graph)
