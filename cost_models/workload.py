@@ -141,6 +141,13 @@ class LayerSpec:
           the cost model prices these instead of `tp_allreduces` and
           `tp_gather_bytes`. Empty: not checked (a ModelSpec built by hand,
           or planned inside a process group).
+    ep_routed_tokens: an MoE layer's (token, chosen expert) rows per micro-batch,
+          tokens x top_k: what each all-to-all of expert parallelism moves,
+          `attrs["moe_hidden"]` wide (cost_models/expert_parallel.py). 0 for a
+          dense layer. attrs of an MoE layer (autopar/capture/moe.py): experts,
+          top_k, moe_hidden, expert_param_bytes, dense_param_bytes,
+          shared_experts, shared_expert_param_bytes, router_param_bytes,
+          experts_form ("fused" 3-D weights or "module_list").
     tp_degrees: tensor-parallel sizes this layer can be split into
           (heads, kv heads, ffn and vocab divisible), 1 always included.
     signature: equal for layers that are identical up to their name (the
@@ -188,6 +195,7 @@ class LayerSpec:
     activation_bytes_selective_tp_gathered: Expr = 0
     tp_allreduces: int = 0
     tp_gather_bytes: Expr = 0  # see the class docstring
+    ep_routed_tokens: Expr = 0  # see the class docstring
     tp_collectives: dict = field(default_factory=dict)  # see the class docstring
     tp_degrees: tuple = (1,)
     ops: list = field(default_factory=list)  # list[OpSpec]

@@ -39,11 +39,11 @@ def build(arch: str):
         return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
             n_routed_experts=4, n_shared_experts=1, intermediate_size=48, moe_intermediate_size=24, n_group=1,
             topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4, **small))
+            qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, **small))
     if arch == "dbrx":
         return T.DbrxForCausalLM(T.DbrxConfig(
-            d_model=32, n_heads=4, n_layers=1, max_seq_len=64, vocab_size=VOCAB,
-            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0}, ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2}))
+            d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2}))
     return HandWritten()
 
 

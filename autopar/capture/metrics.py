@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.capture.cp_facts import cp_facts
+from autopar.capture.moe import moe_facts
 from autopar.capture.tp_dataflow import tp_flow
 from autopar.capture.tracer import PointTrace
 from autopar.checkpoint_policy import SAVED_OP_NAMES
@@ -46,6 +47,7 @@ class LayerMetrics:
     ops: dict = field(default_factory=dict)  # key -> dict of op numbers
     tp_allreduces: int = 0
     tp_gather_bytes: int = 0  # activations all-gathered because a sharded dim is cut (tp_dataflow.py)
+    ep_routed_tokens: int = 0  # MoE: tokens x top_k, the rows each ep all-to-all moves (moe.py)
     attrs: dict = field(default_factory=dict)
     has_attention: bool = False
     has_conv: bool = False
@@ -177,6 +179,10 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     _saved_activations(m, trace, layer, fwd, flow, op_key)
     _op_table(m, fwd, bwd, flow, prefix)
     _layer_facts(m, trace, layer, fwd, bwd, flow, is_head)
+    moe = moe_facts(trace, layer, fwd, prefix)
+    if moe is not None:  # what expert parallelism divides and moves (cost_models/expert_parallel.py)
+        m.ep_routed_tokens = moe.routed_tokens
+        m.attrs.update(moe.attrs())
     m.module_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx])
     m.layer_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx], region=lambda r: "layer")
     # Kernels a compiled block launches: one per chain of memory-bound ops, one per other op
