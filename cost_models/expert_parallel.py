@@ -63,6 +63,21 @@ class MoeLayerShape:
     expert_fwd_flops: float = 0.0
     expert_bwd_flops: float = 0.0
 
+    @classmethod
+    def from_layer(cls, layer, batch: int, seq: int | None, dtype_bytes: int) -> "MoeLayerShape":
+        """A captured (or hand-written) LayerSpec at a micro-batch of `batch` samples."""
+        a = layer.attrs
+        missing = [k for k in ("experts", "top_k", "moe_hidden", "expert_param_bytes", "dense_param_bytes")
+                   if k not in a]
+        if missing or not layer.ep_routed_tokens:
+            raise CostModelError(f"layer {layer.name} carries no MoE facts ({', '.join(missing) or 'ep_routed_tokens'})"
+                                 f": capture records them for layers that route with top-k")
+        return cls(experts=a["experts"], top_k=a["top_k"], hidden=a["moe_hidden"],
+                   tokens=layer.eval("ep_routed_tokens", batch, seq) / a["top_k"], dtype_bytes=dtype_bytes,
+                   expert_param_bytes=a["expert_param_bytes"], dense_param_bytes=a["dense_param_bytes"],
+                   expert_fwd_flops=layer.eval("ep_expert_fwd_flops", batch, seq),
+                   expert_bwd_flops=layer.eval("ep_expert_bwd_flops", batch, seq))
+
 
 @dataclass(frozen=True)
 class ExpertParallelCost:

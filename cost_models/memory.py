@@ -138,6 +138,12 @@ def layer_states(params_local: float, layout, zero: int, offload: str) -> tuple[
         states.params = 4 * params_local / layout.shard_ranks
         states.grads = 4 * params_local / layout.shard_ranks
         states.optimizer = (k_bytes - 4) * params_local / layout.shard_ranks
+    elif zero == 2 and layout.dp > 1 and layout.precision in ("bf16", "fp16") and offload == "none":
+        # ZeRO-2 as FSDP2 runs it (fully_shard, reshard_after_forward=False) shards the fp32
+        # parameter too: its gradient shard is fp32 whatever the reduce dtype
+        # (FSDPMemTracker: SHARDED_GRAD 4 bytes per parameter / dp on the pp 2 ranks of
+        # benchmarks/memory_lowered.py). The plan's other ZeRO-2 states are unchanged.
+        states.grads = 4 * params_local / layout.shard_ranks
     return states, (p_bytes, g_bytes, k_bytes)
 
 

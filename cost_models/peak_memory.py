@@ -64,8 +64,16 @@ def _fsdp_buffers(rk: RankLayers, p_b: float, g_b: float, forward_only: bool) ->
     prefetches (its neighbour in execution order), and in backward the running
     unit's unsharded gradients: the largest such neighbouring pair of the rank
     (a 128k-vocabulary head beside a block, not the head twice). `forward_only`:
-    the moment is the forward's (one micro-batch), no unit gradient then."""
+    the moment is the forward's (one micro-batch), no unit gradient then.
+    ZeRO-2 units reduced every micro-batch (Layout.grads_reduced_per_micro_batch)
+    reshard after each backward and are gathered again by the next micro-batch's
+    forward: the all-gather buffer of the forward's last unit (where the activations
+    peak) is alive beside its unsharded parameters (FSDPMemTracker, ALL_GATHER on the
+    pp 2 rank 0 of benchmarks/memory_lowered.py)."""
     z3 = [j for j in rk.idx if rk.zeros[j] >= 3]
+    if not z3 and rk.layout.dp > 1 and rk.layout.grads_reduced_per_micro_batch and rk.layout.num_micro_batches > 1:
+        last = max(rk.idx, default=None)
+        return rk.costs[last].params_local * p_b if last is not None and rk.zeros[last] == 2 else 0.0
     if not (z3 and rk.layout.dp > 1):
         return 0.0
     units = [rk.costs[j].params_local if rk.zeros[j] >= 3 else 0.0 for j in sorted(rk.idx)]
@@ -73,6 +81,20 @@ def _fsdp_buffers(rk: RankLayers, p_b: float, g_b: float, forward_only: bool) ->
     if forward_only:
         return max((a + c) * p_b for a, c in pairs)
     return max((a + c) * p_b + max(a, c) * g_b for a, c in pairs)
+
+
+def _stage_output_bytes(rk: RankLayers) -> float:
+    """The output of the rank's last layer for one micro-batch, which torch's pipeline stage
+    keeps through that micro-batch's backward (stage_backward's argument). On the last stage
+    the captured head ends in the loss: the stage outputs its logits, the output of the
+    head's largest GEMM in the compute dtype (vocab-split under tp)."""
+    j = max(rk.idx)
+    layer = rk.layers[j]
+    if not rk.costs[j].loss_grad_bytes:
+        return fast(layer.output_bytes)(rk.b, rk.s1) * rk.byte_scale
+    lp = 4 if rk.layout.precision == "fp32" else 2
+    return max((fast(op.gemm[0])(rk.b, rk.s1) * fast(op.gemm[1])(rk.b, rk.s1) * lp
+                / (tp_for(layer, rk.layout.tp) if op.tp_sharded else 1) for op in layer.ops if op.gemm), default=0.0)
 
 
 class _FsdpBackward:
@@ -86,9 +108,18 @@ class _FsdpBackward:
     the LM head's reduce-scatter: 2 + 4 + 4/dp bytes per head parameter on top of
     every block's activations."""
 
-    def __init__(self, rk: RankLayers, units: list, root_held: list, p_b: float, tp_buf: float, ddp_buf: float):
+    def __init__(self, rk: RankLayers, units: list, root_held: list, p_b: float, tp_buf: float, ddp_buf: float,
+                 others_act: float = 0.0, stage_out: float = 0.0):
         layout, layers = rk.layout, rk.layers
         self.rk, self.units, self.p_b, self.tp_buf, self.ddp_buf = rk, units, p_b, tp_buf, ddp_buf
+        # Several micro-batches a step, each reduced in its own backward
+        # (Layout.grads_reduced_per_micro_batch): every unit holds a gradient shard from
+        # the earlier ones, and the other micro-batches the schedule keeps in flight hold
+        # their activations (`others_act`)
+        self.accumulated, self.others_act = layout.num_micro_batches > 1, others_act
+        # torch's pipeline stage keeps the micro-batch's stage output (the logits on the
+        # last stage) through that micro-batch's whole backward (stage_backward's argument)
+        self.others_act += stage_out
         self.order = sorted(rk.idx)
         self.lp = 4 if layout.precision == "fp32" else 2
         self.red = 4 if (layout.main_grads != "same" or layout.precision == "fp32") else self.lp
@@ -112,10 +143,10 @@ class _FsdpBackward:
         before = [j for j in order if j < u]
         params_u = sum(costs[j].param_bytes for j in order
                        if not (zeros[j] == 2 and j >= u and j not in root))  # ZeRO-2 units from u on: resharded
-        grads_u = sum(costs[j].grad_bytes for j in order if j > u and j not in root)
+        grads_u = sum(costs[j].grad_bytes for j in order if (j > u or self.accumulated) and j not in root)
         held_u = sum(costs[j].params_local * lp for j in root if j > u) \
             + (sum(g for h, g in self.tied_grad.items() if h > u) if u not in root else 0.0)
-        act_u = sum(costs[j].activation_bytes for j in before)
+        act_u = sum(costs[j].activation_bytes for j in before) + self.others_act
         nxt = max((j for j in self.units if j < u), default=None)
         prefetch = costs[nxt].params_local * p_b if nxt is not None and zeros[nxt] >= 3 \
             and u != self.units[-1] else 0.0
@@ -154,8 +185,9 @@ class _FsdpBackward:
         bufs = held * self.lp + self.rs_buffers(held) + in_flight
         frag_r = FRAGMENTATION * grads_r
         tp_buf, ddp_buf = self.tp_buf, self.ddp_buf
-        return (params + optim + grads_r + bufs + tp_buf + ddp_buf + frag_r,
-                (params, grads_r, 0.0, bufs + tp_buf + ddp_buf + frag_r, frag_r))
+        act = self.others_act
+        return (params + optim + grads_r + act + bufs + tp_buf + ddp_buf + frag_r,
+                (params, grads_r, act, bufs + tp_buf + ddp_buf + frag_r, frag_r))
 
     def peak(self, params: float, optim: float) -> tuple[float, tuple | None]:
         """The largest moment of the backward (0.0, None when none is above nothing)."""
@@ -184,7 +216,9 @@ def rank_memory(rk: RankLayers, peak_activation_bytes: float, root_held: list, d
     # never peak together, the larger counts. FSDP holds the running and the
     # prefetched unit's unsharded parameters in forward; its unit gradients and
     # reduce-scatter buffers belong to the backward's moments (below).
-    fsdp_buf = _fsdp_buffers(rk, p_b, g_b, forward_only=m == 1)
+    # A pipeline stage reducing every micro-batch has its backward's moments below too.
+    per_mb_stage = layout.grads_reduced_per_micro_batch and layout.pp > 1
+    fsdp_buf = _fsdp_buffers(rk, p_b, g_b, forward_only=m == 1 or per_mb_stage)
     ddp_buf = rk.total("bucket_bytes")
     tp_buf = (max((fast(rk.layers[j].output_bytes)(rk.b, rk.s1) for j in idx), default=0.0) * rk.byte_scale
               if layout.tp > 1 else 0.0)
@@ -212,8 +246,16 @@ def rank_memory(rk: RankLayers, peak_activation_bytes: float, root_held: list, d
     at_step = params + grads + optim + ddp_buf + opt_temp
     at_rs, rs_parts = 0.0, None
     units = [j for j in sorted(idx) if rk.zeros[j] >= 2 and costs[j].params_local > 0 and rk.offloads[j] == "none"]
-    if m == 1 and layout.dp > 1 and units and layout.pp == 1:
-        at_rs, rs_parts = _FsdpBackward(rk, units, root_held, p_b, tp_buf, ddp_buf).peak(params, optim)
+    # FSDP2 reduce-scatters in the backward with one micro-batch at pp = 1, and in every
+    # micro-batch's backward of a pipeline stage that keeps gradient sync on (autopar:
+    # dp > 1, autopar/lower/pipeline_parallel.py:ReducingStage; benchmarks/memory_lowered.py
+    # pp 2 rows: the last stage peaks at its head's reduce-scatter). At pp = 1 with several
+    # micro-batches the forward/backward moment above is what measured within 5% (the
+    # `_2mb` row, -1.3%; these moments, calibrated on one micro-batch, book it +5.7%).
+    if layout.dp > 1 and units and (m == 1 and layout.pp == 1 or per_mb_stage):
+        others = max(0.0, peak_activation_bytes - rk.total("activation_bytes"))
+        out = _stage_output_bytes(rk) if layout.pp > 1 else 0.0
+        at_rs, rs_parts = _FsdpBackward(rk, units, root_held, p_b, tp_buf, ddp_buf, others, out).peak(params, optim)
     if at_rs > max(total, at_loss, at_step):
         params, grads, activations, buffers, frag = rs_parts
         total = at_rs

@@ -144,7 +144,9 @@ class LayerSpec:
     ep_routed_tokens: an MoE layer's (token, chosen expert) rows per micro-batch,
           tokens x top_k: what each all-to-all of expert parallelism moves,
           `attrs["moe_hidden"]` wide (cost_models/expert_parallel.py). 0 for a
-          dense layer. attrs of an MoE layer (autopar/capture/moe.py): experts,
+          dense layer. ep_expert_fwd_flops / ep_expert_bwd_flops: the part of
+          fwd_flops / bwd_flops the experts compute (0 for a dense layer).
+          attrs of an MoE layer (autopar/capture/moe.py): experts,
           top_k, moe_hidden, expert_param_bytes, dense_param_bytes,
           shared_experts, shared_expert_param_bytes, router_param_bytes,
           experts_form ("fused" 3-D weights or "module_list").
@@ -196,6 +198,8 @@ class LayerSpec:
     tp_allreduces: int = 0
     tp_gather_bytes: Expr = 0  # see the class docstring
     ep_routed_tokens: Expr = 0  # see the class docstring
+    ep_expert_fwd_flops: Expr = 0  # the experts' part of fwd_flops / bwd_flops (MoE)
+    ep_expert_bwd_flops: Expr = 0
     tp_collectives: dict = field(default_factory=dict)  # see the class docstring
     tp_degrees: tuple = (1,)
     ops: list = field(default_factory=list)  # list[OpSpec]

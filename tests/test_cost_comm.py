@@ -77,7 +77,8 @@ def test_fsdp_units_reduce_every_micro_batch_when_the_lowering_does():
     gradients (ParallelModel._accumulate, as torchtitan; they stay sharded, as memory.py
     books them): Layout.grads_reduced_per_micro_batch prices m reduce-scatters, each under
     its own backward, where Megatron's distributed optimizer (the field off) reduces once.
-    candidate_layout sets it for autopar's program at pp = 1 and dp > 1 only."""
+    candidate_layout sets it for autopar's program at dp > 1, pipelines included
+    (pipeline_parallel.ReducingStage keeps sync on under torch's schedules)."""
     from autopar.engine import ENGINES
     from autopar.solve.layout import candidate_layout
     from autopar.solve.search_space import Candidate
@@ -97,8 +98,8 @@ def test_fsdp_units_reduce_every_micro_batch_when_the_lowering_does():
     cand = dict(micro_batch_size=1, num_micro_batches=m, schedule="accumulate")
     assert candidate_layout(Candidate(pp=1, dp=32, tp=1, **cand)).grads_reduced_per_micro_batch
     assert not candidate_layout(Candidate(pp=1, dp=1, tp=1, **cand)).grads_reduced_per_micro_batch
-    assert not candidate_layout(Candidate(pp=2, dp=16, tp=1, micro_batch_size=1, num_micro_batches=m,
-                                          schedule="1f1b")).grads_reduced_per_micro_batch
+    assert candidate_layout(Candidate(pp=2, dp=16, tp=1, micro_batch_size=1, num_micro_batches=m,
+                                      schedule="1f1b")).grads_reduced_per_micro_batch
     assert not candidate_layout(Candidate(pp=1, dp=32, tp=1, **cand),
                                 engine=ENGINES["megatron"]).grads_reduced_per_micro_batch
 

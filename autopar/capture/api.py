@@ -296,7 +296,7 @@ def _fit_layer(per_point: dict, grid: PointGrid, what: str):
     values = {f: {p: getattr(m, f) for p, m in per_point.items()}
               for f in ("fwd_flops", "bwd_flops", "activation_bytes", "activation_bytes_tp_sharded",
                         "input_bytes", "output_bytes", "tp_gather_bytes", "activation_bytes_tp_gathered",
-                        "ep_routed_tokens")}
+                        "ep_routed_tokens", "ep_expert_fwd_flops", "ep_expert_bwd_flops")}
     # What one kernel per chain of memory-bound ops saves: the chains seen at every point
     # that save at every point, so the sum stays a polynomial in (batch, seq)
     fusion_savings = {}

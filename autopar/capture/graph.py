@@ -11,7 +11,8 @@ from cost_models.workload import ModelSpec, evaluate
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "activation_bytes", "output_bytes", "input_bytes",
                "activation_bytes_tp_sharded", "activation_bytes_selective", "selective_recompute_flops",
                "activation_bytes_selective_tp_sharded", "tp_gather_bytes", "activation_bytes_tp_gathered",
-               "activation_bytes_selective_tp_gathered", "ep_routed_tokens")
+               "activation_bytes_selective_tp_gathered", "ep_routed_tokens", "ep_expert_fwd_flops",
+               "ep_expert_bwd_flops")
 
 
 @dataclass

@@ -48,6 +48,8 @@ class LayerMetrics:
     tp_allreduces: int = 0
     tp_gather_bytes: int = 0  # activations all-gathered because a sharded dim is cut (tp_dataflow.py)
     ep_routed_tokens: int = 0  # MoE: tokens x top_k, the rows each ep all-to-all moves (moe.py)
+    ep_expert_fwd_flops: int = 0  # MoE: the experts' share of fwd_flops / bwd_flops
+    ep_expert_bwd_flops: int = 0
     attrs: dict = field(default_factory=dict)
     has_attention: bool = False
     has_conv: bool = False
@@ -179,9 +181,10 @@ def layer_metrics(trace: PointTrace, layer: int, fwd: list, bwd: list, *, prefix
     _saved_activations(m, trace, layer, fwd, flow, op_key)
     _op_table(m, fwd, bwd, flow, prefix)
     _layer_facts(m, trace, layer, fwd, bwd, flow, is_head)
-    moe = moe_facts(trace, layer, fwd, prefix)
+    moe = moe_facts(trace, layer, fwd, bwd, prefix)
     if moe is not None:  # what expert parallelism divides and moves (cost_models/expert_parallel.py)
         m.ep_routed_tokens = moe.routed_tokens
+        m.ep_expert_fwd_flops, m.ep_expert_bwd_flops = moe.expert_fwd_flops, moe.expert_bwd_flops
         m.attrs.update(moe.attrs())
     m.module_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx])
     m.layer_fusion_chains = module_fusion_savings(fwd, bwd, key_of=lambda r: op_key[r.idx], region=lambda r: "layer")

@@ -19,8 +19,9 @@ top-k on group scores first); from it, over the forward records' producers:
   gate): dense, on every token.
 
 The tokens routed (`tokens x top_k`: the rows each all-to-all moves, each
-`hidden` wide) scale with batch and sequence: capture fits them in B and S
-(LayerSpec.ep_routed_tokens); the rest are attrs.
+`hidden` wide) and the experts' FLOPs scale with batch and sequence: capture
+fits them in B and S (LayerSpec.ep_routed_tokens, ep_expert_fwd_flops,
+ep_expert_bwd_flops); the rest are attrs.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class MoeFacts:
     shared_expert_param_bytes: int
     router_param_bytes: int
     experts_form: str  # "fused" | "module_list"
+    expert_fwd_flops: int = 0  # the experts' ops (below the top-k, in the experts' module)
+    expert_bwd_flops: int = 0
 
     def attrs(self) -> dict:
         return {"moe_hidden": self.hidden, "expert_param_bytes": self.expert_param_bytes,
@@ -102,7 +105,7 @@ def _expert_names(used: set, block_params: dict, prefix: str) -> tuple[set, str]
     return names, "module_list" if listed else "fused"
 
 
-def moe_facts(trace, layer: int, fwd: list, prefix: str) -> MoeFacts | None:
+def moe_facts(trace, layer: int, fwd: list, bwd: list, prefix: str) -> MoeFacts | None:
     """The MoE facts of one layer, or None when it routes nothing (no top-k)."""
     routing = trace.topk.get(layer)
     topks = [r for r in fwd if r.op == "aten.topk"]
@@ -123,6 +126,7 @@ def moe_facts(trace, layer: int, fwd: list, prefix: str) -> MoeFacts | None:
     if not gemms:
         return None
     home = _common_module(gemms)
+    inside = {r.idx for r in fwd if r.idx in below and (r.module == home or r.module.startswith(home + "."))}
     used = {n for r in routed if r.module == home or r.module.startswith(home + ".") for n in weights[r.idx]}
     block_params = {n: b for n, b in trace.param_bytes.items() if not prefix or n.startswith(prefix + ".")}
     names, form = _expert_names(used, block_params, prefix)
@@ -134,4 +138,5 @@ def moe_facts(trace, layer: int, fwd: list, prefix: str) -> MoeFacts | None:
                     expert_param_bytes=expert_bytes, dense_param_bytes=sum(block_params.values()) - expert_bytes,
                     shared_expert_param_bytes=sum(block_params.get(n, 0) for n in shared - names),
                     router_param_bytes=sum(block_params.get(n, 0) for n in weights[router.idx]),
-                    experts_form=form)
+                    experts_form=form, expert_fwd_flops=sum(records[i].flops for i in inside),
+                    expert_bwd_flops=sum(r.flops for r in bwd if r.fwd_ref in inside))

@@ -83,9 +83,9 @@ def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = 
                   # as autopar lowers: FSDP2 mixed precision even on one rank for 16-bit
                   # training; the engine's optimizer, gradient dtype and TP overlap
                   fsdp_one_rank=c.dp == 1 and precision != "fp32" and engine.is_autopar,
-                  # ParallelModel._accumulate keeps FSDP2's gradient sync on for every micro-batch;
-                  # torch's pipeline schedules turn it off until the last (not priced yet)
-                  grads_reduced_per_micro_batch=engine.is_autopar and c.pp == 1 and c.dp > 1,
+                  # FSDP2's gradient sync stays on for every micro-batch: ParallelModel._accumulate
+                  # at pp = 1, pipeline_parallel.ReducingStage under torch's schedules
+                  grads_reduced_per_micro_batch=engine.is_autopar and c.dp > 1,
                   **engine.layout_fields())
 
 
