@@ -148,3 +148,44 @@ def test_position_tables_found():
     found = sorted(name for _, name in cp.position_tables(_zoo_llama(), 16))
     assert found == ["rope_cos", "rope_sin"]
     assert cp.position_tables(_hf_llama(), 16) == []  # its positions enter through the rotary hook
+
+
+def _cp_tp_world(rank, world):
+    """cp 2 x tp 2: torch's TP styles split the heads and the MLP (as torchtitan's
+    Llama plan does), ring attention runs on each rank's heads, FSDP2 over cp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from autopar.lower import context_parallel as cp
+    model = _zoo_llama()
+    batches = _batches(64, 16, pad_tail=True)
+    ref_losses, ref_params = _reference(model, batches, hf=False)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()})
+        block.attention.heads //= 2
+        block.attention.kv_heads //= 2
+    cp.apply_context_parallel(model, mesh["cp"], shard=True, blocks=list(model.layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in batches:
+        with cp.sequence_shard(model, mesh["cp"], x, y) as (lx, ly):
+            loss, mean = cp.token_loss(model(lx), ly, mesh["cp"])
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean.item())
+    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.named_parameters()}
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param": max((whole[k] - v).abs().max().item() for k, v in ref_params.items())}
+
+
+@pytest.mark.slow
+def test_cp2_tp2_matches_one_process():
+    for r in run_world(_cp_tp_world, 4, timeout=180):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r

@@ -226,13 +226,21 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_mesh, ignore_index
     return for_backward, mean
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh) -> nn.Module:
-    """Parameters whole on every cp rank, gradients averaged over cp: torch's
-    `replicate` on the cp mesh (torchtitan folds cp into FSDP's mesh instead,
-    dp_shard_cp; composing with autopar's dp/FSDP is the wiring step)."""
-    from autopar.lower.data_parallel import apply_replicate
+def apply_context_parallel(model: nn.Module, cp_mesh, *, shard: bool = False, blocks=()) -> nn.Module:
+    """Gradients averaged over cp, which `token_loss` expects. `shard=False`:
+    parameters whole on every cp rank, torch's `replicate` (DDP) on the cp mesh.
+    `shard=True`: FSDP2 `fully_shard` over cp, each of `blocks` a unit and the
+    model the root, as torchtitan folds cp into FSDP's mesh (dp_shard_cp); the
+    only form that takes tensor-parallel (DTensor) parameters. Composing with
+    autopar's own dp/FSDP axis is the wiring step."""
     register_cpu_ring_attention()
-    return apply_replicate(model, cp_mesh)
+    if not shard:
+        from autopar.lower.data_parallel import apply_replicate
+        return apply_replicate(model, cp_mesh)
+    from torch.distributed.fsdp import fully_shard
+    for block in blocks:
+        fully_shard(block, mesh=cp_mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=cp_mesh, reshard_after_forward=False)
 
 
 def check(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph=None) -> None:
