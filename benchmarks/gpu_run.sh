@@ -4,7 +4,7 @@
 # session is this one script, each part under its own limit, every result written
 # under OUT as soon as it exists (a part cut short loses only itself).
 #
-#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S] [COMPILE_S] [COMPILED_MEASURE_S] [FLOAT8_S]
+#   benchmarks/gpu_run.sh DEVICE OUT [CALIBRATE_S] [MEASURE_S] [COMPILE_S] [COMPILED_MEASURE_S] [FLOAT8_S] [CP_S]
 #   DEVICE: the cost model's name of the GPU (h100-sxm, h200); plans come from
 #   `python3 benchmarks/gpu_step_time.py plan --device DEVICE`, made beforehand here.
 #   A part given 0 seconds is skipped: `gpu_run.sh h200 OUT 0 0 240` runs only the
@@ -19,8 +19,10 @@
 #   made here by `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 #   --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0`
 #   (`carry: [".whl"]`); this script installs it into /tmp/site.
+#   CP_S: context parallelism on CUDA (benchmarks/cp_gpu_check.py: cp 2 against one process,
+#   fp32 and bf16, torch's own ring handlers for the CUDA SDPA kernels; about a minute).
 set -u
-dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330} cmp_s=${5:-0} cmeas_s=${6:-0} f8_s=${7:-0}
+dev=$1 out=$2 cal_s=${3:-200} meas_s=${4:-330} cmp_s=${5:-0} cmeas_s=${6:-0} f8_s=${7:-0} cp_s=${8:-0}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
@@ -31,6 +33,11 @@ if [ "$cmp_s" -gt 0 ]; then
   timeout "$cmp_s" python3 benchmarks/compile_overhead.py --device cuda --out "$out/compile_overhead_${dev}" \
       --note "benchmarks/gpu_run.sh $dev OUT $cal_s $meas_s $cmp_s" 2>&1 | tail -n 20
   echo "compile comparison: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$cp_s" -gt 0 ]; then
+  t0=$(date +%s)
+  timeout "$cp_s" python3 benchmarks/cp_gpu_check.py "$out" 2>&1 | tail -n 5
+  echo "context parallel check: $(( $(date +%s) - t0 )) s"
 fi
 if [ "$f8_s" -gt 0 ]; then
   if ! python3 -c "import torchao" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then

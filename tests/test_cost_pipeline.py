@@ -167,3 +167,23 @@ def test_planner_table_in_flight_matches_simulated_bytes_for_equal_chunks(schedu
     nums = in_flight_numerators(schedule, p, v, m)
     for r in range(p):
         assert res.peak_activation_bytes[r] == pytest.approx(nums[r] / v * per_chunk * v)
+
+
+def test_the_list_based_simulation_gives_the_event_by_event_ones_exact_floats():
+    """Without events or rendezvous the simulation runs on lists (_until_done_async): the
+    same finish, busy and peak values, to the bit, as the event-keeping path."""
+    import random
+
+    from cost_models.pipeline import simulate
+    rng = random.Random(0)
+    for _ in range(150):
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved"])
+        pp = rng.choice([1, 2, 3, 4, 8])
+        v = rng.choice([1, 2, 3]) if schedule == "interleaved" else 1
+        m, n = pp * rng.randint(1, 5), pp * v
+        f, b = [rng.random() for _ in range(n)], [2 * rng.random() for _ in range(n)]
+        x, a = [0.1 * rng.random() for _ in range(n)], [10 * rng.random() for _ in range(n)]
+        fast = simulate(schedule, pp, m, f, b, x, virtual_stages=v, activation_bytes=a)
+        slow = simulate(schedule, pp, m, f, b, x, virtual_stages=v, activation_bytes=a, keep_events=True)
+        assert (fast.finish_s, fast.busy_s, fast.peak_in_flight, fast.peak_activation_bytes) == \
+               (slow.finish_s, slow.busy_s, slow.peak_in_flight, slow.peak_activation_bytes)

@@ -188,7 +188,7 @@ def sequence_shard(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torc
         # must see their global positions, but its mask builder must not: positions that
         # jump (the balanced order) read as packed documents and build a mask, where
         # plain local positions let SDPA run is_causal, which the ring splits.
-        positions = torch.arange(s).expand(b, s).contiguous()
+        positions = torch.arange(s, device=inputs.device).expand(b, s).contiguous()
         buffers.append(positions)
         dims.append(1)
         hooks = [m.register_forward_pre_hook(_global_positions(positions), with_kwargs=True) for m in rotaries]

@@ -94,10 +94,12 @@ class StageProblem:
     chunk_counts: list | None = None
 
     def __post_init__(self):
-        if self.chunk_counts is None:
+        if self.chunk_counts is None:  # derived: already sorted integer vectors
             self.chunk_counts = chunk_count_vectors(self.pp, self.virtual_stages, self.num_micro_batches,
                                                     self.in_flight_num)
-        self.chunk_counts = [sorted(tuple(int(x) for x in c) for c in vecs) for vecs in self.chunk_counts]
+        else:
+            self.chunk_counts = [sorted(tuple(int(x) for x in c) for c in vecs) for vecs in self.chunk_counts]
+        self._group_counts = None  # (layer_group it was counted for, counts)
         if len(self.chunk_counts) != self.pp or any(
                 not vecs or any(len(c) != self.virtual_stages for c in vecs) for vecs in self.chunk_counts):
             raise ValueError(f"chunk_counts needs, per pp rank ({self.pp}), count vectors of length "
@@ -141,11 +143,15 @@ class StageProblem:
         return out
 
     def group_counts(self) -> list[tuple[int, int]]:
-        """(group, number of layers) for every group, in group order."""
-        counts: dict = {}
-        for g in self.layer_group:
-            counts[g] = counts.get(g, 0) + 1
-        return sorted(counts.items())
+        """(group, number of layers) for every group, in group order. Kept while
+        layer_group is unchanged: the bounds ask it ~10 times per problem."""
+        key = tuple(self.layer_group)
+        if self._group_counts is None or self._group_counts[0] != key:
+            counts: dict = {}
+            for g in key:
+                counts[g] = counts.get(g, 0) + 1
+            self._group_counts = (key, sorted(counts.items()))
+        return list(self._group_counts[1])
 
     def to_seconds(self, objective: int) -> float:
         return objective * NS / self.virtual_stages
@@ -215,7 +221,8 @@ def _interleaved_vectors(pp: int, v: int, m: int) -> tuple:
     # cached: the planner builds problems for thousands of candidates sharing (pp, V, m)
     from cost_models.memory import in_flight_chunk_counts
 
-    return tuple(tuple(in_flight_chunk_counts("interleaved", pp, m, r, v)) for r in range(pp))
+    return tuple(tuple(sorted(tuple(int(x) for x in c) for c in in_flight_chunk_counts("interleaved", pp, m, r, v)))
+                 for r in range(pp))
 
 
 def _valid_partition(problem: StageProblem, stage_of_layer, option_of_layer) -> bool:
