@@ -63,7 +63,18 @@ def _pipelined_fp16():
     return plan
 
 
-VARIANTS = {"mutated": _mutated, "pipelined_fp16": _pipelined_fp16}
+def _hsdp():
+    """Llama 3 8B's plan (8 nodes of 8) as HSDP: ZeRO 3 sharded over each node's 8 dp ranks,
+    replicated across the 8 nodes (Mesh.dp_shard)."""
+    plan = _load("llama3_8b_64xh100")
+    assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (64, 1, 1)
+    plan.mesh = Mesh(pp=1, dp=64, tp=1, dp_shard=8)
+    for c in plan.layer_choices:
+        c.zero, c.reshard_after_forward = 3, True
+    return plan
+
+
+VARIANTS = {"mutated": _mutated, "pipelined_fp16": _pipelined_fp16, "hsdp": _hsdp}
 
 
 @pytest.fixture(scope="module", params=PLANS + tuple(VARIANTS))
@@ -221,8 +232,9 @@ def test_accelerate_launch_reads_every_export(plan, tmp_path, monkeypatch):
         fsdp = FullyShardedDataParallelPlugin()
         assert fsdp.fsdp_version == 2 and fsdp.reshard_after_forward == (near.layer_choices[1].zero >= 3)
         pc = ParallelismConfig()
-        assert (pc.dp_shard_size or 1, pc.tp_size or 1) == (near.mesh.dp, plan.mesh.tp)
-        assert pc.dp_shard_size * pc.tp_size == plan.mesh.world_size
+        assert (pc.dp_shard_size or 1, pc.tp_size or 1) == (near.mesh.shard_ranks, plan.mesh.tp)
+        assert (pc.dp_replicate_size or 1) == near.mesh.replicas  # HSDP's replicas, else 1
+        assert pc.dp_replicate_size * pc.dp_shard_size * pc.tp_size == plan.mesh.world_size
     if plan.mesh.pp > 1:
         assert any("pipeline parallelism" in n for n in result.notes)
     assert f"DataLoader(batch_size={plan.micro_batch_size})" in result.text or plan.mesh.pp > 1
@@ -245,8 +257,29 @@ def test_transformers_reads_every_export(plan, monkeypatch):
     assert args.per_device_train_batch_size == near.micro_batch_size
     assert args.gradient_accumulation_steps == near.num_micro_batches
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps * dist.dp_size == plan.global_batch_size
-    assert (dist.tp_size, dist.fsdp_size * dist.pp_size * dist.tp_size) == (plan.mesh.tp, plan.mesh.world_size)
+    assert (dist.tp_size, dist.dp_replicate_size * dist.fsdp_size * dist.pp_size * dist.tp_size) == (
+        plan.mesh.tp, plan.mesh.world_size)
+    assert (dist.fsdp_size, dist.dp_replicate_size) == (near.mesh.shard_ranks, near.mesh.replicas)
     assert args.bf16 == (plan.precision == "bf16") and args.max_grad_norm == 1.0
+
+
+# -- HSDP in each target -------------------------------------------------------------------------
+def test_hsdp_reaches_each_target_or_is_said():
+    plan = _hsdp()
+    args = _torchtitan_args(export(plan, "torchtitan").text)
+    assert args[args.index("--parallelism.data_parallel_replicate_degree") + 1] == "8"
+    assert args[args.index("--parallelism.data_parallel_shard_degree") + 1] == "8"
+    assert export(plan, "torchtitan").nearest.mesh.dp_shard == 8  # torchtitan runs it exactly
+    ds = export(plan, "deepspeed")
+    assert json.loads(ds.text)["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert not ds.nearest.mesh.hsdp and any("ZeRO++ hpZ" in n for n in ds.notes)  # priced as whole-dp ZeRO 3
+    acc = yaml.safe_load(export(plan, "accelerate").text)["parallelism_config"]
+    assert (acc["parallelism_config_dp_replicate_size"], acc["parallelism_config_dp_shard_size"]) == (8, 8)
+    hf = json.loads(export(plan, "hf").text)["distributed_config"]
+    assert (hf["dp_replicate_size"], hf["fsdp_size"]) == (8, 8)
+    mg = export(plan, "megatron")
+    assert not mg.nearest.mesh.hsdp and any("HSDP (dp 64 = 8 replicas x 8 shards): not expressible" in n
+                                            for n in mg.notes)
 
 
 # -- what cannot be expressed, and the command ---------------------------------------------------

@@ -210,9 +210,13 @@ def _table(title: str, columns, justify: str | None = None):
 def _print_layout(plan, console) -> None:
     mesh = _table("Layout", ("pp", "dp", "tp", "seq. parallel", "schedule", "micro-batch", "count"), "right")
     sched = plan.schedule if plan.schedule != "interleaved" else f"interleaved (V={plan.virtual_stages})"
-    mesh.add_row(str(plan.mesh.pp), str(plan.mesh.dp), str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
+    dp = plan.mesh.dp_text().removeprefix("dp ")  # "8 = 2 replicas x 4 shards" under HSDP
+    mesh.add_row(str(plan.mesh.pp), dp, str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
+    why = (plan.solver or {}).get("hsdp") if isinstance(plan.solver, dict) else None
+    if why:
+        console.print(why, markup=False)
 
 
 def _print_speed(plan, console) -> None:

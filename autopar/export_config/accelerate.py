@@ -6,7 +6,8 @@ accelerate has no pipeline parallelism: a plan's pp ranks join data parallelism.
 takes one `fsdp_reshard_after_forward` (ZeRO 3 when true, ZeRO 2 when false) and one
 `fsdp_activation_checkpointing` (whole blocks) for the model; `fsdp_offload_params`
 offloads parameters, gradients and optimizer together; DDP (MULTI_GPU) is ZeRO 0 on
-plain data parallelism. Its tensor parallelism is the model's own tp_plan (Hugging
+plain data parallelism; HSDP is `parallelism_config`'s dp_replicate x dp_shard with
+FSDP2 (FSDP1 called it `fsdp_sharding_strategy: HYBRID_SHARD`). Its tensor parallelism is the model's own tp_plan (Hugging
 Face models); its `sp_size` is DeepSpeed-Ulysses, not Megatron-style sequence
 parallelism. The batch is the training script's: the comments say what to pass.
 """
@@ -25,7 +26,7 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
     m = near.mesh
     if m.dp > 1:
         zero = common.zero_level(near)
-        ddp = zero == 0 and m.tp == 1 and common.offload_mode(near) == "none"
+        ddp = zero == 0 and m.tp == 1 and common.offload_mode(near) == "none" and not m.hsdp
         common.set_uniform(near, notes, zero=0 if ddp else max(zero, 2),
                            why="FSDP2 reshards after forward (ZeRO 3) or not (ZeRO 2) for the whole model; DDP "
                                "(ZeRO 0) only without tp")
@@ -56,8 +57,9 @@ def config(near) -> dict:
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": True}
         # the mesh said explicitly (accelerate reads it with FSDP2 only)
-        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1,
-                                     "parallelism_config_dp_shard_size": m.dp,
+        # HSDP: FSDP2 on accelerate's (dp_replicate, dp_shard) mesh (FSDP1's HYBRID_SHARD)
+        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": m.replicas,
+                                     "parallelism_config_dp_shard_size": m.shard_ranks,
                                      "parallelism_config_tp_size": m.tp, "parallelism_config_cp_size": 1}
     return cfg
 

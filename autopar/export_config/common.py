@@ -180,11 +180,20 @@ def fold_pipeline(plan: Plan, notes: list[str], target: str) -> None:
     micro = math.gcd(plan.micro_batch_size, per_rank)
     notes.append(f"pipeline parallelism (pp {m.pp}): none in {target}; its ranks join data parallelism "
                  f"(pp 1 x dp {dp} x tp {m.tp}, {per_rank // micro} x {micro} samples per dp rank)")
-    plan.mesh = Mesh(pp=1, dp=dp, tp=m.tp)
+    plan.mesh = Mesh(pp=1, dp=dp, tp=m.tp, dp_shard=m.dp_shard if m.hsdp else None)  # HSDP groups stay
     plan.schedule, plan.virtual_stages = "accumulate", 1
     plan.micro_batch_size, plan.num_micro_batches = micro, per_rank // micro
     restage(plan, [len(plan.layer_choices)])
     set_uniform(plan, notes, zero=3, why="the folded pipeline's states spread over the data-parallel ranks")
+
+
+def no_hsdp(plan: Plan, notes: list[str], why: str) -> None:
+    """The target cannot shard over groups of dp ranks: the states sharded over the whole dp."""
+    m = plan.mesh
+    if not m.hsdp:
+        return
+    notes.append(f"HSDP ({m.dp_text()}): {why}; the states are sharded over the whole dp {m.dp}")
+    plan.mesh = Mesh(pp=m.pp, dp=m.dp, tp=m.tp)
 
 
 def no_sequence_parallel(plan: Plan, notes: list[str], target: str) -> None:

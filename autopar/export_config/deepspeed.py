@@ -5,7 +5,10 @@ model, runs pipelines with its own 1F1B (`PipelineModule`, stages cut by a
 `partition_method`: 'uniform' layer counts, 'parameters', 'type:REGEX'; no explicit
 per-stage counts) and refuses ZeRO 2/3 under a pipeline. Tensor parallelism is
 AutoTP (`tensor_parallel.autotp_size`, for the Hugging Face architectures it knows);
-it has no Megatron-style sequence parallelism and no float8. DeepSpeed's parser
+it has no Megatron-style sequence parallelism and no float8. HSDP's nearest is
+ZeRO++'s hpZ (`zero_hpz_partition_size`: ZeRO 3's parameter all-gathers inside groups
+of that many ranks, from a secondary copy), whose gradients and optimizer states stay
+sharded over the whole dp: the nearest layout is priced as whole-dp ZeRO 3. DeepSpeed's parser
 ignores top-level keys it does not know, so the notes ride in `_autopar_notes` and
 the PipelineModule call in `_autopar_pipeline_module`.
 """
@@ -39,9 +42,21 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
     if pipeline:
         common.single_schedule(near, notes, "1f1b", TARGET)
         common.even_stages(near, notes, "PipelineModule partition_method='uniform' balances layer counts")
+    _hpz(near, notes)
     common.no_sequence_parallel(near, notes, TARGET)
     common.no_float8(near, notes, TARGET)
     return near
+
+
+def _hpz(near, notes: list[str]) -> None:
+    """HSDP's note: ZeRO++ hpZ where it exists (ZeRO 3, `config` writes it), else nothing."""
+    m = near.mesh
+    if m.hsdp and common.zero_level(near) == 3:
+        common.no_hsdp(near, notes, f"DeepSpeed's nearest is ZeRO++ hpZ (zero_hpz_partition_size {m.dp_shard}): the "
+                                    f"parameters' all-gathers stay inside groups of {m.dp_shard} ranks, the "
+                                    "gradients and optimizer states do not")
+    else:
+        common.no_hsdp(near, notes, "DeepSpeed shards ZeRO 1 / 2 over the whole dp (hpZ is ZeRO 3 only)")
 
 
 def config(plan, near, notes: list[str], clip: float) -> dict:
@@ -49,6 +64,8 @@ def config(plan, near, notes: list[str], clip: float) -> dict:
     offload = common.offload_mode(near)
     ckpt = common.checkpoint_mode(near)
     zero_cfg = {"stage": zero}
+    if plan.mesh.hsdp and zero == 3:  # HSDP's nearest: ZeRO++ hpZ (`_hpz`)
+        zero_cfg["zero_hpz_partition_size"] = plan.mesh.dp_shard
     if offload != "none":
         zero_cfg["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload == "params":

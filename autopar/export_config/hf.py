@@ -6,7 +6,8 @@ parts `HfArgumentParser` and `DistributedConfig` read.
 
 DistributedConfig's FSDP2 reshards after forward (ZeRO 3) and does not combine FSDP
 with pipeline parallelism; its sequence parallelism is not wired yet;
-`activation_checkpointing` is one switch for whole blocks; no float8.
+`activation_checkpointing` is one switch for whole blocks; no float8. HSDP is its
+`dp_replicate_size` x `fsdp_size` (replicas x shard group).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
 
 def config(near, clip: float) -> dict:
     m = near.mesh
-    distributed = {"tp_size": m.tp, "fsdp_size": m.dp, "dp_replicate_size": 1, "pp_size": m.pp,
+    distributed = {"tp_size": m.tp, "fsdp_size": m.shard_ranks, "dp_replicate_size": m.replicas, "pp_size": m.pp,
                    "fsdp_cpu_offload": common.offload_mode(near) != "none",
                    "fsdp_mixed_precision": near.precision != "fp32" and m.dp > 1,
                    "enable_sequence_parallel": False}

@@ -6,7 +6,8 @@ torchtitan expresses pipelines exactly: uneven stages as `module_fqns_per_model_
 (the modules of each stage, virtual stages included), the schedule by name, the
 micro-batch size. Data parallelism is FSDP2 over `data_parallel_shard_degree` with one
 `fsdp_reshard_after_forward` policy ('always' = ZeRO 3, 'never' = ZeRO 2) or DDP
-(`data_parallel_replicate_degree`, ZeRO 0, plain data parallelism only); one
+(`data_parallel_replicate_degree`, ZeRO 0, plain data parallelism only), or HSDP
+with both degrees above 1 (replicas x shard group, as autopar's `Mesh.dp_shard`); one
 activation-checkpointing mode for every block; CPU offload of parameters, gradients
 and optimizer together; bf16 or fp32 (no fp16). float8 is a model converter chosen in
 the config registry, not on the command line.
@@ -31,7 +32,7 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
     m = near.mesh
     if m.dp > 1:
         zero = common.zero_level(near)
-        ddp = zero == 0 and m.tp == 1 and m.pp == 1 and common.offload_mode(near) == "none"
+        ddp = zero == 0 and m.tp == 1 and m.pp == 1 and common.offload_mode(near) == "none" and not m.hsdp
         common.set_uniform(near, notes, zero=0 if ddp else max(zero, 2),
                            why="FSDP2 reshards after forward (ZeRO 3) or not (ZeRO 2) for the whole model; "
                                "DDP (ZeRO 0) only without tp and pp")
@@ -56,8 +57,9 @@ def arguments(near, clip: float) -> list[str]:
     m = near.mesh
     zero = common.zero_level(near)
     ddp = m.dp > 1 and zero == 0
-    args = ["--parallelism.data_parallel_replicate_degree", str(m.dp if ddp else 1),
-            "--parallelism.data_parallel_shard_degree", str(1 if ddp else m.dp),
+    # HSDP: replicas x shard group (FSDP2 on torchtitan's (dp_replicate, dp_shard) mesh)
+    args = ["--parallelism.data_parallel_replicate_degree", str(m.dp if ddp else m.replicas),
+            "--parallelism.data_parallel_shard_degree", str(1 if ddp else m.shard_ranks),
             "--parallelism.fsdp_reshard_after_forward", "always" if zero >= 3 else "never",
             "--parallelism.tensor_parallel_degree", str(m.tp),
             "--parallelism.pipeline_parallel_degree", str(m.pp)]
@@ -126,7 +128,8 @@ def export(plan, clip: float = common.DEFAULT_CLIP, checkpoint: str | None = Non
     notes: list[str] = []
     near = nearest(plan, notes, checkpoint)
     m = near.mesh
-    summary = (f"dp_shard {m.dp} x tp {m.tp} x pp {m.pp}"
+    summary = ((f"dp_replicate {m.replicas} x dp_shard {m.dp_shard}" if m.hsdp else f"dp_shard {m.dp}")
+               + f" x tp {m.tp} x pp {m.pp}"
                + (f" ({SCHEDULES[near.schedule]}, {len(near.stages)} model parts)" if m.pp > 1 else "")
                + f", {AC[common.checkpoint_mode(near)]}")
     return common.Export(TARGET, script(plan, near, notes, clip), near, notes, summary)

@@ -66,6 +66,7 @@ def summary(plan) -> dict:
     sched = plan.schedule + (f" (V={plan.virtual_stages})" if plan.schedule == "interleaved" else "")
     peak_mem = max(p.peak_memory_bytes) if p.peak_memory_bytes else None
     cap = _capacity(plan)
+    dp_text = plan.mesh.dp_text().replace(" x ", " \u00d7 ")  # under HSDP "dp 8 = 2 replicas x 4 shards"
     return {
         "model_name": m.get("name") or fmt.DASH,
         "model_source": m.get("source") or "",
@@ -75,7 +76,7 @@ def summary(plan) -> dict:
         "cluster": f"{nodes} \u00d7 {gpn} {_name(c.get('device'))}",
         "world": nodes * gpn,
         "links": f"{_name(c.get('intra_node_link'))} in node, {_name(c.get('inter_node_link'))} across nodes",
-        "mesh": f"pp {plan.mesh.pp} \u00d7 dp {plan.mesh.dp} \u00d7 tp {plan.mesh.tp}",
+        "mesh": f"pp {plan.mesh.pp} \u00d7 {dp_text} \u00d7 tp {plan.mesh.tp}",
         "mesh_world": plan.mesh.world_size,
         "schedule": sched,
         "batch": (f"{plan.global_batch_size} samples = dp {plan.mesh.dp} \u00d7 micro-batch "
@@ -149,7 +150,7 @@ def hand_checks(plan) -> list[dict]:
 # The solver facts worth a glance, with the words to show them under.
 SOLVER_HEADLINE = {"status": "status", "gap": "optimality gap", "candidates": "candidate layouts",
                    "solved": "solved", "pruned_by_bound": "pruned by bound", "oom": "out of memory",
-                   "search_s": "search time"}
+                   "search_s": "search time", "hsdp": "HSDP"}
 
 
 def _solver_value(key, value) -> str:
@@ -218,7 +219,7 @@ def build_context(plan, graph=None) -> dict:
         "title": title,
         "plan": plan,
         "s": summary(plan),
-        "mesh_axes": mesh.axis_rows(pp, dp, tp, gpn),
+        "mesh_axes": mesh.axis_rows(pp, dp, tp, gpn, plan.mesh.dp_shard if plan.mesh.hsdp else None),
         # the overview adds nothing when the detail already draws every node
         "mesh_overview": mesh.overview_svg(pp, dp, tp, gpn, mesh_nodes) if len(detail_ids) < mesh_nodes else None,
         "mesh_detail": mesh.detail_svg(pp, dp, tp, gpn, detail_ids),

@@ -28,14 +28,19 @@ def rank_coords(rank: int, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
     return rank // (dp * tp), (rank // tp) % dp, rank % tp
 
 
-def axis_rows(pp: int, dp: int, tp: int, gpus_per_node: int) -> list[dict]:
-    """One row per mesh axis: size, rank stride, nodes one group spans, link tier.
+def axis_rows(pp: int, dp: int, tp: int, gpus_per_node: int, dp_shard: int | None = None) -> list[dict]:
+    """One row per mesh axis: size, rank stride, nodes one group spans, link tier;
+    under HSDP (`dp_shard`) also the dp axis's two groups: dp_shard (neighbouring
+    tp slabs, where the states are sharded) and dp_replicate (striding over them).
 
     Pure topology (which ranks talk to which), not a prediction: it lets the
     reader check the comm table's tiers against the drawing.
     """
     rows = []
-    for axis, size, stride in (("tp", tp, 1), ("dp", dp, tp), ("pp", pp, dp * tp)):
+    axes = [("tp", tp, 1), ("dp", dp, tp)]
+    if dp_shard:
+        axes += [("dp_shard", dp_shard, tp), ("dp_replicate", dp // dp_shard, tp * dp_shard)]
+    for axis, size, stride in axes + [("pp", pp, dp * tp)]:
         members = [k * stride for k in range(size)]  # group of rank 0
         nodes = sorted({r // gpus_per_node for r in members})
         rows.append({

@@ -24,6 +24,8 @@ def how_chosen(result: SearchResult, solver_pick, chosen, winner, uniform, unifo
         chosen[0].candidate == result.best.candidate)
     if chosen[0].status == "uniform":
         how = "uniform layout"
+    elif chosen[0].status == "hsdp":
+        how = "HSDP variant of a priced layout"  # solve/hsdp.py: not a layout the solver saw
     elif is_solver_best:
         how = "solver optimum"
     else:
@@ -44,10 +46,21 @@ def how_chosen(result: SearchResult, solver_pick, chosen, winner, uniform, unifo
 
 
 
+def mesh_dict(c: Candidate) -> dict:
+    """A candidate's mesh as the Plan's JSON writes it (dp_shard only under HSDP)."""
+    return {"pp": c.pp, "dp": c.dp, "tp": c.tp, **({"dp_shard": c.dp_shard} if c.dp_shard else {})}
+
+
+def mesh_text(mesh: dict) -> str:
+    dp = f"dp{mesh['dp']}" + (f" ({mesh['dp'] // mesh['dp_shard']} replicas x {mesh['dp_shard']} shards)"
+                              if mesh.get("dp_shard") else "")
+    return f"pp{mesh['pp']} x {dp} x tp{mesh['tp']}"
+
+
 def layout_summary(c: Candidate, choices) -> dict:
     zeros = sorted({z for z, _, _ in choices})
     ckpts = sorted({k for _, k, _ in choices})
-    return {"mesh": {"pp": c.pp, "dp": c.dp, "tp": c.tp}, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+    return {"mesh": mesh_dict(c), "schedule": c.schedule, "virtual_stages": c.virtual_stages,
             "micro_batch_size": c.micro_batch_size, "num_micro_batches": c.num_micro_batches,
             "sequence_parallel": c.sequence_parallel,
             "zero": zeros[0] if len(zeros) == 1 else zeros, "checkpoint": ckpts[0] if len(ckpts) == 1 else ckpts}
@@ -67,8 +80,7 @@ def _differences(alt: dict, best: dict) -> list[str]:
     """What the alternative changes against the plan, in the plan's words ('schedule
     interleaved:2 (plan interleaved:3)'); empty when only the stage split / per-layer mix differs."""
     out = []
-    mesh = lambda a: "pp{pp} x dp{dp} x tp{tp}".format(**a["mesh"])  # noqa: E731
-    for what, value in (("mesh", mesh), ("schedule", _sched),
+    for what, value in (("mesh", lambda a: mesh_text(a["mesh"])), ("schedule", _sched),
                         ("micro-batch", lambda a: f"{a['micro_batch_size']} x {a['num_micro_batches']}"),
                         ("sequence parallel", lambda a: "on" if a["sequence_parallel"] else "off"),
                         ("zero", lambda a: str(a["zero"])), ("checkpoint", lambda a: str(a["checkpoint"]))):
@@ -126,7 +138,7 @@ def list_alternatives(winner, others, result: SearchResult, top_k: int, limit_by
     for r, layout, est in picked:
         alt = layout_summary(r.candidate, assignment_of(layout))
         alt["predicted"] = predicted_dict(est)
-        alt["source"] = "uniform layout" if r.status == "uniform" else "solver"
+        alt["source"] = {"uniform": "uniform layout", "hsdp": "HSDP variant"}.get(r.status, "solver")
         alt["slower_by"] = est.step_time_s / best_est.step_time_s - 1 if best_est.step_time_s else 0.0
         alt["differs"] = _differences(alt, best)
         if fits(est, limit_bytes) and est.step_time_s <= best_est.step_time_s:
@@ -146,7 +158,7 @@ def list_alternatives(winner, others, result: SearchResult, top_k: int, limit_by
     for r in oom[:max(0, top_k - len(out)) or 2]:
         p = r.problem
         need = memory_floor(p) * KIB
-        alt = {"mesh": {"pp": r.candidate.pp, "dp": r.candidate.dp, "tp": r.candidate.tp},
+        alt = {"mesh": mesh_dict(r.candidate),
                "schedule": r.candidate.schedule, "virtual_stages": r.candidate.virtual_stages,
                "micro_batch_size": r.candidate.micro_batch_size, "num_micro_batches": r.candidate.num_micro_batches,
                "sequence_parallel": r.candidate.sequence_parallel, "zero": None, "checkpoint": None,

@@ -1,6 +1,6 @@
 """What the user pinned: the `constraints` dict of `autopar.plan` and the CLI's
-pinning flags (`--tp --pp --dp --micro-batch --zero --checkpoint --schedule
---sequence-parallel`), parsed once and checked before any search.
+pinning flags (`--tp --pp --dp --dp-shard --micro-batch --zero --checkpoint
+--schedule --sequence-parallel`), parsed once and checked before any search.
 
 A pinned value removes every other value of that knob from the search space;
 with everything pinned, the planner only prices the one layout (an estimator
@@ -15,14 +15,14 @@ from dataclasses import asdict, dataclass
 
 from autopar.errors import AutoparError
 
-KNOWN_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "checkpoint", "schedule",
+KNOWN_KEYS = ("tp", "pp", "dp", "dp_shard", "micro_batch", "zero", "checkpoint", "schedule",
               "sequence_parallel", "offload", "memory_headroom")
 CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "accumulate")  # accumulate: no pipeline (pp 1)
 
 # CLI spelling of each key, so messages name the flag a person typed.
-FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "micro_batch": "--micro-batch", "zero": "--zero",
+FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "dp_shard": "--dp-shard", "micro_batch": "--micro-batch", "zero": "--zero",
         "checkpoint": "--checkpoint", "schedule": "--schedule", "sequence_parallel": "--sequence-parallel",
         "offload": "--offload", "memory_headroom": "--memory-headroom"}
 
@@ -36,6 +36,7 @@ class Constraints:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    dp_shard: int | None = None  # HSDP: ZeRO states sharded over groups of this many dp ranks
     micro_batch: int | None = None  # samples per micro-batch
     zero: int | None = None
     checkpoint: str | None = None
@@ -109,7 +110,7 @@ def parse_constraints(raw: dict | Constraints | None) -> Constraints:
         raise ConstraintError(f"unknown constraint(s): {', '.join(unknown)}",
                               hint=f"known keys: {', '.join(KNOWN_KEYS)}")
     out: dict = {}
-    for key in ("tp", "pp", "dp", "micro_batch"):
+    for key in ("tp", "pp", "dp", "dp_shard", "micro_batch"):
         if raw.get(key) is not None:
             out[key] = _positive_int(key, raw[key])
     if raw.get("zero") is not None:
@@ -158,6 +159,12 @@ def _check_contradictions(c: Constraints) -> None:
     if c.schedule == "accumulate" and c.pp not in (None, 1):
         raise ConstraintError(f"--schedule accumulate contradicts --pp {c.pp}: accumulate is the schedule "
                               "without a pipeline", hint="drop --pp, or pin --schedule gpipe, 1f1b or interleaved")
+    if c.dp_shard is not None and c.zero == 0:
+        raise ConstraintError(f"--dp-shard {c.dp_shard} contradicts --zero 0: HSDP shards the ZeRO states over "
+                              "dp-shard ranks, ZeRO 0 shards nothing", hint="pin --zero 1, 2 or 3, or drop --dp-shard")
+    if c.dp_shard is not None and c.dp is not None and c.dp % c.dp_shard:
+        raise ConstraintError(f"--dp-shard {c.dp_shard} does not divide --dp {c.dp}",
+                              hint="dp = replicas x dp-shard: pin a divisor of --dp")
     if c.offload == "params" and c.zero is not None and c.zero != 3:
         raise ConstraintError(f"--offload params needs --zero 3 (parameters are offloaded shard by shard), got --zero {c.zero}")
     if c.offload == "optimizer":

@@ -23,7 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
-from autopar.solve import float8_choice
+from autopar.solve import float8_choice, hsdp
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
@@ -310,11 +310,11 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
     found = _search_and_price(req)
     if not found.fitting:
         _refuse(req, found)
-    chosen, winner, selection, uniform = _choose(req, found)
+    chosen, winner, selection, others = _choose(req, found)
     plan_obj = build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, found.result,
                           selection)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
-    plan_obj.alternatives = list_alternatives(winner, [x for x in found.priced + uniform[:req.keep] if x is not chosen],
+    plan_obj.alternatives = list_alternatives(winner, [x for x in found.priced + others if x is not chosen],
                                               found.result, top_k, req.limit)
     if not checking_a_fix():  # a what_fits re-plan answers "fits or not"; the comparison is the user's plan's
         plan_obj.baselines = price_baselines(
@@ -495,22 +495,29 @@ def _refuse(req: _Request, found: _Found):
 
 
 def _choose(req: _Request, found: _Found):
-    """The best few, priced exactly, against the best uniform layouts of the same space;
-    the fastest that fits wins, then its stage boundaries move while estimate agrees.
-    -> (chosen, winner after the moves, how it was chosen, the uniform layouts priced)."""
+    """The best few, priced exactly, against the best uniform layouts of the same space and
+    the HSDP variants of the best of them; the fastest that fits wins, then its stage
+    boundaries move while estimate agrees.
+    -> (chosen, winner after the moves, how it was chosen, the other layouts priced)."""
     solver_pick = min(found.fitting, key=lambda x: (x[2].step_time_s, x[0].candidate))
     uniform, uniform_priced = uniform_layouts(
         req.spec, req.cluster, found.result.stats.get("candidate_list", []), found.builder.options,
         bound_problem=found.builder.bound_problem, precision=req.precision, optimizer=req.optimizer,
         limit_bytes=req.limit, best_s=solver_pick[2].step_time_s)
     uniform = [(CandidateResult(c, None, None, status="uniform"), layout, est) for c, _, layout, est in uniform]
-    pool = sorted(found.fitting + uniform[:req.keep], key=lambda x: (x[2].step_time_s, x[0].status == "uniform",
-                                                                     x[0].candidate))
-    chosen = pool[0]
+    order = lambda x: (x[2].step_time_s, x[0].status == "uniform", x[0].candidate)  # noqa: E731
+    pool = sorted(found.fitting + uniform[:req.keep], key=order)
+    # HSDP re-priced on the best layouts of the space searched (solve/hsdp.py)
+    variants, tried = hsdp.hsdp_variants(req.spec, req.cluster, pool, limit_bytes=req.limit,
+                                         pinned=req.pins.dp_shard is not None)
+    chosen = sorted(pool + variants, key=order)[0]
     layout, est, moves = polish(req.spec, req.cluster, chosen[1], chosen[2], limit_bytes=req.limit)
     winner = chosen if not moves else (dataclasses.replace(chosen[0], status="polished"), layout, est)
     selection = how_chosen(found.result, solver_pick, chosen, winner, uniform, uniform_priced, moves)
-    return chosen, winner, selection, uniform
+    why = hsdp.account(winner, pool, tried)
+    if why:
+        selection["hsdp"] = why
+    return chosen, winner, selection, uniform[:req.keep] + variants
 
 
 def _note_assumptions(plan_obj: Plan, spec, pins: Constraints, engine: Engine, *, fusion: bool, fusions: list,

@@ -22,6 +22,13 @@ left to the stage solver (`cpsat.py`). Enumeration rules, and why:
   max(1, m // pp) rounds, but only m % pp == 0 gives its order the shape the
   cost model simulates, and it implies m >= pp).
 - sequence parallelism only with tp > 1.
+- HSDP (`dp_shard`, the ZeRO states sharded over groups of dp_shard dp ranks,
+  replicated across dp / dp_shard of them): only when pinned (`--dp-shard`,
+  which must divide dp) does every candidate carry it; unpinned, the search runs
+  over whole-dp sharding and the planner prices the shard group sizes of
+  `dp_shard_choices` on its best few layouts afterwards (solve/hsdp.py): the
+  per-layer problem is the same, and a search over every shard size would
+  multiply the candidates.
 - a model with BatchNorm (`LayerSpec.attrs["batch_norm_channels"]`): one
   micro-batch per dp rank and no pipeline. Its training forward normalises
   by the statistics of the batch it sees; the lowering synchronises them over
@@ -48,6 +55,7 @@ class Candidate:
     schedule: str  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    dp_shard: int = 0  # HSDP's shard group (dp ranks); 0: the whole dp (an int, so candidates still sort)
 
     @property
     def num_stages(self) -> int:
@@ -61,13 +69,40 @@ class Candidate:
         if self.pp == 1:
             sched = "no pipeline"
         sp = " +SP" if self.sequence_parallel else ""
-        return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{sp}, micro-batch {self.micro_batch_size} x "
+        dp = f"dp{self.dp}" + (f" ({self.dp // self.dp_shard} replicas x {self.dp_shard} shards)"
+                               if self.dp_shard else "")
+        return (f"pp{self.pp} x {dp} x tp{self.tp}{sp}, micro-batch {self.micro_batch_size} x "
                 f"{self.num_micro_batches}, {sched}")
 
 
 def mesh_key(c: Candidate) -> tuple:
     """The mesh a candidate runs on: the search keeps and the Plan lists distinct meshes."""
-    return (c.pp, c.dp, c.tp)
+    return (c.pp, c.dp, c.tp, c.dp_shard)
+
+
+def dp_shard_choices(dp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """HSDP shard group sizes worth pricing for a dp of `dp`: the group that fills one
+    node (gpus_per_node / tp dp ranks, whose gathers then never leave it) and its
+    doublings (2, 4, ... nodes) below dp; dp itself is plain sharding. Few on purpose:
+    each is one more priced layout per layout tried."""
+    start = max(2, gpus_per_node // tp if tp <= gpus_per_node else 2)
+    out, s = [], start
+    while s < dp:
+        if dp % s == 0:
+            out.append(s)
+        s *= 2
+    return out
+
+
+def _dp_shard_of(dp: int, c: Constraints, report: SpaceReport, mesh: str) -> int | None:
+    """The candidate's dp_shard under a `--dp-shard` pin (0: none, or the whole dp), None
+    when the pin does not divide this dp (said in the report)."""
+    if c.dp_shard is None or c.dp_shard >= dp and dp % c.dp_shard == 0:
+        return 0
+    if dp % c.dp_shard:
+        report.add(f"--dp-shard {c.dp_shard} does not divide dp", mesh)
+        return None
+    return c.dp_shard
 
 
 def divisors(n: int) -> list[int]:
@@ -149,6 +184,9 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
             if global_batch_size % dp:
                 report.add(f"dp does not divide the global batch {global_batch_size}", mesh)
                 continue
+            dp_shard = _dp_shard_of(dp, c, report, mesh)
+            if dp_shard is None:
+                continue
             per_replica = global_batch_size // dp
             for mbs in divisors(per_replica):
                 if c.micro_batch is not None and mbs != c.micro_batch:
@@ -163,7 +201,8 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                                               f"{mesh} with {m} micro-batches"):
                     for sp in _sequence_parallel(tp, c, seq_len, report, mesh, no_sp.get(str(tp))):
                         out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
-                                             schedule=schedule, virtual_stages=v, sequence_parallel=sp))
+                                             schedule=schedule, virtual_stages=v, sequence_parallel=sp,
+                                             dp_shard=dp_shard))
     return out, report
 
 

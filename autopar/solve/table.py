@@ -120,13 +120,15 @@ class TableBuilder:
         self.layer_cost_calls = 0
 
     def _layer_rows(self, cand: Candidate) -> list[list[tuple]]:
-        key = (cand.tp, cand.dp, cand.micro_batch_size, cand.num_micro_batches, cand.pp, cand.sequence_parallel)
+        key = (cand.tp, cand.dp, cand.micro_batch_size, cand.num_micro_batches, cand.pp, cand.sequence_parallel,
+               cand.dp_shard)
         rows = self._rows.get(key)
         if rows is not None:
             return rows
         layout = candidate_layout(cand if cand.schedule != "interleaved" else
                                   Candidate(cand.pp, cand.dp, cand.tp, cand.micro_batch_size,
-                                            cand.num_micro_batches, "1f1b", 1, cand.sequence_parallel),
+                                            cand.num_micro_batches, "1f1b", 1, cand.sequence_parallel,
+                                            cand.dp_shard),
                                   precision=self.precision, optimizer=self.optimizer, engine=self.engine)
         rows = []
         held = root_held_layers(self.model)
@@ -192,8 +194,8 @@ class TableBuilder:
         if not tied or cand.pp == 1:
             return 0.0
         tp = cand.tp if cand.tp in tuple(layer.tp_degrees or (1,)) else 1
-        st = model_state_bytes(tied / tp, precision=self.precision, optimizer=self.optimizer, zero=zero, dp=cand.dp,
-                               offload="none")
+        st = model_state_bytes(tied / tp, precision=self.precision, optimizer=self.optimizer, zero=zero,
+                               dp=cand.dp_shard or cand.dp, offload="none")
         return st.params + (1.0 + FRAGMENTATION) * st.grads + st.optimizer
 
     # -- the cheap bound table ------------------------------------------------------
