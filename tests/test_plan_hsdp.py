@@ -51,3 +51,15 @@ def test_a_hand_plan_with_a_bad_dp_shard_is_refused_in_one_line(tiny, tmp_path, 
 def test_plan_for_model_refuses_hsdp_without_zero(tiny):
     with pytest.raises(PlanMismatchError, match="have zero 0; set their zero to 1, 2 or 3, or drop dp_shard"):
         _hand(tiny, dp=4, dp_shard=2)
+
+
+def test_preflight_refuses_hsdp_this_torch_cannot_run(tiny, monkeypatch):
+    from autopar.lower import data_parallel, preflight
+    from autopar.lower.model_layers import resolve
+    model, _ = tiny
+    plan = _hand(tiny, dp=4, dp_shard=2, zero=3)
+    assert data_parallel.hsdp_refusal() is None  # torch 2.13 runs it
+    preflight.check_plan(model, plan, resolve(model, plan))
+    monkeypatch.setattr(data_parallel, "hsdp_refusal", lambda: "this torch has no DeviceMesh._unflatten")
+    with pytest.raises(PlanMismatchError, match=r"mesh.dp_shard 2 \(HSDP\) cannot run: this torch has no"):
+        preflight.check_plan(model, plan, resolve(model, plan))

@@ -57,3 +57,14 @@ def test_a_pinned_dp_shard_is_searched_and_a_bad_one_refused():
         plan(_model(), _cluster(4), global_batch_size=128, constraints={"dp": 32, "dp_shard": 6})
     with pytest.raises(ConstraintError, match="--dp-shard 8 contradicts --zero 0"):
         plan(_model(), _cluster(4), global_batch_size=128, constraints={"dp_shard": 8, "zero": 0})
+
+
+def test_hsdp_the_lowering_cannot_run_is_not_offered():
+    """what_runs answers "hsdp" only where this torch cannot run it; the planner then offers
+    none, and a pinned --dp-shard is refused with that reason."""
+    model = _model()
+    model.lowering_limits = {"checked": True, "hsdp": "this torch has no DeviceMesh._unflatten"}
+    p = plan(model, _cluster(16), global_batch_size=512, top_k=1)
+    assert not p.mesh.hsdp and "hsdp" not in p.solver
+    with pytest.raises(Exception, match="lowering cannot run HSDP"):
+        plan(model, _cluster(4), global_batch_size=128, constraints={"dp": 32, "dp_shard": 8, "zero": 3})

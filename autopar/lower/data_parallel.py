@@ -119,6 +119,18 @@ def uses_replicate(plan) -> bool:
             and all(c.zero <= 1 and c.offload == "none" for c in plan.layer_choices))
 
 
+def hsdp_refusal() -> str | None:
+    """Why this torch cannot run HSDP as autopar lowers it (None: it can). The 2-D mesh
+    is unflattened from dp (DeviceMesh._unflatten) and the replica all-reduce deferred
+    to the last micro-batch (FSDPModule.set_requires_all_reduce), as priced."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    missing = [f"{owner.__name__}.{name}" for owner, name in ((DeviceMesh, "_unflatten"),
+                                                              (FSDPModule, "set_requires_all_reduce"))
+               if not hasattr(owner, name)]
+    return f"this torch ({torch.__version__}) has no {' or '.join(missing)}" if missing else None
+
+
 def fsdp_mesh(plan, mesh):
     """The mesh fully_shard shards over: the dp axis, or under HSDP the 2-D
     (dp_replicate, dp_shard) submesh, which FSDP2 takes as (replicate, shard)."""

@@ -36,6 +36,10 @@ def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
     if tp > 1:
         check_tied_styles(layout)
     batch_norm.whole_batch_refusal(model, plan)
+    why = data_parallel.hsdp_refusal() if plan.mesh.hsdp else None
+    if why:
+        raise PlanMismatchError(f"mesh.dp_shard {plan.mesh.dp_shard} (HSDP) cannot run: {why}",
+                                hint="drop dp_shard from the plan (shard over the whole dp), or upgrade torch")
     optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
     if optimizer_only:
         raise PlanMismatchError(

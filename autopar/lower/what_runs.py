@@ -25,7 +25,8 @@ with the reason for each layout it rules out:
      "tp": {"2": reason, ...}, "sequence_parallel": {"2": reason, ...},
      "unverified": [what the fake run could not decide],
      "tp_checked": [the tp degrees tried: those the planner's cluster can use],
-     "runs_whole": {embedding / head layer: why tp leaves it whole}}
+     "runs_whole": {embedding / head layer: why tp leaves it whole},
+     "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal)}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
 be decided here; such a layout is not offered either (the reason says so,
 and "unverified" lists it), while a hand-made plan that asks for it is
@@ -456,6 +457,9 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     args = example_inputs(1) if callable(example_inputs) else example_inputs
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     out = {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": []}
+    from autopar.lower.data_parallel import hsdp_refusal
+    if hsdp_refusal():  # HSDP (Mesh.dp_shard) is model-independent: only this torch can refuse it
+        out["hsdp"] = hsdp_refusal()
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")

@@ -34,6 +34,8 @@ def hsdp_variants(model, cluster, pool: list, *, limit_bytes: float, pinned: boo
     meshes of `pool` (priced layouts, fastest first) that shard ZeRO states over dp > 1."""
     if pinned or not engine_of(model).is_autopar:  # another engine's plan runs its own data parallelism
         return [], []
+    if (getattr(model, "lowering_limits", None) or {}).get("hsdp"):  # the lowering cannot run it (what_runs)
+        return [], []
     found, tried, meshes = [], [], set()
     for r, layout, _ in pool:
         c = r.candidate

@@ -94,13 +94,16 @@ def dp_shard_choices(dp: int, tp: int, gpus_per_node: int) -> list[int]:
     return out
 
 
-def _dp_shard_of(dp: int, c: Constraints, report: SpaceReport, mesh: str) -> int | None:
+def _dp_shard_of(dp: int, c: Constraints, report: SpaceReport, mesh: str, cannot_run: str | None) -> int | None:
     """The candidate's dp_shard under a `--dp-shard` pin (0: none, or the whole dp), None
-    when the pin does not divide this dp (said in the report)."""
+    when the pin does not divide this dp or the lowering cannot run HSDP (said in the report)."""
     if c.dp_shard is None or c.dp_shard >= dp and dp % c.dp_shard == 0:
         return 0
     if dp % c.dp_shard:
         report.add(f"--dp-shard {c.dp_shard} does not divide dp", mesh)
+        return None
+    if cannot_run:
+        report.add(f"lowering cannot run HSDP ({cannot_run})", mesh)
         return None
     return c.dp_shard
 
@@ -184,7 +187,7 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
             if global_batch_size % dp:
                 report.add(f"dp does not divide the global batch {global_batch_size}", mesh)
                 continue
-            dp_shard = _dp_shard_of(dp, c, report, mesh)
+            dp_shard = _dp_shard_of(dp, c, report, mesh, limits.get("hsdp"))
             if dp_shard is None:
                 continue
             per_replica = global_batch_size // dp
