@@ -41,21 +41,6 @@ def _hit_loop():
     return model
 
 
-def _gpt_oss():
-    import transformers as T
-    return T.GptOssForCausalLM(T.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=24, num_local_experts=E, num_experts_per_tok=K, max_position_embeddings=64,
-        layer_types=["full_attention"] * 2))
-
-
-def _olmoe():
-    import transformers as T
-    return T.OlmoeForCausalLM(T.OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=24, num_experts=E, num_experts_per_tok=K, max_position_embeddings=64))
-
-
 def _glu(ffn):  # gate, up, down of one expert, bf16
     return 3 * ffn * H * 2
 
@@ -68,11 +53,12 @@ def _two_linears(ffn):  # hand-written expert: Linear(H, ffn) and Linear(ffn, H)
 CASES = {
     "mixtral": (lambda: build("mixtral"), E * _glu(48), 0, E * H * 2, "fused", 2 * 3 * 48 * H),
     "qwen3_moe": (lambda: build("qwen3_moe"), E * _glu(24), 0, E * H * 2, "fused", 2 * 3 * 24 * H),
-    "olmoe": (_olmoe, E * _glu(24), 0, E * H * 2, "fused", 2 * 3 * 24 * H),
+    "olmoe": (lambda: build("olmoe"), E * _glu(24), 0, E * H * 2, "fused", 2 * 3 * 24 * H),
     "deepseek_v3": (lambda: build("deepseek_v3"), E * _glu(24), _glu(24), E * H * 2, "fused", 2 * 3 * 24 * H),
     "dbrx": (lambda: build("dbrx"), E * _glu(24), 0, E * H * 2, "fused", 2 * 3 * 24 * H),
     # gate_up (H, 2 ffn) + bias, down (ffn, H) + bias per expert; the router has a bias
-    "gpt_oss": (_gpt_oss, E * (_glu(24) + (2 * 24 + H) * 2), 0, (E * H + E) * 2, "fused", 2 * 3 * 24 * H),
+    "gpt_oss": (lambda: build("gpt_oss"), E * (_glu(24) + (2 * 24 + H) * 2), 0, (E * H + E) * 2, "fused",
+                2 * 3 * 24 * H),
     "hand": (lambda: build("hand"), E * _two_linears(24), 0, E * H * 2, "module_list", 2 * 2 * 24 * H),
     "hand_hit_loop": (_hit_loop, E * _two_linears(24), 0, E * H * 2, "module_list", 2 * 2 * 24 * H),
 }

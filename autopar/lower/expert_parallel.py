@@ -111,7 +111,7 @@ class ExpertParallelExperts(nn.Module):
         # (no weights to send, their gradient stays local).
         ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
         out = self.local(received, local_expert[:, None], ones)
-        back = all_to_all_single_autograd(out.reshape(received.shape[0], -1), send, recv, self.mesh)
+        back = all_to_all_single_autograd(out.reshape(-1, shape[-1]), send, recv, self.mesh)
         y = torch.empty_like(back).index_copy(0, order, back).view(tokens, k, -1)
         y = (y * top_k_weights.view(tokens, k, 1).to(y.dtype)).sum(1)
         return y.to(hidden.dtype).reshape(shape)
