@@ -226,6 +226,18 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_mesh, ignore_index
     return for_backward, mean
 
 
+def forward_backward(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torch.Tensor, *,
+                     shift_labels: bool = False, call=None) -> torch.Tensor:
+    """One micro-batch's forward and backward with its sequence cut over cp;
+    returns the global mean loss. `call(model, inputs)` runs the model (default
+    `model(inputs)`); its output is the logits or has `.logits`."""
+    with sequence_shard(model, cp_mesh, inputs, labels, shift_labels=shift_labels) as (x, y):
+        out = call(model, x) if call is not None else model(x)
+        loss, mean = token_loss(out if isinstance(out, torch.Tensor) else out.logits, y, cp_mesh)
+        loss.backward()
+    return mean
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh, *, shard: bool = False, blocks=()) -> nn.Module:
     """Gradients averaged over cp, which `token_loss` expects. `shard=False`:
     parameters whole on every cp rank, torch's `replicate` (DDP) on the cp mesh.
@@ -257,5 +269,5 @@ def unshard(cp_mesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
     return context_parallel_unshard(cp_mesh, [tensor], [seq_dim])[0]
 
 
-__all__ = ["apply_context_parallel", "check", "graph_refusal", "position_tables", "refusal",
+__all__ = ["apply_context_parallel", "check", "forward_backward", "graph_refusal", "position_tables", "refusal",
            "register_cpu_ring_attention", "sequence_shard", "token_loss", "unshard"]
