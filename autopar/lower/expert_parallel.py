@@ -122,19 +122,27 @@ class _ExpertProxy(nn.Module):
     loop hands it go to the expert's owner, run there, and come back. Every rank calls
     every proxy in the same order (the all-to-all pair is collective)."""
 
-    def __init__(self, expert: nn.Module | None, owner: int, mesh: DeviceMesh):
+    def __init__(self, expert: nn.Module | None, index: int, owner: int, mesh: DeviceMesh, where: str):
         super().__init__()
-        self.expert, self.owner, self.mesh = expert, owner, mesh
+        self.expert, self.index, self.owner, self.mesh, self.where = expert, index, owner, mesh, where
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         ep, me = self.mesh.size(), self.mesh.get_local_rank()
         shape = rows.shape
         flat = rows.reshape(-1, shape[-1])
-        counts = torch.zeros(ep, dtype=torch.long)
-        counts[self.owner] = flat.shape[0]
+        # per destination: (rows sent, which expert): a peer in another expert's exchange is a
+        # loop that skips experts (the ones not hit) and would pair the wrong rows silently
+        counts = torch.tensor([[0, self.index]] * ep, dtype=torch.long)
+        counts[self.owner, 0] = flat.shape[0]
         with torch.no_grad():
             got = wait_tensor(all_to_all_single(counts, None, None, self.mesh))
-        send, recv = counts.tolist(), got.tolist()
+        if (got[:, 1] != self.index).any():
+            raise ExpertParallelError(
+                f"{self.where}: ranks called different experts ({self.index} here, "
+                f"{sorted(set(got[:, 1].tolist()) - {self.index})} on others)",
+                hint="call every expert on every rank in the same order: loop over range(num_experts), "
+                     "not over the experts this rank's tokens hit")
+        send, recv = counts[:, 0].tolist(), got[:, 0].tolist()
         received = all_to_all_single_autograd(flat, recv, send, self.mesh)
         out = self.expert(received) if me == self.owner else received.new_zeros(0, shape[-1])
         # a non-owner sends nothing and has no expert: its output keeps the graph alive
@@ -187,7 +195,7 @@ def _split_fused(moe: nn.Module, experts: nn.Module, mesh: DeviceMesh, where: st
 def _split_module_list(moe: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh, where: str) -> None:
     lo, hi = _local_range(len(experts), mesh, where)
     per = hi - lo
-    moe.experts = nn.ModuleList(_ExpertProxy(e if lo <= i < hi else None, i // per, mesh)
+    moe.experts = nn.ModuleList(_ExpertProxy(e if lo <= i < hi else None, i, i // per, mesh, where)
                                 for i, e in enumerate(experts))
 
 
