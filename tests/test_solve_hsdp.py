@@ -30,8 +30,13 @@ def test_shard_sizes_fill_whole_nodes():
     assert dp_shard_choices(96, 8, 8) == [2, 4, 8, 16, 32]
 
 
-def test_many_nodes_on_a_slow_fabric_choose_hsdp_and_say_why():
-    p = plan(_model(), _cluster(16), global_batch_size=512, top_k=3)
+@pytest.fixture(scope="module")
+def slow_fabric_plan():
+    return plan(_model(), _cluster(16), global_batch_size=512, top_k=3)
+
+
+def test_many_nodes_on_a_slow_fabric_choose_hsdp_and_say_why(slow_fabric_plan):
+    p = slow_fabric_plan
     m = p.mesh
     assert m.hsdp and m.dp % m.dp_shard == 0 and m.dp_shard >= 8, m
     assert all(c.zero >= 1 for c in p.layer_choices)
@@ -43,6 +48,28 @@ def test_many_nodes_on_a_slow_fabric_choose_hsdp_and_say_why():
     assert {r["axis"] for r in p.predicted.comm} >= {"dp_shard", "dp_replicate"}
     # the Plan prices as it reads back: layout_of carries dp_shard into the estimate
     assert layout_of(p).dp_shard == m.dp_shard
+
+
+def test_terminal_report_and_json_show_the_split(slow_fabric_plan, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from autopar.commands.plan import _print_layout
+    from autopar.plan import Plan
+    from autopar.report import render_html
+    p = slow_fabric_plan
+    m = p.mesh
+    text = f"{m.dp} = {m.replicas} replicas x {m.dp_shard} shards"
+    out = io.StringIO()
+    _print_layout(p, Console(file=out, width=400))
+    said = " ".join(out.getvalue().split())
+    assert text in said and "faster than sharding over the whole dp" in said, said
+    html = render_html(p)
+    assert f"dp {m.dp} = {m.replicas} replicas \u00d7 {m.dp_shard} shards" in html
+    assert "dp_replicate" in html and "dp_shard" in html  # the mesh section's group rows
+    assert Plan.from_json(p.to_json()).mesh.dp_shard == m.dp_shard
+    assert any(a["mesh"].get("dp_shard") for a in p.alternatives) or p.alternatives == []
 
 
 def test_one_node_does_not_use_hsdp():
