@@ -33,15 +33,19 @@ Not priced here: the parameters' gradient averaging over cp (it joins the data-
 parallel reduction, as torchtitan folds cp into FSDP's dp_shard_cp group) and
 torch's default all-gather rotation (`set_rotate_method("allgather")`: the same
 (cp - 1) shards arrive in one collective, hidden only behind the first step).
-Not yet searched by the planner: Layout and solve/ have no cp axis yet.
+`attention_layer_shape` reads a captured layer (its ops' times by compute.op_times,
+capture's `cp_kv_elems_per_token`). Not yet called by `estimate` nor searched by the
+planner: Layout and solve/ have no cp axis yet (docs/cost_model.md "Context parallelism").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from cost_models.comm import p2p_time
+from cost_models.compute import op_times
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
+from cost_models.workload import LayerSpec
 
 BWD_EXCHANGE_FACTOR = 2  # backward: K, V and their gradients dK, dV each step
 
@@ -110,3 +114,26 @@ def cp_layer_cost(layer: AttentionLayerShape, cp: int, cluster: ClusterSpec, *,
         bwd_compute_s=(layer.attn_bwd_s + layer.other_bwd_s) / cp,
         activation_bytes_per_rank=layer.activation_bytes / cp,
         ring_buffer_bytes=2 * shard if cp > 1 else 0.0)
+
+
+def attention_layer_shape(layer: LayerSpec, batch: float, seq: int, cluster: ClusterSpec, *,
+                          dtype: str = "bf16", dtype_bytes: int = 2, byte_scale: float = 1.0) -> AttentionLayerShape:
+    """A captured layer as `cp_layer_cost` takes it: its attention ops' and other
+    ops' times on the whole sequence on one GPU (compute.op_times, the model
+    `layer_compute` uses), K + V elements per token from capture's
+    `cp_kv_elems_per_token` (autopar/capture/cp_facts.py), saved activations at
+    the training dtype (`byte_scale`: its bytes / the captured dtype's)."""
+    kv = layer.attrs.get("cp_kv_elems_per_token")
+    if not kv:
+        raise CostModelError(f"layer '{layer.name}' has no scaled_dot_product_attention call capture could "
+                             f"read: context parallelism cannot split it")
+    device = cluster.device_profile
+    times = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    for op in layer.ops:
+        f, b = op_times(op, batch, seq, device, dtype=dtype, byte_scale=byte_scale)
+        times[op.kind == "attention"][0] += f
+        times[op.kind == "attention"][1] += b
+    return AttentionLayerShape(
+        batch=batch, seq=seq, kv_elems_per_token=kv, dtype_bytes=dtype_bytes,
+        attn_fwd_s=times[True][0], attn_bwd_s=times[True][1], other_fwd_s=times[False][0],
+        other_bwd_s=times[False][1], activation_bytes=layer.eval("activation_bytes", batch, seq) * byte_scale)

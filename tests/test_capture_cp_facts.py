@@ -58,3 +58,28 @@ def test_cp_facts_and_refusals_from_the_graph():
     graph, facts = _facts(_hf_llama("eager"))
     assert facts[0]["attention"] == "eager" and facts[0]["position_mixing"] == ["aten._softmax"]
     assert "by hand" in graph_refusal(graph)
+
+
+def test_a_captured_layer_priced_under_cp():
+    """capture -> cost: the zoo Llama's block, fitted in B and S, priced at 8192 tokens
+    under cp 2 (cost_models/context_parallel.attention_layer_shape feeds cp_layer_cost)."""
+    import pytest
+
+    from cost_models.compute import op_times
+    from cost_models.context_parallel import attention_layer_shape, cp_layer_cost
+    from cost_models.errors import CostModelError
+    from cost_models.hardware import ClusterSpec
+    graph, _ = _facts(_zoo_llama())
+    cluster = ClusterSpec.preset("dgx-h100", nodes=1)
+    block = graph.layers[1]
+    shape = attention_layer_shape(block, 1, 8192, cluster, byte_scale=0.5)  # captured fp32, trained bf16
+    attention = [op for op in block.ops if op.kind == "attention"]
+    assert len(attention) == 1 and shape.kv_elems_per_token == 64
+    want = op_times(attention[0], 1, 8192, cluster.device_profile, byte_scale=0.5)
+    assert (shape.attn_fwd_s, shape.attn_bwd_s) == pytest.approx(want)
+    assert shape.activation_bytes == pytest.approx(block.eval("activation_bytes", 1, 8192) * 0.5)
+    cost = cp_layer_cost(shape, 2, cluster)
+    assert cost.kv_shard_bytes == 4096 * 64 * 2  # 1 x 8192 / 2 tokens x 64 elements x 2 bytes
+    assert cost.activation_bytes_per_rank == pytest.approx(shape.activation_bytes / 2)
+    with pytest.raises(CostModelError, match="tok_embeddings"):
+        attention_layer_shape(graph.layers[0], 1, 8192, cluster)

@@ -87,7 +87,13 @@ def account(winner, pool: list, tried: list) -> str | None:
             text += (f"; {gain:.1%} faster than sharding over the whole dp ({plain[2].step_time_s * 1e3:.1f} ms, "
                      f"{plain[0].candidate.describe()}), for {more:+.1f} GB on the fullest GPU")
         return text
-    shown = ", ".join(f"{t[0].dp_shard} ({t[1] * 1e3:.1f} ms)" if t[1] is not None else f"{t[0].dp_shard} (does "
-                      "not fit)" for t in tried)
-    return (f"HSDP shard groups tried on the best layouts: {shown}; none faster than sharding over the whole dp "
+    per_mesh: dict = {}
+    for cand, step_s in tried:
+        per_mesh.setdefault(f"pp{cand.pp} x dp{cand.dp} x tp{cand.tp}", []).append((cand.dp_shard, step_s))
+    shown = "; ".join(f"{mesh}: " + ", ".join(f"{s} ({t * 1e3:.1f} ms)" for s, t in sizes if t is not None)
+                      + (", " if any(t is not None for _, t in sizes) and any(t is None for _, t in sizes) else "")
+                      + (f"{', '.join(str(s) for s, t in sizes if t is None)} do not fit"
+                         if any(t is None for _, t in sizes) else "")
+                      for mesh, sizes in per_mesh.items())
+    return (f"HSDP shard groups tried on the best layouts ({shown}): none faster than sharding over the whole dp "
             f"({est.step_time_s * 1e3:.1f} ms)")
