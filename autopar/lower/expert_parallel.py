@@ -108,7 +108,10 @@ class ExpertParallelExperts(nn.Module):
         received, local_expert, (send, recv) = _exchange(rows, flat[order], self.num_experts, self.mesh)
         # The model's own experts code on the received rows, one choice each, weight 1:
         # the routing weights are applied after the combine, on the token's own rank
-        # (no weights to send, their gradient stays local).
+        # (no weights to send, their gradient stays local). transformers' default
+        # implementation runs them as one aten._grouped_mm (on CPU too in torch 2.13,
+        # seen in the tests; it falls back to a loop over the local experts where
+        # strides are not 16-byte aligned); a ModuleList runs the block's own loop.
         ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
         out = self.local(received, local_expert[:, None], ones)
         back = all_to_all_single_autograd(out.reshape(-1, shape[-1]), send, recv, self.mesh)
