@@ -48,6 +48,8 @@ def test_many_nodes_on_a_slow_fabric_choose_hsdp_and_say_why(slow_fabric_plan):
     assert {r["axis"] for r in p.predicted.comm} >= {"dp_shard", "dp_replicate"}
     # the Plan prices as it reads back: layout_of carries dp_shard into the estimate
     assert layout_of(p).dp_shard == m.dp_shard
+    # deterministic: the same inputs, the same JSON (the HSDP step prices in a fixed order)
+    assert plan(_model(), _cluster(16), global_batch_size=512, top_k=3).to_json() == p.to_json()
 
 
 def test_terminal_report_and_json_show_the_split(slow_fabric_plan, tmp_path):
