@@ -112,9 +112,15 @@ def refusal(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph
         if impl != "sdpa":
             return (f"attention implementation '{impl}' does not call scaled_dot_product_attention, which "
                     f"context parallel splits; load the model with attn_implementation='sdpa'")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            return (f"sliding-window attention (window {config.sliding_window}) is a mask torch's ring "
+        window = getattr(config, "sliding_window", None)
+        # transformers decides from the local length (s / cp) whether the window masks anything
+        if window and getattr(config, "use_sliding_window", True) and seq_len > window:
+            return (f"sliding-window attention (window {window} < {seq_len} tokens) is a mask torch's ring "
                     f"attention does not split; use cp 1")
+        if position_modules(model) == ([], []):
+            return ("this model's positions enter neither through a rotary embedding nor a learned position "
+                    "table autopar can hand the global positions (ALiBi biases, offset tables such as OPT's): "
+                    "each rank would number its tokens from 0; use cp 1")
     for path, buf in model.named_buffers():
         if buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] >= seq_len:
             return (f"buffer '{path}' {tuple(buf.shape)} looks like a precomputed attention mask (square over "
@@ -150,17 +156,44 @@ def _global_positions(positions: torch.Tensor):
     return pre_hook
 
 
+def _global_ids(positions: torch.Tensor):
+    def pre_hook(module, args):
+        return (positions, *args[1:])
+    return pre_hook
+
+
 def position_tables(model: nn.Module, seq_len: int) -> list[tuple[nn.Module, str]]:
-    """Buffers indexed by position on dim 0 (RoPE cos / sin tables, learned
-    position tables kept as buffers): 2-D, at least `seq_len` rows, not a mask.
+    """Buffers indexed by position on dim 0: 2-D tables (RoPE cos / sin, learned
+    position tables kept as buffers; at least `seq_len` rows, not a square mask)
+    and 1-D integer position ids.
     The model slices them by its local length, so each rank must hold the rows
     of its own positions, in the load-balanced order."""
     found = []
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.dim() == 2 and buf.shape[0] >= seq_len and buf.shape[0] != buf.shape[1]:
+            if buf is None or buf.shape[0:1] < (seq_len,):
+                continue
+            table = buf.dim() == 2 and buf.shape[0] != buf.shape[1]
+            ids = buf.dim() == 1 and not buf.is_floating_point()  # position ids (the zoo GPT's `pos`)
+            if table or ids:
                 found.append((module, name))
     return found
+
+
+def position_modules(model: nn.Module) -> tuple[list[nn.Module], list[nn.Embedding]]:
+    """Where a Hugging Face model turns positions into numbers: rotary embeddings
+    (a module with a float `inv_freq` buffer) and learned position tables (an
+    nn.Embedding as long as the config's maximum positions, not the vocabulary's).
+    transformers numbers the tokens it is given 0..s/cp - 1; `sequence_shard`
+    hands these modules the global positions instead."""
+    rotaries = [m for m in model.modules()
+                if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and m.inv_freq.is_floating_point()]
+    config = _hf_config(model)
+    longest = {getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")} - {None}
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tables = [m for m in model.modules()
+              if isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings in longest]
+    return rotaries, tables
 
 
 @contextlib.contextmanager
@@ -182,9 +215,9 @@ def sequence_shard(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torc
     if shift_labels:
         labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
     buffers, dims, hooks = [inputs, labels], [1, 1], []
-    rotaries = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
-    if rotaries:
-        # transformers numbers the tokens it is given 0..s/cp - 1. Its rotary embedding
+    rotaries, embeddings = position_modules(model) if _hf_config(model) is not None else ([], [])
+    if rotaries or embeddings:
+        # transformers numbers the tokens it is given 0..s/cp - 1. Its position modules
         # must see their global positions, but its mask builder must not: positions that
         # jump (the balanced order) read as packed documents and build a mask, where
         # plain local positions let SDPA run is_causal, which the ring splits.
@@ -192,6 +225,7 @@ def sequence_shard(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torc
         buffers.append(positions)
         dims.append(1)
         hooks = [m.register_forward_pre_hook(_global_positions(positions), with_kwargs=True) for m in rotaries]
+        hooks += [m.register_forward_pre_hook(_global_ids(positions)) for m in embeddings]
     tables = position_tables(model, s)
     originals = [module._buffers[name] for module, name in tables]
     for module, name in tables:
