@@ -89,15 +89,17 @@ CASES["gpt3_6.7b_l4_s2048_dp8_z2_selective"] = (GPT, dict(dp=8, tp=1, pp=1, zero
 CASES["llama3_8b_l4_s2048_dp8_z3_offload"] = (LLAMA, dict(dp=8, tp=1, pp=1, zero=3, checkpoint="none",
                                                              offload="params"))
 CASES["llama3_8b_l4_s2048_dp2_tp4_z3_none"] = (LLAMA, dict(dp=2, tp=4, pp=1, zero=3, checkpoint="none"))
-CASES["llama3_8b_l4_s2048_dp4_pp2_z2_none"] = (LLAMA, dict(dp=4, tp=1, pp=2, zero=2, checkpoint="none",
-                                                             schedule="1f1b"))
+for zero in (2, 3):
+    CASES[f"llama3_8b_l4_s2048_dp4_pp2_z{zero}_none"] = (LLAMA, dict(dp=4, tp=1, pp=2, zero=zero, checkpoint="none",
+                                                                     schedule="1f1b"))
 # Llama 3 70B width: a block's backward (its recomputed activations beside its gradients) sets the peak
 LLAMA_70B = ("llama", dict(LLAMA3_70B, layers=2, seq_len=4096))
 for ckpt in ("selective", "full"):
     CASES[f"llama3_70b_l2_s4096_dp8_z3_{ckpt}"] = (LLAMA_70B, dict(dp=8, tp=1, pp=1, zero=3, checkpoint=ckpt))
 # two micro-batches a step on each dp rank (gradient accumulation)
 CASES["llama3_8b_l4_s2048_dp8_z3_none_2mb"] = (LLAMA, dict(dp=8, tp=1, pp=1, zero=3, checkpoint="none"))
-MICRO_BATCHES = {"llama3_8b_l4_s2048_dp8_z3_none_2mb": 2, "llama3_8b_l4_s2048_dp4_pp2_z2_none": 4}
+MICRO_BATCHES = {"llama3_8b_l4_s2048_dp8_z3_none_2mb": 2, "llama3_8b_l4_s2048_dp4_pp2_z2_none": 4,
+                 "llama3_8b_l4_s2048_dp4_pp2_z3_none": 4}
 for case in CASES.values():
     case[1].setdefault("micro_batch", 1)
 
@@ -326,13 +328,14 @@ def write(rows: list, out: str, every: bool) -> None:
               "order); the gradient metadata a stage receives is that of its own outputs (the next stage's input "
               "gradients)."]
     lines += ["", "What disagrees, and why (tracked categories in benchmarks/results/memory_lowered.json):",
-              "- Pipelines with FSDP2: torch's schedules turn gradient sync and reshard-after-backward off for "
-              "all but the last micro-batch (`backward_maybe_with_nosync`), so a stage keeps every layer's "
-              "unsharded gradient until the step's last backward (UNSHARDED_GRAD 2.20 / 1.39 GiB on the pipeline "
-              "ranks); the plan books gradients sharded over dp. Not priced yet. The `_2mb` dp case was -25.6% "
-              "for the same reason (UNSHARDED_GRAD 3.58 GiB) until `ParallelModel._accumulate` kept FSDP2's "
-              "gradient sync on for every micro-batch (reduce-scatters priced m times: "
-              "Layout.grads_reduced_per_micro_batch).",
+              "- Pipelines with FSDP2 were -18.3% / -22.0% (ZeRO-2): torch's stage turns gradient sync and "
+              "reshard-after-backward off for all but the last micro-batch (`backward_maybe_with_nosync`), so a "
+              "stage kept every layer's unsharded gradient until the step's last backward (UNSHARDED_GRAD 2.20 / "
+              "1.39 GiB). The lowering's `pipeline_parallel.ReducingStage` keeps them on, as "
+              "`ParallelModel._accumulate` does at pp 1 (the `_2mb` dp case was -25.6% for the same reason); the "
+              "reduce-scatters are priced m times (Layout.grads_reduced_per_micro_batch) and each backward's "
+              "reduce-scatter moments booked. ZeRO-3 pp rows over-book the last stage's head backward, as the "
+              "one-micro-batch dp rows do (+3%).",
               "- dp 2 x tp 4: the tracked peak is in the backward (embedding and head gradients unsharded, "
               "0.98 GiB, with 0.61 GiB of temporaries); the plan's peak is the optimizer step's.",
               "- Offload: on a CPU-only run the host and the device are one memory; only their sum is compared.",

@@ -149,13 +149,15 @@ def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout
     ag = C.collective_time("all_gather", full_params, dp.place, cluster)
     frac = (layout.shard_ranks - 1) / layout.shard_ranks
     m = layout.num_micro_batches if per_micro_batch else 1
-    dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs), ("all_gather", full_params * frac, ag)]
+    # reduced every micro-batch, FSDP2 also reshards after every backward: m all-gathers
+    dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs),
+                       ("all_gather", m * full_params * frac, m * ag)]
     device, share = cluster.device_profile, gradient_window_share(layout)
     if m == 1:
         dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(rs, ag, fwd_s, bwd_window, share, device,
                                                                        dp.place, cluster)
         return
-    dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = sharded_optimizer_per_micro_batch_exposed(
+    dp.fwd_exposed_s, dp.bwd_exposed_s, dp.contention_s = sharded_optimizer_per_micro_batch_exposed(
         rs, ag, fwd_s, bwd_window, share, m, device, dp.place, cluster)
 
 

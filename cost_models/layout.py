@@ -70,9 +70,10 @@ class Layout:
     tp_comm_overlap: bool = False
     # Under gradient accumulation, FSDP2 units (ZeRO >= 2) reduce-scatter each micro-batch's
     # gradients under that micro-batch's backward (torchtitan, DeepSpeed ZeRO-2/3, and
-    # autopar's lowering at pp = 1): the gradients stay sharded, as memory.py books them,
-    # and the reduce-scatter runs m times. False: once, after the last micro-batch
-    # (Megatron's distributed optimizer, which holds whole gradient buffers until then).
+    # autopar's lowering, pipelines included): the gradients stay sharded, as memory.py books
+    # them, and the reduce-scatter runs m times; FSDP2 also reshards after every backward, so
+    # a ZeRO-2 unit gathers in every forward (m all-gathers). False: once, after the last
+    # micro-batch (Megatron's distributed optimizer, which holds whole gradient buffers until then).
     grads_reduced_per_micro_batch: bool = False
     # HSDP (hybrid sharded data parallelism, FSDP2's fully_shard on a 2-D (replicate, shard)
     # mesh): ZeRO >= 1 states are sharded over groups of `dp_shard` dp ranks and the

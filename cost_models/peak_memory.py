@@ -176,8 +176,10 @@ class _FsdpBackward:
 
     def root_moment(self, params: float, optim: float) -> tuple[float, tuple]:
         """The root's reduce-scatter, after the whole backward: every other unit's
-        gradient is a shard, the root's are unsharded beside their reduce buffers."""
+        gradient is a shard, the root's are unsharded beside their reduce buffers, and the
+        ZeRO-2 units have resharded their 16-bit parameters (as in unit_moment)."""
         costs = self.rk.costs
+        params -= sum(costs[j].param_bytes for j in self.order if self.rk.zeros[j] == 2 and j not in self.root)
         grads_r = sum(costs[j].grad_bytes for j in self.order if j not in self.root)
         last = min(self.own, default=None)
         in_flight = self.rs_buffers(costs[last].params_local) if last is not None else 0.0

@@ -76,7 +76,7 @@ def test_fsdp_units_reduce_every_micro_batch_when_the_lowering_does():
     """Under gradient accumulation autopar's FSDP2 units reduce-scatter each micro-batch's
     gradients (ParallelModel._accumulate, as torchtitan; they stay sharded, as memory.py
     books them): Layout.grads_reduced_per_micro_batch prices m reduce-scatters, each under
-    its own backward, where Megatron's distributed optimizer (the field off) reduces once.
+    its own backward (and, FSDP2 resharding after each backward, m ZeRO-2 all-gathers), where Megatron's distributed optimizer (the field off) reduces once.
     candidate_layout sets it for autopar's program at dp > 1, pipelines included
     (pipeline_parallel.ReducingStage keeps sync on under torch's schedules)."""
     from autopar.engine import ENGINES
@@ -91,6 +91,9 @@ def test_fsdp_units_reduce_every_micro_batch_when_the_lowering_does():
                 for flag in (False, True)}
         rs = {flag: sum(b for kind, b, _ in cost[flag].dp_collectives if kind == "reduce_scatter") for flag in cost}
         assert rs[True] == pytest.approx(m * rs[False]) and rs[False] > 0
+        # and FSDP2 reshards after each backward: a ZeRO-2 unit gathers in every forward
+        ag = {flag: sum(b for kind, b, _ in cost[flag].dp_collectives if kind == "all_gather") for flag in cost}
+        assert ag[True] == pytest.approx(m * ag[False] if zero == 2 else ag[False]) and ag[False] > 0
         assert cost[True].dp_step_exposed_s <= cost[False].dp_step_exposed_s  # none left for the step's end
     one = Layout(dp=32, micro_batch_size=1, num_micro_batches=1, grads_reduced_per_micro_batch=True)
     assert layer_cost(layer, model, one, c, zero=3).dp_collectives == \
