@@ -81,6 +81,8 @@ LAYOUTS = {
     "dp_tp": (4, dict(dp=2, tp=2, micro_batch_size=4)),
     "pp_dp": (4, dict(pp=2, dp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=2)),
     "pp_tp": (4, dict(pp=2, tp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=4)),
+    # HSDP: ZeRO 3 over 2 shards, 2 replicas (Mesh.dp_shard), the replica all-reduce after 2 micro-batches
+    "hsdp": (4, dict(dp=4, dp_shard=2, zero=3, num_micro_batches=2, micro_batch_size=1)),
     "planner": (4, None),
     "planner_pp_tp": (4, None),
 }
