@@ -376,11 +376,17 @@ class ReducingStage(PipelineStage):
     cost model prices the m reduce-scatters (Layout.grads_reduced_per_micro_batch), and
     torch's `perform_reduce_grad` then finds nothing left to reduce (FSDP's post_backward
     is a no-op without gradients) and only scales. Full backwards only: autopar lowers
-    no zero-bubble schedule (split input / weight backwards keep torch's path)."""
+    no zero-bubble schedule (split input / weight backwards keep torch's path). Under HSDP
+    the shards cross replicas once, after the last micro-batch, as ParallelModel._accumulate
+    does (`replica_all_reduce_once`)."""
+
+    replica_all_reduce_once = False
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type != "full" or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if self.replica_all_reduce_once:
+            self.submod.set_requires_all_reduce(last_backward)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 
@@ -394,6 +400,9 @@ def build_schedule(plan, stage_modules: list[StageModule], pp_group, device, los
     # at pp = 1: its "reduce-scatter" is a copy, its unsharded gradient the whole gradient
     stage_cls = ReducingStage if plan.mesh.dp > 1 else PipelineStage
     stages = [stage_cls(m, m.stage_index, n_stages, device, group=pp_group) for m in stage_modules]
+    for stage in stages:
+        if isinstance(stage, ReducingStage):
+            stage.replica_all_reduce_once = plan.mesh.hsdp
     n_mb = num_micro_batches or plan.num_micro_batches
     if plan.schedule == "interleaved" or len(stages) > 1:
         return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
