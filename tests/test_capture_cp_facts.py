@@ -57,7 +57,7 @@ def test_cp_facts_and_refusals_from_the_graph():
     assert "mask tensor" in graph_refusal(graph)
     graph, facts = _facts(_hf_llama("eager"))
     assert facts[0]["attention"] == "eager" and facts[0]["position_mixing"] == ["aten._softmax"]
-    assert "by hand" in graph_refusal(graph)
+    assert "by hand" in graph_refusal(graph, positions_handled=True)  # a transformers model
 
 
 def test_a_captured_layer_priced_under_cp():
@@ -83,3 +83,25 @@ def test_a_captured_layer_priced_under_cp():
     assert cost.activation_bytes_per_rank == pytest.approx(shape.activation_bytes / 2)
     with pytest.raises(CostModelError, match="tok_embeddings"):
         attention_layer_shape(graph.layers[0], 1, 8192, cluster)
+
+
+def test_positions_counted_in_the_forward_are_refused():
+    from autopar.lower.context_parallel import refusal
+    from autopar.zoo.gpt import GPT, GPTConfig
+
+    class ArangeGPT(GPT):  # positions made in the forward, not kept in a buffer
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    model = ArangeGPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, layers=1, heads=4))
+    graph, _ = _facts(model)
+    assert graph.layers[0].attrs.get("arange_positions") is True
+    assert "torch.arange" in refusal(model, 16, 2, graph=graph)
+    assert graph_refusal(_facts(_zoo_llama())[0]) is None  # buffers, no arange
+    hf = _hf_llama()
+    hf_graph, _ = _facts(hf)
+    assert any(layer.attrs.get("arange_positions") for layer in hf_graph.layers)
+    assert refusal(hf, 16, 2, graph=hf_graph) is None  # transformers' positions are handed over

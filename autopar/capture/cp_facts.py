@@ -9,7 +9,12 @@ query shard and passes the key/value shards around the ring, so what one ring
 step moves is K and V of one shard: `cp_kv_elems_per_token` x batch x seq / cp
 elements (cost_models/context_parallel.py prices it).
 
-The facts, set in the layer's attrs (constants: they do not change with B or S):
+The facts for an attention layer (softmax over scores, or an SDPA kernel) and, for
+any layer, `arange_positions`, set in the layer's attrs (constants: they do not change with B or S):
+  arange_positions   (any layer) the forward numbers positions with torch.arange of
+                     the length it is given: under cp each rank would count its own
+                     tokens from 0 (transformers does, and autopar/lower/
+                     context_parallel.py hands its position modules the global ones)
   attention          "sdpa" (a fused SDPA kernel, which torch's CP splits) or
                      "eager" (scores by matmul + softmax: nothing splits it)
   attn_mask          the SDPA kernel was given a mask tensor (padding, documents,
@@ -33,10 +38,15 @@ def _scores_softmax(r) -> bool:
     return r.kind == "softmax" and bool(r.in_shapes) and len(r.in_shapes[0]) in (3, 4)
 
 
-def cp_facts(fwd: list) -> dict:
+def cp_facts(fwd: list, has_attention: bool) -> dict:
+    """The layer's facts; the attention ones only where capture found heads
+    (metrics._attrs): a loss's softmax over (b, s, vocab) is no attention."""
+    facts = {"arange_positions": True} if any(r.op == "aten.arange" for r in fwd) else {}
+    if not has_attention:
+        return facts
     kernels = [r for r in fwd if r.kind == "attention" and r.in_shapes and len(r.in_shapes[0]) == 4]
     if kernels:
-        return {
+        return {**facts,
             "attention": "sdpa",
             # q, k, v and nothing else, or a mask tensor beside them
             "attn_mask": any(len(r.in_shapes) > 3 for r in kernels),
@@ -47,5 +57,5 @@ def cp_facts(fwd: list) -> dict:
         }
     softmaxes = [r for r in fwd if _scores_softmax(r)]
     if softmaxes:
-        return {"attention": "eager", "position_mixing": sorted({r.op for r in softmaxes})}
-    return {}
+        return {**facts, "attention": "eager", "position_mixing": sorted({r.op for r in softmaxes})}
+    return facts

@@ -301,8 +301,7 @@ def _layer_facts(m: LayerMetrics, trace: PointTrace, layer: int, fwd: list, bwd:
         if widest is not None:
             m.attrs["vocab_size"], m.attrs["hidden"] = widest.gemm[1], widest.gemm[2]
     m.has_attention = "heads" in m.attrs
-    if m.has_attention:  # what context parallelism splits and moves (cp_facts.py)
-        m.attrs.update(cp_facts(fwd))
+    m.attrs.update(cp_facts(fwd, m.has_attention))  # what context parallelism splits and moves (cp_facts.py)
 
 
 def backward_walk(trace: PointTrace, layer: int, fwd: list, bwd: list) -> list:

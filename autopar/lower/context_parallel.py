@@ -125,15 +125,23 @@ def refusal(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph
         if buf.dim() >= 2 and buf.shape[-1] == buf.shape[-2] and buf.shape[-1] >= seq_len:
             return (f"buffer '{path}' {tuple(buf.shape)} looks like a precomputed attention mask (square over "
                     f"positions); context parallel needs is_causal SDPA without one")
-    return graph_refusal(graph) if graph is not None else None
+    if graph is None:
+        return None
+    return graph_refusal(graph, positions_handled=config is not None)
 
 
-def graph_refusal(graph) -> str | None:
-    """The captured graph's attention facts (capture/metrics.py: `attention`,
-    `attn_mask`, `causal` in each layer's attrs): every attention layer must run
-    SDPA, causal, without a mask tensor."""
+def graph_refusal(graph, *, positions_handled: bool = False) -> str | None:
+    """The captured graph's facts (capture/cp_facts.py, in each layer's attrs):
+    every attention layer must run SDPA, causal, without a mask tensor; no layer
+    may number positions with torch.arange of its local length, unless
+    `positions_handled` (a transformers model: `sequence_shard` hands its
+    position modules the global positions)."""
     for layer in graph.layers:
         attrs = getattr(layer, "attrs", None) or {}
+        if attrs.get("arange_positions") and not positions_handled:
+            return (f"layer '{layer.name}' numbers positions with torch.arange in its forward: under context "
+                    f"parallel each rank would count its own tokens from 0; keep the positions in a buffer "
+                    f"(as autopar.zoo's models do), which the sequence cut splits")
         if "heads" not in attrs:
             continue
         if attrs.get("attention") == "eager":
