@@ -47,9 +47,20 @@ def _hf_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
+def _hf_mistral():
+    """A sliding window (32) longer than the 16-token sequence masks nothing, so cp runs
+    it (transformers itself then passes is_causal)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=32)
+    cfg._attn_implementation = "sdpa"
+    return MistralForCausalLM(cfg)
+
+
 # name -> (model, a Hugging Face model: labels shifted by the model, called with use_cache=False)
 MODELS = {"zoo": (_zoo_llama, False), "hf": (_hf_llama, True), "zoo_gpt": (_zoo_gpt, False),
-          "hf_gpt2": (_hf_gpt2, True)}
+          "hf_gpt2": (_hf_gpt2, True), "hf_mistral": (_hf_mistral, True)}
 
 
 def _batches(vocab: int, seq: int, pad_tail: bool):
