@@ -22,10 +22,26 @@ HSDP = [
 ]
 
 
+def _planned_hsdp(path) -> str:
+    """What the planner writes for a pinned --dp-shard on 4 CPU ranks (fp32, as the reference
+    trains), saved as JSON: the layout the planner offers must run as one process does."""
+    import autopar
+    from autopar.solve.planner import scaled_cluster
+    from cost_models.hardware import ClusterSpec
+    from lower_worlds import GLOBAL_BATCH, build
+    model, example, _ = build("gpt")
+    p = autopar.plan(model, scaled_cluster(ClusterSpec.resolve("cpu"), 1, 4), example, global_batch_size=GLOBAL_BATCH,
+                     constraints={"dp": 4, "dp_shard": 2, "zero": 3}, precision="fp32", fusion=False)
+    assert p.mesh.dp_shard == 2
+    p.save(str(path))
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_hsdp_matches_one_process_and_shards_over_dp_shard():
-    results = run_world(equivalence_world, 4, "gpt", HSDP, "sgd", timeout=280)
+def test_hsdp_matches_one_process_and_shards_over_dp_shard(tmp_path):
+    planned = ("planned", {"plan_json": _planned_hsdp(tmp_path / "plan.json")})
+    results = run_world(equivalence_world, 4, "gpt", HSDP + [planned], "sgd", timeout=280)
     for name, r in results[0].items():
         for other in results[1:]:
             assert other[name]["losses"] == r["losses"], name
