@@ -20,6 +20,16 @@ Sources (each file in benchmarks/reference/ names its origin and commit):
   parallelism (no cp in the Layout), torch.compile / async TP (no compiled path),
   a fine-tuning row without its micro-batch.
 
+- `validation_more_runs.csv` (sources, commits and what each leaves unstated in
+  validation_more_runs.md): FlagOpen/FlagPerf (Megatron-core / Megatron-DeepSpeed on
+  H100 and A100-40GB), torchtitan's Llama 2 FSDP2 table, TinyLlama (FSDP, A100-40GB).
+
+The validation set itself (issue 35) is a subsample of these rows with rules that can
+fail: at least six sources, none more than a third of the rows (llm-foundry and
+dgxc-benchmarking thinned at a fixed stride), results per source, scale band and
+family, and a bound per band (benchmarks/validation_set.py; its history in
+benchmarks/reference/validation_history.md).
+
 Each row is priced in the unit it publishes: tokens per second per GPU.
 Families: "fsdp" (data parallel, sharded or not) and "tp/pp" (tensor or
 pipeline parallel > 1); the acceptance asks their signed medians to agree.
@@ -37,11 +47,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cost_models.analytic import gpt, llama, transformer  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
 from cost_models.hardware import ClusterSpec  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
+
+import validation_set as S  # noqa: E402
 
 REFERENCE = ROOT / "benchmarks" / "reference"
 MPT_CSV = REFERENCE / "llm_foundry_mpt_throughput.csv"
@@ -204,24 +217,76 @@ def _predicted(est, layout: Layout, metric: str) -> float:
             "model_tflops_per_gpu": est.tflops_per_gpu}[metric]
 
 
+def more_rows(path: Path = S.MORE_CSV) -> list[dict]:
+    """One spec per row of validation_more_runs.csv (FlagPerf, torchtitan's Llama 2 table, TinyLlama);
+    rows the model cannot price come back with `skip` (the CSV says why)."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    specs = []
+    for row in rows:
+        gpus, tp, pp, dp = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["dp"])
+        label = f"{row['model']} {gpus}x {row['hardware'].split('-')[0]} (tp{tp} pp{pp} dp{dp}) [{row['source']}]"
+        if row["skip"]:
+            specs.append({"label": label, "skip": row["skip"]})
+            continue
+        mb, gbs = int(row["micro_batch"]), int(row["global_batch"])
+        eager = row["engine"].startswith("torchtitan")
+        megatron = "megatron" in row["engine"].lower()
+        layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, num_micro_batches=gbs // (dp * mb),
+                        zero=int(row["zero"]), checkpoint=row["recompute"] or None,
+                        sequence_parallel=row["sequence_parallel"] == "True",
+                        main_grads="fp32" if (eager or megatron) else "same",
+                        optimizer_impl="foreach" if "TinyLlama" in row["model"] else "fused")
+
+        def model(row=row, eager=eager):
+            return llama(row["model"], hidden=int(row["hidden"]), heads=int(row["heads"]), layers=int(row["layers"]),
+                         seq_len=int(row["seq_len"]), vocab_size=int(row["vocab"]), kv_heads=int(row["kv_heads"]),
+                         ffn_hidden=int(row["ffn_hidden"]), eager=eager, sac="torchtitan" if eager else "autopar")
+        specs.append({"label": label, "source": row["source"], "family": "tp/pp" if tp * pp > 1 else "fsdp",
+                      "table": f"{row['source']} {row['source_file']}", "model": model, "layout": layout,
+                      "cluster": ClusterSpec.resolve(f"{row['cluster']}:{max(1, gpus // 8)}"),
+                      "published": float(row["value"]), "metric": row["metric"],
+                      "assumed": f"{row['source']} ({row['source_file']} at {row['source_commit']}): {row['assumed']}"})
+    return specs
+
+
+def all_specs() -> list[dict]:
+    return mpt_rows() + tp_pp_rows() + more_rows()
+
+
+def price(spec: dict) -> dict:
+    """One priced row: the spec's layout on its cluster, compared in the unit the source publishes."""
+    model = spec["model"]()
+    layout, est = _price(model, spec["layout"], spec["cluster"])
+    metric = spec.get("metric", "tokens_per_s_per_gpu")
+    predicted = _predicted(est, layout, metric)
+    return {"run": spec["label"], "source": spec["source"], "family": spec["family"], "metric": metric,
+            "table": spec["table"], "published": spec["published"], "predicted": predicted,
+            "error": predicted / spec["published"] - 1.0, "mfu": est.mfu, "fits": est.fits,
+            "step_time_s": est.step_time_s, "peak_memory_gib": max(est.peak_memory_bytes) / 2**30,
+            "assumed": spec["assumed"], "gpus": layout.world_size, "set_source": S.source_of(spec),
+            "set_family": S.family_of(layout), "band": S.band_of(layout.world_size),
+            "layout": {k: v for k, v in layout.to_dict().items() if v not in (None, {}, False)},
+            "time_breakdown": est.time_breakdown}
+
+
 def run() -> tuple[list[dict], list[dict]]:
+    """Every priceable row of every source (the set is a subsample of these: validation_set)."""
     results, skipped = [], []
-    for spec in mpt_rows() + tp_pp_rows():
+    for spec in all_specs():
         if spec.get("skip"):
             skipped.append({"run": spec["label"], "why": spec["skip"]})
-            continue
-        model = spec["model"]()
-        layout, est = _price(model, spec["layout"], spec["cluster"])
-        metric = spec.get("metric", "tokens_per_s_per_gpu")
-        predicted = _predicted(est, layout, metric)
-        results.append({"run": spec["label"], "source": spec["source"], "family": spec["family"], "metric": metric,
-                        "table": spec["table"], "published": spec["published"], "predicted": predicted,
-                        "error": predicted / spec["published"] - 1.0, "mfu": est.mfu, "fits": est.fits,
-                        "step_time_s": est.step_time_s, "peak_memory_gib": max(est.peak_memory_bytes) / 2**30,
-                        "assumed": spec["assumed"],
-                        "layout": {k: v for k, v in layout.to_dict().items() if v not in (None, {}, False)},
-                        "time_breakdown": est.time_breakdown})
+        else:
+            results.append(price(spec))
     return results, skipped
+
+
+def validation_set(priced: list[dict] | None = None) -> tuple[list[dict], dict]:
+    """The validation set (validation_set.select), priced. Only the kept rows are priced, or
+    taken from `priced` (run()'s results) when given."""
+    kept, counts = S.select([s for s in all_specs() if not s.get("skip")])
+    by_label = {r["run"]: r for r in priced or []}
+    return [by_label.get(spec["label"]) or price(spec) for spec in kept], counts
 
 
 def summary(rows: list[dict]) -> dict:
@@ -236,16 +301,22 @@ MEDIAN_TARGET = 0.10  # issue 13: median |error| over the validation set
 FAMILY_GAP_TARGET = 0.05  # issue 13: signed medians of the fsdp and tp/pp rows within 5 points
 
 
-def render(results: list[dict], skipped: list[dict]) -> str:
+def render(results: list[dict], skipped: list[dict], set_rows: list[dict], counts: dict) -> str:
+    head = ["# Validation set: published runs that set no constant, predicted vs published", "",
+            "Generated by `python3 benchmarks/validation_runs.py` (writes this file and validation_runs.json).", ""]
+    return "\n".join(head + S.render(set_rows, counts)) + "\n" + _render_all(results, skipped)
+
+
+def _render_all(results: list[dict], skipped: list[dict]) -> str:
     allst = summary(results)
     fam = {f: summary([r for r in results if r["family"] == f]) for f in ("fsdp", "tp/pp")}
     gap = abs(fam["fsdp"]["signed_median"] - fam["tp/pp"]["signed_median"])
     lines = [
-        "# Validation set: published runs that set no constant, predicted vs published",
+        "## Every priced row, before the per-source cap (issue 13's view)",
         "",
-        "Generated by `python3 benchmarks/validation_runs.py` from `benchmarks/reference/llm_foundry_mpt_throughput.csv`",
-        "and `benchmarks/reference/tp_pp_runs.csv` (sources, commits and caveats: `benchmarks/reference/README.md`,",
-        "`benchmarks/reference/tp_pp_runs.md`). Every row is priced in the unit it publishes. These runs are",
+        "From `benchmarks/reference/llm_foundry_mpt_throughput.csv`, `benchmarks/reference/tp_pp_runs.csv` and",
+        "`benchmarks/reference/validation_more_runs.csv` (sources, commits and caveats: `benchmarks/reference/README.md`,",
+        "`benchmarks/reference/tp_pp_runs.md`, `benchmarks/reference/validation_more_runs.md`). Every row is priced in the unit it publishes. These runs are",
         "**validation** data: no constant of the cost model was set from them (docs/cost_model.md section 10 says",
         "what was changed after they were first priced, and from which source).",
         "",
@@ -283,14 +354,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args(argv)
     results, skipped = run()
+    set_rows, counts = validation_set(results)
+    for key in ("set_source", "band", "set_family"):
+        for name, st in S.summarize(set_rows, key).items():
+            print("set", key, name, st)
+    print("set verdict", S.check(set_rows) or "holds")
     for group in sorted({r["table"] for r in results}):
         print(group, summary([r for r in results if r["table"] == group]))
     for family in ("fsdp", "tp/pp"):
         print(family, summary([r for r in results if r["family"] == family]))
     print("all", summary(results))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "validation_runs.md").write_text(render(results, skipped))
-    (args.out / "validation_runs.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1,
+    (args.out / "validation_runs.md").write_text(render(results, skipped, set_rows, counts))
+    (args.out / "validation_runs.json").write_text(json.dumps({"set": [r["run"] for r in set_rows], "set_counts": counts,
+                                                              "results": results, "skipped": skipped}, indent=1,
                                                               sort_keys=True, default=str) + "\n")
     return 0
 

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import validation_runs as V  # noqa: E402
+import validation_set as S  # noqa: E402
 
 from cost_models.analytic import gpt  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
@@ -38,6 +39,41 @@ def test_validation_set_meets_the_acceptance(priced):
     assert any("a100" in r["run"].lower() for r in results) and any("h100" in r["run"].lower() for r in results)
     # nothing silently dropped: every unpriced row says why
     assert all(s["why"] for s in skipped)
+
+
+@pytest.fixture(scope="module")
+def the_set(priced):
+    return V.validation_set(priced[0])  # the full pricing's rows, re-used: no second pricing
+
+
+def test_validation_set_holds_its_rules(the_set):
+    """Issue 35: >= 6 sources, none over a third, each scale band's median |error| within the bound
+    written down at the first pricing, no calibration row. A cost change that moves a band out fails here."""
+    rows, counts = the_set
+    assert S.check(rows) == []
+    sources = S.summarize(rows, "set_source")
+    assert len(sources) >= S.MIN_SOURCES
+    assert all(st["rows"] * 3 <= len(rows) for st in sources.values())
+    assert {r["band"] for r in rows} == {b for b, _, _ in S.BANDS}
+    assert counts["mosaicml/llm-foundry"][1] > counts["mosaicml/llm-foundry"][0]  # thinned, and says so
+
+
+def test_set_check_fails_when_a_band_leaves_its_bound(the_set):
+    rows, _ = the_set
+    for band, bound in S.BAND_BOUNDS.items():
+        moved = [{**r, "error": r["error"] + 2 * bound} if r["band"] == band else r for r in rows]
+        assert any(band in p for p in S.check(moved)), band
+    # a calibration row slipped into the set is caught by its (model, GPUs)
+    intruder = {**rows[0], "run": "Llama3-8B 64x A100 (FSDP2)", "gpus": 64}  # torchtitan 2024-08
+    assert any("calibration" in p for p in S.check(rows + [intruder]))
+
+
+def test_select_keeps_each_source_within_a_third_at_a_fixed_stride():
+    specs = [{"source": "big", "i": i} for i in range(30)] + [{"source": f"s{k}", "i": 0} for k in range(6)]
+    kept, counts = S.select(specs)
+    assert counts["big"] == (3, 30) and len(kept) == 9  # k = 3: 3 <= (3 + 6) / 3
+    assert [s["i"] for s in kept if s["source"] == "big"] == [0, 10, 20]
+    assert S.select(specs)[0] == kept  # deterministic
 
 
 def test_mpt_shapes_reproduce_published_parameter_counts():
