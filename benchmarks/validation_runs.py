@@ -225,7 +225,8 @@ def more_rows(path: Path = S.MORE_CSV) -> list[dict]:
     specs = []
     for row in rows:
         gpus, tp, pp, dp = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["dp"])
-        label = f"{row['model']} {gpus}x {row['hardware'].split('-')[0]} (tp{tp} pp{pp} dp{dp}) [{row['source']}]"
+        label = (f"{row['model']} {gpus}x {row['hardware'].split('-')[0]} (tp{tp} pp{pp} dp{dp} mb{row['micro_batch']} "
+                 f"ac {row['recompute'] or 'unstated'}) [{row['source']}]")
         if row["skip"]:
             specs.append({"label": label, "skip": row["skip"]})
             continue
@@ -284,7 +285,10 @@ def run() -> tuple[list[dict], list[dict]]:
 def validation_set(priced: list[dict] | None = None) -> tuple[list[dict], dict]:
     """The validation set (validation_set.select), priced. Only the kept rows are priced, or
     taken from `priced` (run()'s results) when given."""
-    kept, counts = S.select([s for s in all_specs() if not s.get("skip")])
+    specs = [s for s in all_specs() if not s.get("skip")]
+    if len({s["label"] for s in specs}) != len(specs):
+        raise ValueError("two validation rows share a label: the set is matched to prices by label")
+    kept, counts = S.select(specs)
     by_label = {r["run"]: r for r in priced or []}
     return [by_label.get(spec["label"]) or price(spec) for spec in kept], counts
 
