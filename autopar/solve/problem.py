@@ -295,26 +295,35 @@ def time_lower_bound(problem: StageProblem) -> int:
 def water_fill(base: list[int], count: int, unit: int) -> int:
     """Least possible heaviest bin when `count` items of size `unit` join bins
     already loaded `base` (integer items: some bin takes the rounding)."""
-    top = max(base)
+    # bins of equal load counted once: beside the pinned first and last layers every
+    # bin holds the same, so a 32-stage fill sums 3 terms, not 32
+    loads: dict = {}
+    for b in base:
+        loads[b] = loads.get(b, 0) + 1
+    return _water_fill(loads, count, unit)
+
+
+def _water_fill(loads: dict, count: int, unit: int) -> int:
+    """water_fill over {load: number of bins}."""
+    top = max(loads)
     if count <= 0 or unit <= 0:
         return top
     # lo: perfectly spread; hi: spread plus one item, where rounding down in every bin still
     # places at least `count` items (floor(x) > x - 1 summed over the bins)
-    lo = max(top, -(-(sum(base) + count * unit) // len(base)))
+    lo = max(top, -(-(sum(b * n for b, n in loads.items()) + count * unit) // sum(loads.values())))
     hi = max(top, lo + unit)
-    # bins of equal load counted once: beside the pinned first and last layers every
-    # bin holds the same, so a 32-stage fill sums 3 terms per step, not 32
-    loads = {}
-    for b in base:
-        loads[b] = loads.get(b, 0) + 1
-    loads = tuple(loads.items())
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sum(n * ((mid - b) // unit) for b, n in loads if mid > b) >= count:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    # The answer is the least x in [lo, hi] whose bins take `count` items (x = hi if none
+    # below it does): sum n * floor((x - b) / unit) over the bins under x. On (lo, lo + unit]
+    # each bin's term rises by one, once, where x - b is a multiple of unit; so walk those
+    # rises in order (what a bisection over x finds, in one step per distinct load).
+    have = sum(n * ((lo - b) // unit) for b, n in loads.items() if lo > b)
+    if have >= count:
+        return lo
+    for x, n in sorted((lo + unit - (lo - b) % unit, n) for b, n in loads.items()):
+        have += n
+        if have >= count:
+            return min(x, hi)
+    return hi
 
 
 def pinned_stage(problem: StageProblem) -> list:
@@ -342,14 +351,19 @@ def _fill_bound(problem: StageProblem, bins: int, bin_of_stage, base: int, cost)
     rank must run 9 blocks or the head and 8: a 7 % gap CP-SAT could not close."""
     p = problem
     pinned = _pinned_pairs(p.num_layers, p.num_stages)
-    cheapest = {g: min(cost(o) for o in p.group_options[g]) for g, _ in p.group_counts()}
+    counts = p.group_counts()
+    cheapest = {g: min(cost(o) for o in p.group_options[g]) for g, _ in counts}
     best = 0
-    for g, c in p.group_counts():
-        load = [base] * bins
+    for g, c in counts:
+        extra: dict = {}  # bin -> what the other groups' pinned layers put in it
         for i, s in pinned:
             if p.layer_group[i] != g:
-                load[bin_of_stage(s)] += cheapest[p.layer_group[i]]
-        best = max(best, water_fill(load, c, cheapest[g]))
+                b = bin_of_stage(s)
+                extra[b] = extra.get(b, 0) + cheapest[p.layer_group[i]]
+        loads = {base: bins - len(extra)} if bins > len(extra) else {}
+        for add in extra.values():
+            loads[base + add] = loads.get(base + add, 0) + 1
+        best = max(best, _water_fill(loads, c, cheapest[g]))
     return best
 
 
@@ -471,23 +485,31 @@ def lagrangian_bound(problem: StageProblem) -> int:
 
     p = problem
     pp = p.pp
-    cost_rows, mem_rows, weights = [], [], []
-    for g, w, c in _layer_classes(p):
+    classes = _layer_classes(p)
+    tw, sw = p.time_weight, p.step_weight
+    rows = {}  # group -> (objective weight per layer, static KiB, activation KiB) per option
+    for g in {g for g, _, _ in classes}:
         opts = p.group_options[g]
-        cost_rows.append(np.array([(p.time_weight * o.time + p.step_weight * o.step) / pp for o in opts], float))
-        mem_rows.append(np.array([o.static_mem + w * o.act_mem for o in opts], float))
-        weights.append(c)
+        rows[g] = (np.array([(tw * o.time + sw * o.step) / pp for o in opts], float),
+                   np.array([o.static_mem for o in opts], float), np.array([o.act_mem for o in opts], float))
+    # every class's options in one array (class i's rows start at starts[i]): a few numpy
+    # ops per grid instead of five per class, the same floats (min is exact, and the
+    # classes are still added one after another, in order)
+    starts = np.cumsum([0] + [len(rows[g][0]) for g, _, _ in classes[:-1]])
+    weights = np.array([c for _, _, c in classes], float)[:, None]
+    cost = np.concatenate([rows[g][0] for g, _, _ in classes])[:, None]
+    mem = np.concatenate([rows[g][1] + w * rows[g][2] for g, w, _ in classes])[:, None]
     capacity = float(sum(p.capacity))
     overhead = p.time_weight * (p.virtual_stages * p.stage_time_overhead if pp > 1 else 0)
 
     def g_of(lams):
         total = np.full(lams.shape, -capacity) * lams
-        for cost, mem, w in zip(cost_rows, mem_rows, weights):
-            total += w * np.min(cost[:, None] + mem[:, None] * lams[None, :], axis=0)
+        for term in weights * np.minimum.reduceat(cost + mem * lams[None, :], starts, axis=0):
+            total += term
         return total
 
-    scale = max(max(float(c.max()) for c in cost_rows), 1.0) / max(max(float(m.max()) for m in mem_rows), 1.0)
-    lams = np.concatenate([[0.0], scale * np.logspace(-6, 6, 97)])
+    scale = max(float(cost.max()), 1.0) / max(float(mem.max()), 1.0)
+    lams = np.concatenate([[0.0], scale * _log_grid()])
     vals = g_of(lams)
     i = int(np.argmax(vals))
     lo, hi = lams[max(i - 1, 0)], lams[min(i + 1, len(lams) - 1)]
@@ -495,6 +517,13 @@ def lagrangian_bound(problem: StageProblem) -> int:
     best = max(float(vals.max()), float(g_of(fine).max()))
     # floor, minus one unit for float rounding: the bound must never exceed the optimum
     return max(0, int(math.floor(best + overhead)) - 1)
+
+
+@lru_cache(maxsize=1)
+def _log_grid():
+    import numpy as np
+
+    return np.logspace(-6, 6, 97)  # the multipliers lagrangian_bound tries, times its scale
 
 
 def lower_bound(problem: StageProblem) -> int | None:

@@ -1,0 +1,119 @@
+"""The planner's fast paths give, to the bit, what the code they replaced gave:
+the same plan for the same model and cluster is a hard rule, so each one is
+checked here against that code (kept below as the reference) on random inputs."""
+import math
+import random
+
+import numpy as np
+
+from autopar.solve.problem import OptionCost, StageProblem, in_flight_numerators, lagrangian_bound, water_fill
+from autopar.solve.problem import _layer_classes
+
+
+def _water_fill_bisect(base, count, unit):
+    top = max(base)
+    if count <= 0 or unit <= 0:
+        return top
+    lo = max(top, -(-(sum(base) + count * unit) // len(base)))
+    hi = max(top, lo + unit)
+    loads = {}
+    for b in base:
+        loads[b] = loads.get(b, 0) + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(n * ((mid - b) // unit) for b, n in loads.items() if mid > b) >= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _lagrangian_per_class(p):
+    """lagrangian_bound as it was: numpy arrays and five ops per layer class."""
+    pp = p.pp
+    cost_rows, mem_rows, weights = [], [], []
+    for g, w, c in _layer_classes(p):
+        opts = p.group_options[g]
+        cost_rows.append(np.array([(p.time_weight * o.time + p.step_weight * o.step) / pp for o in opts], float))
+        mem_rows.append(np.array([o.static_mem + w * o.act_mem for o in opts], float))
+        weights.append(c)
+    capacity = float(sum(p.capacity))
+    overhead = p.time_weight * (p.virtual_stages * p.stage_time_overhead if pp > 1 else 0)
+
+    def g_of(lams):
+        total = np.full(lams.shape, -capacity) * lams
+        for cost, mem, w in zip(cost_rows, mem_rows, weights):
+            total += w * np.min(cost[:, None] + mem[:, None] * lams[None, :], axis=0)
+        return total
+
+    scale = max(max(float(c.max()) for c in cost_rows), 1.0) / max(max(float(m.max()) for m in mem_rows), 1.0)
+    lams = np.concatenate([[0.0], scale * np.logspace(-6, 6, 97)])
+    vals = g_of(lams)
+    i = int(np.argmax(vals))
+    fine = np.linspace(lams[max(i - 1, 0)], lams[min(i + 1, len(lams) - 1)], 65)
+    best = max(float(vals.max()), float(g_of(fine).max()))
+    return max(0, int(math.floor(best + overhead)) - 1)
+
+
+def test_water_fill_walks_to_what_the_bisection_found():
+    rng = random.Random(1)
+    for _ in range(3000):
+        unit = rng.choice([1, 2, 7, rng.randint(1, 10**9)])
+        spread = rng.choice([0, 3, unit, 5 * unit, 10**10])
+        base = [rng.randint(0, spread) for _ in range(rng.choice([1, 2, 4, 33, 128]))]
+        if rng.random() < 0.5:  # mostly equal bins, as beside pinned first and last layers
+            base = [base[0]] * (len(base) - 2) + base[-2:] if len(base) > 2 else base
+        count = rng.choice([0, 1, rng.randint(0, 300)])
+        assert water_fill(base, count, unit) == _water_fill_bisect(base, count, unit), (base, count, unit)
+    assert water_fill([3], 5, 0) == 3
+
+
+def _random_problem(rng):
+    n = rng.randint(4, 100)
+    ngroups = rng.randint(1, 4)
+    groups = [rng.randrange(ngroups) for _ in range(n)]
+    scale_t, scale_m = 10 ** rng.randint(2, 9), 10 ** rng.randint(1, 7)
+    opts = [[OptionCost(k, rng.randint(1, scale_t), rng.randint(0, scale_t // 10), rng.randint(0, scale_m),
+                        rng.randint(0, scale_m)) for k in range(rng.randint(1, 9))] for _ in range(ngroups)]
+    pp = rng.choice([1, 2, 4, 8, 16])
+    v = rng.choice([1, 2, 3, 4]) if pp > 1 else 1
+    if n < pp * v:
+        pp, v = 1, 1
+    schedule = "interleaved" if v > 1 else rng.choice(["gpipe", "1f1b"])
+    m = pp * rng.randint(1, 6)
+    cap = rng.randint(1, 4 * scale_m * n // pp + 1)
+    return StageProblem(groups, opts, pp, v, m, in_flight_numerators(schedule, pp, v, m), [cap] * pp,
+                        rng.randint(0, scale_t // 100))
+
+
+def test_lagrangian_bound_gives_the_per_class_floats():
+    rng = random.Random(2)
+    for _ in range(400):
+        p = _random_problem(rng)
+        assert lagrangian_bound(p) == _lagrangian_per_class(p)
+
+
+def _undominated_pairwise(vectors):
+    peaks = []
+    for c in sorted(set(vectors), reverse=True):
+        if not any(all(a >= b for a, b in zip(o, c)) for o in peaks):
+            peaks.append(c)
+    return peaks
+
+
+def test_chunk_count_filter_keeps_what_the_pairwise_one_kept():
+    from cost_models.memory import _undominated, in_flight_chunk_counts
+    from cost_models.pipeline import rank_order
+    rng = random.Random(3)
+    for _ in range(300):
+        vectors = [tuple(rng.randint(0, rng.choice([1, 3, 200])) for _ in range(rng.randint(1, 8)))] * 1
+        vectors += [tuple(rng.randint(0, 5) for _ in vectors[0]) for _ in range(rng.randint(0, 60))]
+        assert sorted(_undominated(vectors)) == sorted(_undominated_pairwise(vectors))
+    for pp, v, m in [(4, 2, 8), (8, 3, 32), (16, 4, 64), (3, 5, 9)]:
+        for r in range(pp):
+            counts, seen = [0] * v, []
+            for phase, _, chunk in rank_order("interleaved", r, pp, m, v):
+                counts[chunk] += 1 if phase == "fwd" else -1
+                if phase == "fwd":
+                    seen.append(tuple(counts))
+            assert in_flight_chunk_counts("interleaved", pp, m, r, v) == sorted(_undominated_pairwise(seen))
