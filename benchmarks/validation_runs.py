@@ -22,7 +22,8 @@ Sources (each file in benchmarks/reference/ names its origin and commit):
 
 - `validation_more_runs.csv` (sources, commits and what each leaves unstated in
   validation_more_runs.md): FlagOpen/FlagPerf (Megatron-core / Megatron-DeepSpeed on
-  H100 and A100-40GB), torchtitan's Llama 2 FSDP2 table, TinyLlama (FSDP, A100-40GB).
+  H100 and A100-40GB), torchtitan's Llama 2 FSDP2 table, TinyLlama (FSDP, A100-40GB),
+  IBM and Meta's FSDP blog table (Llama 2 on 128 A100 and 96 H100 over 400 / 800 Gb/s per node).
 
 The validation set itself (issue 35) is a subsample of these rows with rules that can
 fail: at least six sources, none more than a third of the rows (llm-foundry and
@@ -51,6 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cost_models.analytic import gpt, llama, transformer  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
+from cost_models.devices import LinkProfile, get_link  # noqa: E402
 from cost_models.hardware import ClusterSpec  # noqa: E402
 from cost_models.layout import Layout  # noqa: E402
 
@@ -217,6 +219,23 @@ def _predicted(est, layout: Layout, metric: str) -> float:
             "model_tflops_per_gpu": est.tflops_per_gpu}[metric]
 
 
+def _more_cluster(row: dict, gpus: int) -> ClusterSpec:
+    """The row's cluster preset; where the source states a slower fabric per node than the preset's
+    (fabric_gbps_per_node), that fabric as a user link: the stated Gb/s per node shared by its 8 GPUs,
+    with roce-400's bus efficiency and latency (the source names RDMA, not the transport)."""
+    base = ClusterSpec.resolve(f"{row['cluster']}:{max(1, gpus // 8)}")
+    if not row.get("fabric_gbps_per_node"):
+        return base
+    roce = get_link("roce-400")
+    name = f"{row['fabric_gbps_per_node']}g-per-node"
+    link = LinkProfile(name=name, bandwidth=float(row["fabric_gbps_per_node"]) * 1e9 / 8 / base.gpus_per_node,
+                       bus_efficiency=roce.bus_efficiency, latency_s=roce.latency_s,
+                       source=f"{row['source']}: {row['fabric_gbps_per_node']} Gb/s per node")
+    return ClusterSpec(nodes=base.nodes, gpus_per_node=base.gpus_per_node, device=base.device,
+                       intra_node_link=base.intra_node_link, inter_node_link=name, links={name: link},
+                       name=f"{base.device} x{gpus}, {row['fabric_gbps_per_node']} Gb/s per node")
+
+
 def more_rows(path: Path = S.MORE_CSV) -> list[dict]:
     """One spec per row of validation_more_runs.csv (FlagPerf, torchtitan's Llama 2 table, TinyLlama);
     rows the model cannot price come back with `skip` (the CSV says why)."""
@@ -231,21 +250,23 @@ def more_rows(path: Path = S.MORE_CSV) -> list[dict]:
             specs.append({"label": label, "skip": row["skip"]})
             continue
         mb, gbs = int(row["micro_batch"]), int(row["global_batch"])
-        eager = row["engine"].startswith("torchtitan")
+        torchtitan = row["engine"].startswith("torchtitan")
         megatron = "megatron" in row["engine"].lower()
+        # torchtitan and Megatron reduce gradients in fp32; Lightning's and IBM's FSDP setups state no
+        # reduce dtype (bf16 assumed, the assumed column says so); their AdamW is torch's per-tensor loop
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, num_micro_batches=gbs // (dp * mb),
                         zero=int(row["zero"]), checkpoint=row["recompute"] or None,
                         sequence_parallel=row["sequence_parallel"] == "True",
-                        main_grads="fp32" if (eager or megatron) else "same",
-                        optimizer_impl="foreach" if "TinyLlama" in row["model"] else "fused")
+                        main_grads="fp32" if (torchtitan or megatron) else "same",
+                        optimizer_impl="fused" if (torchtitan or megatron) else "foreach")
 
-        def model(row=row, eager=eager):
+        def model(row=row, eager="eager" in row["engine"], sac="torchtitan" if torchtitan else "autopar"):
             return llama(row["model"], hidden=int(row["hidden"]), heads=int(row["heads"]), layers=int(row["layers"]),
                          seq_len=int(row["seq_len"]), vocab_size=int(row["vocab"]), kv_heads=int(row["kv_heads"]),
-                         ffn_hidden=int(row["ffn_hidden"]), eager=eager, sac="torchtitan" if eager else "autopar")
+                         ffn_hidden=int(row["ffn_hidden"]), eager=eager, sac=sac)
         specs.append({"label": label, "source": row["source"], "family": "tp/pp" if tp * pp > 1 else "fsdp",
                       "table": f"{row['source']} {row['source_file']}", "model": model, "layout": layout,
-                      "cluster": ClusterSpec.resolve(f"{row['cluster']}:{max(1, gpus // 8)}"),
+                      "cluster": _more_cluster(row, gpus),
                       "published": float(row["value"]), "metric": row["metric"],
                       "assumed": f"{row['source']} ({row['source_file']} at {row['source_commit']}): {row['assumed']}"})
     return specs
