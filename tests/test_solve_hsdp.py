@@ -70,6 +70,8 @@ def test_terminal_report_and_json_show_the_split(slow_fabric_plan, tmp_path):
     html = render_html(p)
     assert f"dp {m.dp} = {m.replicas} replicas \u00d7 {m.dp_shard} shards" in html
     assert "dp_replicate" in html and "dp_shard" in html  # the mesh section's group rows
+    shards = [a["mesh"]["dp_shard"] for a in p.alternatives if a["mesh"].get("dp_shard")]
+    assert not shards or f"dp{m.dp} ({m.dp // shards[0]} replicas \u00d7 {shards[0]} shards)" in html  # alternatives
     assert Plan.from_json(p.to_json()).mesh.dp_shard == m.dp_shard
     assert any(a["mesh"].get("dp_shard") for a in p.alternatives) or p.alternatives == []
 

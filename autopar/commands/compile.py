@@ -101,7 +101,8 @@ def run(args) -> int:
                            hint="pass a folder name, e.g. -o build/")
     files = write_build(args.output, plan, args.model, getattr(args, "gpus_per_node", None))
     m = plan.mesh
-    print(f"autopar compile: pp={m.pp} x dp={m.dp} x tp={m.tp}, schedule {plan.schedule}, "
+    dp = f"dp={m.dp}" + (f" ({m.replicas} replicas x {m.dp_shard} shards)" if m.hsdp else "")
+    print(f"autopar compile: pp={m.pp} x {dp} x tp={m.tp}, schedule {plan.schedule}, "
           f"{plan.num_micro_batches} x {plan.micro_batch_size} per dp rank, global batch {plan.global_batch_size}",
           file=sys.stderr)
     for f in files:

@@ -141,7 +141,10 @@ def _mesh_text(mesh) -> str:
     if mesh is None:
         return DASH
     get = mesh.get if isinstance(mesh, dict) else lambda k, d=None: getattr(mesh, k, d)
-    return f"pp{get('pp', 1)} \u00d7 dp{get('dp', 1)} \u00d7 tp{get('tp', 1)}"
+    shard = get("dp_shard")  # HSDP: "dp8 (2 replicas x 4 shards)"
+    dp = f"dp{get('dp', 1)}" + (f" ({get('dp', 1) // shard} replicas \u00d7 {shard} shards)"
+                                if shard and shard < get("dp", 1) else "")
+    return f"pp{get('pp', 1)} \u00d7 {dp} \u00d7 tp{get('tp', 1)}"
 
 
 def _choice(v) -> str:
