@@ -13,7 +13,7 @@ hold, so that no single source steers the verdict:
   family (fsdp = ZeRO-3 / FSDP without tp or pp; zero = data parallel with
   ZeRO 0-2; tp/pp = tensor or pipeline parallel > 1);
 - each band's median |error| stays within BAND_BOUNDS, written down from the
-  set's first pricing (the date and commit are in
+  set's first pricing with all its sources (the date and commit are in
   benchmarks/reference/validation_history.md, which records every move since).
   No cost constant was tuned to these rows; the bounds guard against a change
   that moves the set, they do not certify it.
@@ -36,10 +36,11 @@ MIN_SOURCES = 6
 MAX_SOURCE_SHARE = 1 / 3
 BANDS = (("<= 64 GPUs", 1, 64), ("65-512 GPUs", 65, 512), ("> 512 GPUs", 513, 10**9))
 FAMILIES = ("fsdp", "zero", "tp/pp")
-# Bound on each band's median |error|, set from the first pricing of the set (2026-11-28, see
-# validation_history.md): the issue's 12% where the first pricing was within it, otherwise the
-# first pricing rounded up to the next whole point (a guard against getting worse, not a target met).
-BAND_BOUNDS = {"<= 64 GPUs": 0.12, "65-512 GPUs": 0.12, "> 512 GPUs": 0.12}
+# Bound on each band's median |error|: where the band was first priced with all seven sources
+# (2026-11-28, commit c23ed3d: 6.5%, 10.0%, 4.1%) plus 3 points, never above issue 35's 12%. A band
+# that moves 3 points from where it was first seen fails, whichever way the change was meant
+# (validation_history.md says why the first bounds, 12% each, were tightened to these).
+BAND_BOUNDS = {"<= 64 GPUs": 0.095, "65-512 GPUs": 0.12, "> 512 GPUs": 0.071}
 MEDIAN_BOUND = 0.10  # issue 35's acceptance, over the whole set
 FAMILY_GAP_BOUND = 0.05  # signed medians of the fsdp and tp/pp families, at most 5 points apart
 
@@ -152,7 +153,7 @@ def check(rows: list[dict]) -> list[str]:
         if band not in bands:
             problems.append(f"band {band}: no rows")
         elif bands[band]["median_abs"] > bound:
-            problems.append(f"band {band}: median |error| {bands[band]['median_abs']:.1%} above its bound {bound:.0%}")
+            problems.append(f"band {band}: median |error| {bands[band]['median_abs']:.1%} above its bound {bound:.1%}")
     overall = _median_abs(rows)
     if overall > MEDIAN_BOUND:
         problems.append(f"median |error| {overall:.1%} above {MEDIAN_BOUND:.0%}")
@@ -213,7 +214,7 @@ def render(rows: list[dict], counts: dict[str, tuple[int, int]]) -> list[str]:
     lines += _table("source", summarize(rows, "set_source"),
                     {s: f"{k} of {n}" for s, (k, n) in counts.items()}, "kept of priceable") + [""]
     lines += _table("scale band", {b: bands[b] for b, _, _ in BANDS if b in bands},
-                    {b: f"{v:.0%}" for b, v in BAND_BOUNDS.items()}, "bound") + [""]
+                    {b: f"{v:.1%}" for b, v in BAND_BOUNDS.items()}, "bound") + [""]
     lines += _table("family", {f: fams[f] for f in FAMILIES if f in fams}) + [""]
     missing = [f for f in FAMILIES if f not in fams]
     if missing:

@@ -70,6 +70,23 @@ def test_set_check_fails_when_a_band_leaves_its_bound(the_set):
     assert any("calibration" in p for p in S.check(rows + [intruder]))
 
 
+def test_halving_the_all_reduce_bytes_fails_the_set(monkeypatch):
+    """The audit's mutation that moved the old set's median by 0.1 point: all-reduce priced on half
+    its bytes. The > 512 band (all tp/pp, data-parallel reduces across nodes) leaves its bound."""
+    import cost_models.comm as comm
+    import cost_models.layer as layer
+
+    real = comm.collective_time
+
+    def halved(kind, nbytes, place, cluster):
+        return real(kind, nbytes / 2 if kind == "all_reduce" else nbytes, place, cluster)
+
+    monkeypatch.setattr(comm, "collective_time", halved)
+    monkeypatch.setattr(layer, "_LAYER_CACHE", {})  # layer costs priced before the mutation are memoised
+    rows, _ = V.validation_set()  # priced afresh under the mutation
+    assert any("> 512 GPUs" in p for p in S.check(rows)), S.summarize(rows, "band")
+
+
 def test_select_keeps_each_source_within_a_third_at_a_fixed_stride():
     specs = [{"source": "big", "i": i} for i in range(30)] + [{"source": f"s{k}", "i": 0} for k in range(6)]
     kept, counts = S.select(specs)
