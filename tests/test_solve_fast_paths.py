@@ -117,3 +117,37 @@ def test_chunk_count_filter_keeps_what_the_pairwise_one_kept():
                 if phase == "fwd":
                     seen.append(tuple(counts))
             assert in_flight_chunk_counts("interleaved", pp, m, r, v) == sorted(_undominated_pairwise(seen))
+
+
+def test_rank_memory_after_reads_what_applying_and_undoing_gave():
+    """_RankMemory.after reads the peak terms off their tallies; the old way applied the
+    switch to them, summed their maxima and undid it."""
+    from autopar.solve.warm_start import _RankMemory
+    rng = random.Random(4)
+    for _ in range(300):
+        opts = [OptionCost(k, rng.randint(1, 50), rng.randint(0, 5), rng.randint(0, 100), rng.randint(0, 30),
+                           tuple(rng.choice([0, 7, 20, rng.randint(0, 60)]) for _ in range(rng.randint(0, 3))),
+                           rng.randint(0, 20)) for k in range(rng.randint(2, 5))]
+        pp, v = rng.choice([(1, 1), (2, 1), (2, 2), (4, 3)])
+        n = pp * v + rng.randint(0, 12)
+        p = StageProblem([0] * n, [opts], pp, v, 4 * pp, in_flight_numerators(
+            "interleaved" if v > 1 else "1f1b", pp, v, 4 * pp), [10**6] * pp)
+        stage_of = sorted(list(range(pp * v)) + [rng.randrange(pp * v) for _ in range(n - pp * v)])
+        option_of = [rng.randrange(len(opts)) for _ in range(n)]
+        layers = [i for i in range(n) if stage_of[i] % pp == 0]
+        mem = _RankMemory(p, 0, layers, stage_of, option_of)
+        for _ in range(10):
+            i = rng.choice(layers)
+            old, new, chunk = opts[option_of[i]], rng.choice(opts), stage_of[i] // pp
+            held = sum(1 for j in layers if option_of[j] == option_of[i] and stage_of[j] // pp == chunk)
+            count = rng.randint(1, held + 2)  # beyond `held`: not a switch of existing layers
+            mem._apply_peaks(old, -count)
+            mem._apply_peaks(new, count)
+            peaks = sum(max(c, default=0) for c in mem.peaks)
+            mem._apply_peaks(new, -count)
+            mem._apply_peaks(old, count)
+            delta = count * (new.act_mem - old.act_mem)
+            act = max(d + vec[chunk] * delta for d, vec in zip(mem._act_dots(), mem.vecs))
+            static = mem.static + count * (new.static_mem - old.static_mem)
+            want = max(static + peaks + act, static + mem.step + count * (new.step_mem - old.step_mem))
+            assert mem.after(old, new, chunk, count) == want

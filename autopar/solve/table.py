@@ -110,6 +110,7 @@ class TableBuilder:
         self._rows: dict = {}
         self._canonical: dict = {}
         self._bound_problems: dict = {}
+        self._bound_options: dict = {}
         self._overheads: dict = {}
         self._outputs: dict = {}
         self._stage_time_overhead = stage_time_overhead or self.p2p_overhead
@@ -233,19 +234,32 @@ class TableBuilder:
         return problem
 
     def _bound_problem(self, cand: Candidate) -> StageProblem:
+        # the options depend on (tp, sp, micro-batch) and dp alone: built once for the
+        # candidates that differ only in pp, schedule or micro-batch count
+        key = (cand.tp, cand.sequence_parallel, cand.micro_batch_size, cand.dp)
+        options = self._bound_options.get(key)
+        if options is None:
+            options = self._bound_options[key] = self._bound_group_options(cand)
+        return self._problem(cand, [list(opts) for opts in options], list(self.options))
+
+    def _bound_group_options(self, cand: Candidate) -> list:
         canon = self._canonical_costs(cand)
         group_options = []
+        states: dict = {}  # (parameters, zero, offload) -> model states: checkpointing does not change them
         for per_ckpt in canon:
             opts = []
             for i, (zero, ckpt, off) in enumerate(self.options):
                 lc = per_ckpt[ckpt]
-                st = model_state_bytes(lc.params_local, precision=self.precision, optimizer=self.optimizer, zero=zero,
-                                       dp=cand.dp, offload=off)
+                key = (lc.params_local, zero, off)
+                st = states.get(key)
+                if st is None:
+                    st = states[key] = model_state_bytes(lc.params_local, precision=self.precision,
+                                                         optimizer=self.optimizer, zero=zero, dp=cand.dp, offload=off)
                 opts.append(OptionCost(i, to_time_units(lc.fwd_s + lc.bwd_s + lc.recompute_s + lc.tp_comm_s), 0,
                                        int(st.params + st.grads + st.optimizer) // KIB,
                                        int(lc.activation_bytes) // KIB))
             group_options.append(opts)
-        return self._problem(cand, group_options, list(self.options))
+        return group_options
 
     def bound(self, cand: Candidate) -> float | None:
         """Lower bound on the candidate's step time in seconds, None if it cannot fit."""

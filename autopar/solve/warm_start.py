@@ -56,6 +56,7 @@ class _RankMemory:
         self.chunk = [0] * p.virtual_stages
         self.peaks: list = []  # per peak term: value -> number of layers at it
         self._dots = None  # per count vector, its activation bytes (until a chunk changes)
+        self._top = self._peak_sum = None  # the peak terms' tallies read (`_tops`)
         for i in layers:
             self._apply(p.group_options[p.layer_group[i]][option_of[i]], stage_of[i] // p.pp, +1)
 
@@ -69,6 +70,7 @@ class _RankMemory:
         self._apply_peaks(o, n)
 
     def _apply_peaks(self, o, n: int) -> None:
+        self._top = None
         while len(self.peaks) < len(o.peaks):
             self.peaks.append({})
         for t, value in enumerate(o.peaks):
@@ -82,29 +84,69 @@ class _RankMemory:
             self._dots = [sum(c * a for c, a in zip(vec, self.chunk)) for vec in self.vecs]
         return self._dots
 
-    def _total(self, static: int, step: int, act: int) -> int:
-        return max(static + sum(max(c, default=0) for c in self.peaks) + act, static + step)
+    def _tops(self) -> list:
+        """Per peak term: (largest value, layers at it, next value), until a layer changes."""
+        if self._top is None:
+            self._top = []
+            for counts in self.peaks:
+                top = max(counts, default=0)
+                self._top.append((top, counts.get(top, 0), max((v for v in counts if v != top), default=0)))
+            self._peak_sum = sum(top for top, _, _ in self._top)
+        return self._top
+
+    def _peaks(self) -> int:
+        self._tops()
+        return self._peak_sum
+
+    def _peaks_after(self, old, new, count: int) -> int | None:
+        """The peak terms' sum if `count` layers at option `old` switched to `new`, read off
+        the tallies: a term's largest value changes only when the new value exceeds it or
+        when every layer at it leaves. None when fewer than `count` layers hold `old`'s
+        value (not a switch of existing layers: `after` then applies and undoes it)."""
+        if count <= 0:
+            return None
+        tops, total = self._tops(), 0
+        for t in range(max(len(tops), len(old.peaks), len(new.peaks))):
+            top, at_top, second = tops[t] if t < len(tops) else (0, 0, 0)
+            if t < len(old.peaks):
+                value = old.peaks[t]
+                held = at_top if value == top else self.peaks[t].get(value, 0) if t < len(self.peaks) else 0
+                if held < count:
+                    return None
+                if value == top and held == count:  # its last layers leave the top
+                    top = second
+            if t < len(new.peaks) and new.peaks[t] > top:
+                top = new.peaks[t]
+            total += top
+        return total
+
+    def _total(self, static: int, step: int, act: int, peaks: int | None = None) -> int:
+        peaks = self._peaks() if peaks is None else peaks
+        return max(static + peaks + act, static + step)
 
     def total(self) -> int:
         return self._total(self.static, self.step, max(self._act_dots()))
 
     def after(self, old, new, chunk: int, count: int = 1) -> int:
-        """Total if `count` layers of `chunk` switched from option `old` to `new`. Only the
-        peak terms are applied and undone; the activation part moves one chunk by a
-        known amount, so each count vector's sum is its cached one plus that (the warm
-        starts of a deep interleaved mesh ask this ~150,000 times)."""
+        """Total if `count` layers of `chunk` switched from option `old` to `new`. The
+        activation part moves one chunk by a known amount, so each count vector's sum is
+        its cached one plus that, and the peak terms are read off their tallies (the
+        warm starts of a deep interleaved mesh ask this ~150,000 times)."""
         delta = count * (new.act_mem - old.act_mem)
         dots = self._act_dots()
         act = max(d + v[chunk] * delta for d, v in zip(dots, self.vecs)) if delta else max(dots)
-        same_peaks = old.peaks == new.peaks
-        if not same_peaks:
-            self._apply_peaks(old, -count)
-            self._apply_peaks(new, count)
-        value = self._total(self.static + count * (new.static_mem - old.static_mem),
-                            self.step + count * (new.step_mem - old.step_mem), act)
-        if not same_peaks:
-            self._apply_peaks(new, -count)
-            self._apply_peaks(old, count)
+        static = self.static + count * (new.static_mem - old.static_mem)
+        step = self.step + count * (new.step_mem - old.step_mem)
+        if old.peaks == new.peaks:
+            return self._total(static, step, act)
+        peaks = self._peaks_after(old, new, count)
+        if peaks is not None:
+            return self._total(static, step, act, peaks)
+        self._apply_peaks(old, -count)
+        self._apply_peaks(new, count)
+        value = self._total(static, step, act)
+        self._apply_peaks(new, -count)
+        self._apply_peaks(old, count)
         return value
 
 
