@@ -133,8 +133,9 @@ class _Run:
         self.peak_bytes = [0.0] * pp
         self.fwd_done: dict = {}
         self.bwd_done: dict = {}
-        self.index = [{op: i for i, op in enumerate(o)} for o in self.orders]
-        self.op_end = [[0.0] * len(o) for o in self.orders]
+        if rendezvous or keep_events:  # only the op-by-op path (_advance, _ran) reads them
+            self.index = [{op: i for i, op in enumerate(o)} for o in self.orders]
+            self.op_end = [[0.0] * len(o) for o in self.orders]
         self.pending_send: list = [None] * pp  # blocking mode: (receiver rank, its op index, send end, transfer s)
         self.events: list = []
         self.remaining = sum(len(o) for o in self.orders)

@@ -47,6 +47,10 @@ def balance_stages(weights: list, num_stages: int) -> list:
         counts, loads = split(mid)
         # (each run's load summed left to right, as sum() over its slice would)
         fits = len(counts) <= num_stages and max(loads) <= mid * (1 + 1e-12)
+        # a round that leaves (lo, hi) as they were (mid rounds onto one of them) repeats
+        # itself to the last one: stop there, with the same hi
+        if (hi if fits else lo) == mid:
+            break
         if fits:
             hi = mid
         else:

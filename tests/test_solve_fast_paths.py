@@ -151,3 +151,41 @@ def test_rank_memory_after_reads_what_applying_and_undoing_gave():
             static = mem.static + count * (new.static_mem - old.static_mem)
             want = max(static + peaks + act, static + mem.step + count * (new.step_mem - old.step_mem))
             assert mem.after(old, new, chunk, count) == want
+
+
+def _tidy_by_evaluate(p, stage_of, option_of, objective):
+    """refine.tidy as it was: every trial evaluated whole."""
+    from autopar.solve.problem import evaluate
+    from autopar.solve.refine import faster_options
+    for i in range(p.num_layers):
+        for k in faster_options(p.group_options[p.layer_group[i]], option_of[i]):
+            before, option_of[i] = option_of[i], k
+            value = evaluate(p, stage_of, option_of)
+            if value is not None and value <= objective:
+                objective = value
+                break
+            option_of[i] = before
+    return objective, option_of
+
+
+def test_tidy_from_tallies_keeps_what_evaluating_each_trial_kept():
+    from autopar.solve.problem import StageSolution, evaluate, rank_memory
+    from autopar.solve.refine import tidy
+    rng = random.Random(5)
+    changed = 0
+    for _ in range(300):
+        p = _random_problem(rng)
+        for o in [o for opts in p.group_options for o in opts]:
+            object.__setattr__(o, "peaks", tuple(rng.choice([0, rng.randint(0, 9)]) for _ in range(rng.randint(0, 2))))
+        # a random valid assignment, the capacity a little above what it needs: some trials do not fit
+        cuts = sorted(rng.sample(range(1, p.num_layers), p.num_stages - 1))
+        stage_of = [sum(1 for c in cuts if c <= i) for i in range(p.num_layers)]
+        option_of = [rng.randrange(len(p.group_options[g])) for g in p.layer_group]
+        need = rank_memory(p, stage_of, option_of)
+        p.capacity = [max(need) + rng.choice([0, 1, max(need) // 10])] * p.pp
+        objective = evaluate(p, stage_of, option_of)
+        got = tidy(p, StageSolution(objective, list(stage_of), list(option_of)))
+        want_obj, want_opts = _tidy_by_evaluate(p, list(stage_of), list(option_of), objective)
+        assert (got.objective, got.option_of_layer) == (want_obj, want_opts)
+        changed += want_opts != option_of
+    assert changed > 100

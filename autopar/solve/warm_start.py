@@ -150,6 +150,9 @@ class _RankMemory:
         return value
 
 
+RankMemory = _RankMemory  # public: refine.tidy tallies its trials with it
+
+
 def warm_start(problem: StageProblem, max_moves: int | None = None) -> tuple[list, list] | None:
     """(stage_of_layer, option_of_layer) that fits in memory, or None. Cached on
     the problem (the search asks again for candidates it re-solves)."""
