@@ -191,8 +191,7 @@ def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, l
         ag, rs, copy_out, fwd_s, bwd_window, m, device, dp.place, cluster, rs_per_micro_batch=per_micro_batch)
 
 
-def _replica_all_reduce(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float,
-                        per_micro_batch: bool) -> None:
+def _replica_all_reduce(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float) -> None:
     """HSDP: the all-reduce of each gradient shard (1/dp_shard of the gradients) across the
     replicas, after the reduce-scatter inside the shard group. This is what torch's FSDP2
     runs on a 2-D (replicate, shard) mesh (torch.distributed.fsdp.fully_shard docs: "FSDP
@@ -200,22 +199,19 @@ def _replica_all_reduce(dp: DpComm, full_grads: float, layout, cluster, bwd_wind
     the FSDP paper, Zhao et al. 2023, section 3.2.2 "Hybrid Sharding": reduce-scatter
     within a shard group, all-reduce across replication groups). It crosses nodes while
     the reduce-scatter runs inside one, on other links, so it hides under the backward as
-    DDP's all-reduce does (its own share of that window). Once per step at pp = 1 (under
-    gradient accumulation the lowering turns it off until the last micro-batch:
-    FSDPModule.set_requires_all_reduce); under a pipeline whose stages reduce every
-    micro-batch (`per_micro_batch` at pp > 1) FSDP2 all-reduces every micro-batch too."""
+    DDP's all-reduce does (its own share of that window). Once per step, also when the
+    reduce-scatters run every micro-batch: the lowering turns the all-reduce off until the
+    last micro-batch (FSDPModule.set_requires_all_reduce: ParallelModel._accumulate at
+    pp = 1, pipeline_parallel.ReducingStage under a pipeline), so the shard it sends holds
+    every micro-batch's sum."""
     place = C.group_placement("dp_replicate", layout.tp, layout.dp, layout.pp, cluster, layout.dp_shard)
     shard = full_grads / layout.shard_ranks
     ar = C.collective_time("all_reduce", shard, place, cluster)
-    times = layout.num_micro_batches if per_micro_batch and layout.pp > 1 else 1
-    dp.collectives.append(("all_reduce", times * 2 * shard * (layout.replicas - 1) / layout.replicas, times * ar))
+    dp.collectives.append(("all_reduce", 2 * shard * (layout.replicas - 1) / layout.replicas, ar))
     exposed_s, contention = all_reduce_exposed(ar, bwd_window, gradient_window_share(layout), cluster.device_profile,
                                                place, cluster)
-    if times == 1:
-        dp.step_exposed_s += exposed_s + contention
-    else:  # under each micro-batch's backward
-        dp.bwd_exposed_s += exposed_s + contention
-    dp.contention_s += times * contention
+    dp.step_exposed_s += exposed_s + contention
+    dp.contention_s += contention
     dp.replica_place = place
 
 
@@ -263,7 +259,7 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
         else:
             _fsdp(dp, layer, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
         if hsdp:
-            _replica_all_reduce(dp, full_grads, layout, cluster, bwd_window, per_mb)
+            _replica_all_reduce(dp, full_grads, layout, cluster, bwd_window)
     if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         _fsdp_one_rank(dp, layer, params_local, device)
     if offload == "params":

@@ -73,3 +73,17 @@ def test_the_field_changes_the_price_and_the_memo_key():
 def test_a_dp_shard_that_does_not_divide_dp_is_refused():
     with pytest.raises(CostModelError, match="dp_shard must be a positive divisor of dp 64"):
         estimate(_model(), Layout(dp=64, dp_shard=6), ClusterSpec.preset("dgx-h100", nodes=8))
+
+
+def test_the_replica_all_reduce_runs_once_per_step():
+    """Reduce-scatters every micro-batch (pp 1 and pipelines), the shards' all-reduce once:
+    the lowering defers it to the last micro-batch (set_requires_all_reduce)."""
+    model, c = _model(), ClusterSpec.preset("dgx-h100", nodes=8)
+    layer = model.layers[1]
+    for pp in (1, 2):
+        base = Layout(dp=32, pp=pp, micro_batch_size=1, schedule="gpipe", zero=2, dp_shard=8,
+                      grads_reduced_per_micro_batch=True)
+        cost = {m: dict((k, b) for k, b, _ in layer_cost(layer, model, dataclasses.replace(base, num_micro_batches=m),
+                                                           c, zero=2).dp_collectives) for m in (1, 4)}
+        assert cost[4]["reduce_scatter"] == pytest.approx(4 * cost[1]["reduce_scatter"])
+        assert cost[4]["all_reduce"] == pytest.approx(cost[1]["all_reduce"])

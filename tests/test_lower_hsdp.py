@@ -60,7 +60,7 @@ def test_hsdp_matches_one_process_and_shards_over_dp_shard(tmp_path):
 @pytest.mark.timeout(300)
 def test_pipeline_x_hsdp_matches_one_process():
     """pp 2 x (2 replicas x 2 shards) on 8 ranks, 1F1B: the stages' FSDP2 units on the 2-D mesh
-    (each micro-batch's reduce-scatter and all-reduce, as priced under a pipeline). ~25 s; the
+    (each micro-batch's reduce-scatter, the all-reduce after the last, as priced). ~25 s; the
     same with tp 2 instead of pp passed once by hand in ~40 s (docs/lowering.md)."""
     layouts = [("pp_x_hsdp", dict(pp=2, dp=4, dp_shard=2, zero=2, schedule="1f1b", num_micro_batches=2))]
     results = run_world(equivalence_world, 8, "gpt", layouts, "sgd", timeout=280)
