@@ -69,6 +69,24 @@ def rank_order(schedule: str, rank: int, pp: int, m: int, v: int = 1) -> list[tu
     return order
 
 
+def _rank_orders(schedule: str, pp: int, m: int, v: int) -> tuple:
+    """Per rank, (rank_order as a tuple, its ops as (forward?, micro-batch, stage)): kept
+    for the schedules of up to 2^16 rank-ops (a planner simulates a few dozen schedules
+    hundreds of times), built afresh for longer ones."""
+    if pp * m * v > 1 << 16:
+        return _build_rank_orders(schedule, pp, m, v)
+    return _cached_rank_orders(schedule, pp, m, v)
+
+
+def _build_rank_orders(schedule: str, pp: int, m: int, v: int) -> tuple:
+    orders = [tuple(rank_order(schedule, r, pp, m, v)) for r in range(pp)]
+    return tuple((order, tuple((phase == "fwd", mb, chunk * pp + r) for phase, mb, chunk in order))
+                 for r, order in enumerate(orders))
+
+
+_cached_rank_orders = lru_cache(maxsize=16)(_build_rank_orders)
+
+
 def simulate(schedule: str, pp: int, num_micro_batches: int, fwd_s: list, bwd_s: list, p2p_s: list | None = None,
              *, virtual_stages: int = 1, activation_bytes: list | None = None, keep_events: bool = False,
              blocking_p2p: bool = False) -> PipelineResult:
@@ -123,7 +141,9 @@ class _Run:
         self.n_stages = pp * v
         self.fwd_s, self.bwd_s, self.p2p, self.act = fwd_s, bwd_s, p2p, act
         self.rendezvous, self.keep_events = rendezvous, keep_events
-        self.orders = [rank_order(schedule, r, pp, m, v) for r in range(pp)]
+        orders = _rank_orders(schedule, pp, m, v)
+        self.orders = [list(order) for order, _ in orders]
+        self.ops = [ops for _, ops in orders]  # per op: (forward?, micro-batch, stage), for _until_done_async
         self.pos = [0] * pp
         self.clock = [0.0] * pp
         self.busy = [0.0] * pp
@@ -166,12 +186,11 @@ class _Run:
         while self.remaining:
             progressed = False
             for r in range(pp):
-                order, i, c = self.orders[r], pos[r], clock[r]
+                order, i, c = self.ops[r], pos[r], clock[r]
                 n = len(order)
                 while i < n:
-                    phase, mb, chunk = order[i]
-                    stage = chunk * pp + r
-                    if phase == "fwd":
+                    forward, mb, stage = order[i]
+                    if forward:
                         if stage == 0:
                             dep, xfer = 0.0, 0.0
                         else:
@@ -185,7 +204,7 @@ class _Run:
                         break
                     c = max(c, dep + xfer) + dur
                     busy[r] += dur
-                    if phase == "fwd":
+                    if forward:
                         fwd_end[stage][mb] = c
                         live[r] += 1
                         live_b[r] += act[stage]

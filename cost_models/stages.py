@@ -25,20 +25,33 @@ def balance_stages(weights: list, num_stages: int) -> list:
     if num_stages == 1:
         return [n]
 
+    base, last = n - num_stages, num_stages - 1
+    tails: dict = {}  # first layer of the last run -> its load, summed left to right from 0.0
+
     def split(limit: float):
         counts, loads, load, count = [], [], 0.0, 0
         for i, w in enumerate(weights):
-            left_layers = n - i
-            left_stages = num_stages - len(counts)
-            must_cut = count > 0 and left_layers < left_stages  # keep a layer for every later stage
-            if count > 0 and (load + w > limit or must_cut) and len(counts) < num_stages - 1:
+            # cut when the run would pass the limit, or when every later stage needs a
+            # layer of what is left (n - i < num_stages - cuts so far)
+            if count and (load + w > limit or i - len(counts) > base):
                 counts.append(count)
                 loads.append(load)
+                if len(counts) == last:  # the last run takes every layer left
+                    break
                 load, count = 0.0, 0
             load += w
             count += 1
-        counts.append(count)
-        loads.append(load)
+        else:
+            counts.append(count)
+            loads.append(load)
+            return counts, loads
+        if i not in tails:
+            tail = 0.0
+            for w in weights[i:]:
+                tail += w
+            tails[i] = tail
+        counts.append(n - i)
+        loads.append(tails[i])
         return counts, loads
 
     lo, hi = max(weights), sum(weights)

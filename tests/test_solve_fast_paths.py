@@ -189,3 +189,55 @@ def test_tidy_from_tallies_keeps_what_evaluating_each_trial_kept():
         assert (got.objective, got.option_of_layer) == (want_obj, want_opts)
         changed += want_opts != option_of
     assert changed > 100
+
+
+def _balance_stages_every_round(weights, num_stages):
+    """cost_models.stages.balance_stages as it was: 60 rounds, every layer visited."""
+    n = len(weights)
+    if num_stages == 1:
+        return [n]
+
+    def split(limit):
+        counts, loads, load, count = [], [], 0.0, 0
+        for i, w in enumerate(weights):
+            must_cut = count > 0 and n - i < num_stages - len(counts)
+            if count > 0 and (load + w > limit or must_cut) and len(counts) < num_stages - 1:
+                counts.append(count)
+                loads.append(load)
+                load, count = 0.0, 0
+            load += w
+            count += 1
+        counts.append(count)
+        loads.append(load)
+        return counts, loads
+
+    lo, hi = max(weights), sum(weights)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        counts, loads = split(mid)
+        if len(counts) <= num_stages and max(loads) <= mid * (1 + 1e-12):
+            hi = mid
+        else:
+            lo = mid
+    counts, _ = split(hi)
+    while len(counts) < num_stages:
+        j = max((k for k in range(len(counts)) if counts[k] > 1), key=lambda k: counts[k])
+        counts[j:j + 1] = [counts[j] // 2, counts[j] - counts[j] // 2]
+    return counts
+
+
+def test_balance_stages_splits_as_sixty_full_rounds_did():
+    from cost_models.stages import balance_stages
+    rng = random.Random(6)
+    for _ in range(2000):
+        n = rng.randint(1, 100)
+        kind = rng.random()
+        if kind < 0.3:  # identical blocks between a light first and a heavy last layer
+            weights = [0.1] + [1.0] * (n - 2) + [3.7] if n > 2 else [1.0] * n
+        elif kind < 0.6:
+            weights = [rng.choice([0.0, 1.0, 2.5, rng.random(), 1e-3 * rng.random(), 1e9 * rng.random()])
+                       for _ in range(n)]
+        else:
+            weights = [rng.random() for _ in range(n)]
+        s = min(n, rng.choice([1, 2, rng.randint(1, n), n, max(1, n // 3)]))
+        assert balance_stages(weights, s) == _balance_stages_every_round(weights, s), (weights, s)
