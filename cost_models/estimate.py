@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from cost_models import comm as C
 from cost_models.compute import fast
 from cost_models.errors import CostModelError
-from cost_models.fingerprint import layer_fingerprint  # noqa: F401 - importable from here (docs/INTERFACES.md)
+from cost_models.fingerprint import layer_fingerprint  # also importable from here (docs/INTERFACES.md)
 from cost_models.hardware import ClusterSpec
 from cost_models.layer import DTYPE_BYTES, LayerCost, layer_cost  # noqa: F401 - the layer API, importable from here
 from cost_models.layout import Layout
@@ -233,8 +233,15 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     ckpts = _resolve_per_layer(layout.layer_checkpoint, layout.checkpoint, n)
     offs = _resolve_per_layer(layout.layer_offload, layout.offload, n)
     float8 = _resolve_per_layer(layout.layer_float8, None, n)  # None: the faster, where layout.float8
-    costs = [layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o, float8=f)
-             for layer, z, c, o, f in zip(layers, zeros, ckpts, offs, float8)]
+    # layers equal by construction (a stack's blocks) under the same options share their cost:
+    # layer_cost's own memo key differs only in the layer's fingerprint within one estimate
+    same: dict = {}
+    costs = []
+    for layer, z, c, o, f in zip(layers, zeros, ckpts, offs, float8):
+        key = (layer_fingerprint(layer), z, c, o, f)
+        if key not in same:
+            same[key] = layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o, float8=f)
+        costs.append(same[key])
     byte_scale = DTYPE_BYTES[layout.precision] / (model.dtype_bytes or 2)
     pipe = pipeline(model, layout, cluster, costs, byte_scale)
 

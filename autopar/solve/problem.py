@@ -100,6 +100,7 @@ class StageProblem:
         else:
             self.chunk_counts = [sorted(tuple(int(x) for x in c) for c in vecs) for vecs in self.chunk_counts]
         self._group_counts = None  # (layer_group it was counted for, counts)
+        self._cheapest: dict = {}  # "time" / "step" -> (group_options it was read from, per group): _cheapest
         if len(self.chunk_counts) != self.pp or any(
                 not vecs or any(len(c) != self.virtual_stages for c in vecs) for vecs in self.chunk_counts):
             raise ValueError(f"chunk_counts needs, per pp rank ({self.pp}), count vectors of length "
@@ -282,9 +283,9 @@ def time_lower_bound(problem: StageProblem) -> int:
     evenly."""
     p = problem
     counts = p.group_counts()
-    fastest = {g: min(o.time for o in p.group_options[g]) for g, _ in counts}
+    fastest, least_step = _cheapest(p, "time"), _cheapest(p, "step")
     min_time = sum(c * fastest[g] for g, c in counts)
-    min_step = sum(c * min(o.step for o in p.group_options[g]) for g, c in counts)
+    min_step = sum(c * least_step[g] for g, c in counts)
     overhead = p.virtual_stages * p.stage_time_overhead if p.pp > 1 else 0
     t_lb, d_lb = pigeonhole_bounds(p)
     t_lb = max(-(-min_time // p.pp) + overhead, t_lb)
@@ -343,7 +344,17 @@ def _pinned_pairs(n: int, stages: int) -> tuple:
     return ((0, 0), (n - 1, stages - 1)) if n > 1 else ((0, 0),)
 
 
-def _fill_bound(problem: StageProblem, bins: int, bin_of_stage, base: int, cost) -> int:
+def _cheapest(p: StageProblem, attr: str) -> list:
+    """Per group, the least `attr` ("time" or "step") among its options; kept on the
+    problem while its group_options is the same list (the bounds ask ~5 times)."""
+    memo = p.__dict__.setdefault("_cheapest", {})
+    hit = memo.get(attr)
+    if hit is None or hit[0] is not p.group_options:
+        hit = memo[attr] = (p.group_options, [min(getattr(o, attr) for o in opts) for opts in p.group_options])
+    return hit[1]
+
+
+def _fill_bound(problem: StageProblem, bins: int, bin_of_stage, base: int, cost: str) -> int:
     """Heaviest-bin bound over all groups: each group's layers are whole items
     water-filled into `bins` bins that already hold the *other* groups' layers
     whose stage is forced (each at its cheapest `cost`). Without it a bound
@@ -352,7 +363,7 @@ def _fill_bound(problem: StageProblem, bins: int, bin_of_stage, base: int, cost)
     p = problem
     pinned = _pinned_pairs(p.num_layers, p.num_stages)
     counts = p.group_counts()
-    cheapest = {g: min(cost(o) for o in p.group_options[g]) for g, _ in counts}
+    cheapest = _cheapest(p, cost)
     best = 0
     for g, c in counts:
         extra: dict = {}  # bin -> what the other groups' pinned layers put in it
@@ -375,9 +386,9 @@ def stage_time_bound(problem: StageProblem, rank_time_bound: int) -> int:
     stages = p.num_stages
     overhead = p.stage_time_overhead if p.pp > 1 else 0
     counts = p.group_counts()
-    fastest = {g: min(o.time for o in p.group_options[g]) for g, _ in counts}
+    fastest = _cheapest(p, "time")
     spread = -(-sum(c * fastest[g] for g, c in counts) // stages) + overhead
-    whole = _fill_bound(p, stages, lambda s: s, overhead, lambda o: o.time)
+    whole = _fill_bound(p, stages, lambda s: s, overhead, "time")
     return max(-(-rank_time_bound // p.virtual_stages), spread, whole)
 
 
@@ -390,8 +401,8 @@ def pigeonhole_bounds(problem: StageProblem) -> tuple:
     p = problem
     overhead = p.virtual_stages * p.stage_time_overhead if p.pp > 1 else 0
     rank = lambda s: s % p.pp  # noqa: E731
-    t_lb = _fill_bound(p, p.pp, rank, overhead, lambda o: o.time)
-    d_lb = _fill_bound(p, p.pp, rank, 0, lambda o: o.step)
+    t_lb = _fill_bound(p, p.pp, rank, overhead, "time")
+    d_lb = _fill_bound(p, p.pp, rank, 0, "step")
     return t_lb, d_lb
 
 
