@@ -159,6 +159,7 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
     sizes = {name: (p.numel(), p.element_size()) for name, p in meta.named_parameters()}
     block_kinds = {_block_kind(metrics[(base_point, base.rep_of.get(i, i))]) for i in range(1, n - 1)}
     exprs_cache = {}
+    norms = _batch_norms(meta)
     layers, indices = [], []
     for layer in range(n):
         reps = tuple(traces[p].rep_of.get(layer, layer) for p in grid.all_points)
@@ -188,7 +189,7 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
             attrs["loss"] = True
         if seq is not None:
             attrs["seq_len"] = seq
-        bn = _batch_norm_channels(meta, paths)
+        bn = _batch_norm_channels(norms, paths)
         if bn:
             attrs["batch_norm_channels"] = bn
         sig_src = (static_signature(blocks[layer - 1][1]), base.input_shapes.get(layer)) if 0 < layer < n - 1 \
@@ -205,13 +206,18 @@ def _build_layers(meta, blocks, traces, grid, seq, loss_fn):
     return layers, indices, base
 
 
-def _batch_norm_channels(meta: nn.Module, paths: list) -> list:
-    """Channels of each BatchNorm in the layer's modules: it normalises by
-    batch statistics, which data parallelism must synchronise (priced by the
-    cost model) and micro-batching cannot keep (the planner does not offer it)."""
-    return [m.num_features for name, m in meta.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and any(p == "" or name == p or name.startswith(p + ".") for p in paths)]
+def _batch_norms(meta: nn.Module) -> list:
+    """(path, channels) of the model's BatchNorms, in module order: read once, not once per layer."""
+    return [(name, m.num_features) for name, m in meta.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _batch_norm_channels(norms: list, paths: list) -> list:
+    """Channels of each BatchNorm in the layer's modules (`norms`: _batch_norms): it
+    normalises by batch statistics, which data parallelism must synchronise (priced by
+    the cost model) and micro-batching cannot keep (the planner does not offer it)."""
+    return [channels for name, channels in norms
+            if any(p == "" or name == p or name.startswith(p + ".") for p in paths)]
 
 
 def _loose_params(owned: list, paths: list) -> list:
