@@ -57,6 +57,7 @@ class _RankMemory:
         self.peaks: list = []  # per peak term: value -> number of layers at it
         self._dots = None  # per count vector, its activation bytes (until a chunk changes)
         self._top = self._peak_sum = None  # the peak terms' tallies read (`_tops`)
+        self._switched: dict = {}  # (old peaks, new peaks, count) -> _peaks_after, until a layer changes
         for i in layers:
             self._apply(p.group_options[p.layer_group[i]][option_of[i]], stage_of[i] // p.pp, +1)
 
@@ -71,6 +72,7 @@ class _RankMemory:
 
     def _apply_peaks(self, o, n: int) -> None:
         self._top = None
+        self._switched = {}
         while len(self.peaks) < len(o.peaks):
             self.peaks.append({})
         for t, value in enumerate(o.peaks):
@@ -139,7 +141,9 @@ class _RankMemory:
         step = self.step + count * (new.step_mem - old.step_mem)
         if old.peaks == new.peaks:
             return self._total(static, step, act)
-        peaks = self._peaks_after(old, new, count)
+        key = (old.peaks, new.peaks, count)  # the same in every chunk: asked once per class and chunk
+        peaks = self._switched[key] if key in self._switched else self._switched.setdefault(
+            key, self._peaks_after(old, new, count))
         if peaks is not None:
             return self._total(static, step, act, peaks)
         self._apply_peaks(old, -count)
