@@ -334,12 +334,16 @@ def write(rows: list, out: str, every: bool) -> None:
               "1.39 GiB). The lowering's `pipeline_parallel.ReducingStage` keeps them on, as "
               "`ParallelModel._accumulate` does at pp 1 (the `_2mb` dp case was -25.6% for the same reason); the "
               "reduce-scatters are priced m times (Layout.grads_reduced_per_micro_batch) and each backward's "
-              "reduce-scatter moments booked. ZeRO-3 pp rows over-book the last stage's head backward, as the "
+              "reduce-scatter moments booked. ZeRO-2 units stay gathered until the last micro-batch (one "
+              "all-gather a step; resharding them every backward read -1.2% here but cost Llama 3 405B's "
+              "pp 16 plan 25% of its step): the ZeRO-2 rank 0 peaks at the embedding's backward, 0.78 GiB of "
+              "temporaries not booked (-5.3%). ZeRO-3 pp rows over-book the last stage's head backward, as the "
               "one-micro-batch dp rows do (+3%).",
-              "- dp 2 x tp 4 was -13.5%: the tracked peak is the embedding's backward, whose gradient DTensor "
+              "- dp 2 x tp 4 (-13.5%): the tracked peak is the embedding's backward, whose gradient DTensor "
               "makes whole (tp x the shard, UNSHARDED_GRAD 0.98 GiB) on every tp rank (torch 2.13's "
-              "embedding_dense_backward strategies have no vocab-sharded output) and reduce-scatters to the shard; "
-              "the estimate books that moment now. 0.37 GiB of its 0.61 GiB temporaries stay unexplained.",
+              "embedding_dense_backward strategies have no vocab-sharded output) and reduce-scatters to the shard, "
+              "with 0.61 GiB of temporaries. Booking it reads -3.6% but makes the Llama 3 405B published layout "
+              "(tp 8, a 128k x 16k embedding) infeasible: not priced yet.",
               "- Offload: on a CPU-only run the host and the device are one memory; only their sum is compared.",
               "- Per category the plan and FSDP2 book ZeRO-2's states differently (the plan counts the gathered "
               "bf16 parameters under params and an fp32 copy under optimizer, FSDP2 under UNSHARDED_PARAM): the "
@@ -352,8 +356,8 @@ def write(rows: list, out: str, every: bool) -> None:
               "recomputation working memory from the cost model (LayerCost.working_bytes = 0) moves the Llama 3 "
               "70B width rank with full recomputation from -2.6% to -5.9% (its peak is a block's backward); the "
               "test fails. The 8B-width rows do not move: their peaks are the loss's or a reduce-scatter's. "
-              "torch's own PipelineStage back in the lowering (instead of ReducingStage) moves the pp 2 ZeRO-2 "
-              "rank 0 to -9.1%, both ranks holding unsharded gradients; the pipeline test fails."]
+              "torch's own PipelineStage back in the lowering (instead of ReducingStage) leaves both pp 2 ZeRO-2 "
+              "ranks holding unsharded gradients; the pipeline test fails."]
     if errs:
         lines += ["", f"{len(ok)} rank rows: median |error| {summary['median_abs_error']:.1%}, worst "
                       f"{summary['worst_abs_error']:.1%}, {summary['within_5pct']} within 5% (the issue's target)."]

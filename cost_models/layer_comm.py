@@ -149,16 +149,22 @@ def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout
     ag = C.collective_time("all_gather", full_params, dp.place, cluster)
     frac = (layout.shard_ranks - 1) / layout.shard_ranks
     m = layout.num_micro_batches if per_micro_batch else 1
-    # reduced every micro-batch, FSDP2 also reshards after every backward: m all-gathers
+    # reduced every micro-batch, FSDP2 also reshards after every backward at pp = 1: m
+    # all-gathers; a pipeline stage keeps ZeRO-2 units gathered until its last (ReducingStage)
+    gathers = m if layout.pp == 1 else 1
     dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs),
-                       ("all_gather", m * full_params * frac, m * ag)]
+                       ("all_gather", gathers * full_params * frac, gathers * ag)]
     device, share = cluster.device_profile, gradient_window_share(layout)
     if m == 1:
         dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(rs, ag, fwd_s, bwd_window, share, device,
                                                                        dp.place, cluster)
         return
-    dp.fwd_exposed_s, dp.bwd_exposed_s, dp.contention_s = sharded_optimizer_per_micro_batch_exposed(
-        rs, ag, fwd_s, bwd_window, share, m, device, dp.place, cluster)
+    fwd, dp.bwd_exposed_s, dp.contention_s = sharded_optimizer_per_micro_batch_exposed(
+        rs, ag, fwd_s, bwd_window, share, m, device, dp.place, cluster, gathers)
+    if gathers == m:
+        dp.fwd_exposed_s = fwd
+    else:
+        dp.step_exposed_s = fwd  # the step's one gather, under the first forward
 
 
 def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, layout, cluster, fwd_s: float,

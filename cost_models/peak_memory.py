@@ -71,7 +71,8 @@ def _fsdp_buffers(rk: RankLayers, p_b: float, g_b: float, forward_only: bool) ->
     peak) is alive beside its unsharded parameters (FSDPMemTracker, ALL_GATHER on the
     pp 2 rank 0 of benchmarks/memory_lowered.py)."""
     z3 = [j for j in rk.idx if rk.zeros[j] >= 3]
-    if not z3 and rk.layout.dp > 1 and rk.layout.grads_reduced_per_micro_batch and rk.layout.num_micro_batches > 1:
+    if not z3 and rk.layout.dp > 1 and rk.layout.grads_reduced_per_micro_batch and rk.layout.num_micro_batches > 1 \
+            and rk.layout.pp == 1:  # a pipeline stage keeps them gathered (ReducingStage)
         last = max(rk.idx, default=None)
         return rk.costs[last].params_local * p_b if last is not None and rk.zeros[last] == 2 else 0.0
     if not (z3 and rk.layout.dp > 1):
@@ -141,8 +142,11 @@ class _FsdpBackward:
                                                           self.order, self.root, self.lp, self.p_b)
         pu = costs[u].params_local
         before = [j for j in order if j < u]
+        # ZeRO-2 units from u on: resharded, except in a pipeline stage's micro-batches before
+        # its last, which keep them gathered (pipeline_parallel.ReducingStage)
+        kept = self.accumulated and rk.layout.pp > 1
         params_u = sum(costs[j].param_bytes for j in order
-                       if not (zeros[j] == 2 and j >= u and j not in root))  # ZeRO-2 units from u on: resharded
+                       if kept or not (zeros[j] == 2 and j >= u and j not in root))
         grads_u = sum(costs[j].grad_bytes for j in order if (j > u or self.accumulated) and j not in root)
         held_u = sum(costs[j].params_local * lp for j in root if j > u) \
             + (sum(g for h, g in self.tied_grad.items() if h > u) if u not in root else 0.0)
@@ -165,16 +169,9 @@ class _FsdpBackward:
         # unit frees it once the parameters are copied out). A layer left to the root
         # unit (tied weights) is not sharded as a group of its own.
         grouped = pu * p_b if u not in root and layers[u].attrs.get("param_modules", 1) > 1 else 0.0
-        # DTensor's embedding backward (torch 2.13, embedding_dense_backward_strategy) has no
-        # vocab-sharded weight gradient: a vocab-split embedding makes its gradient whole
-        # (Partial) on every tp rank, then reduce-scatters it to its shard, both alive
-        # through its FSDP reduce-scatter (FSDPMemTracker: UNSHARDED_GRAD tp x the shard,
-        # benchmarks/memory_lowered.py's dp 2 x tp 4 row, -13.5% before this)
-        whole = tp_for(layers[u], rk.layout.tp) if layers[u].kind == "embedding" else 1
-        grad_made = pu * lp * (whole + 1 if whole > 1 else 1)
         computing = (pu * p_b if zeros[u] >= 3 else 0.0) + grouped + in_flight + out_grad \
-            + backward_peak(layers[u], costs[u].activation_bytes + costs[u].working_bytes, grad_made)
-        reducing = 0.0 if u in root else grad_made + self.rs_buffers(pu) + grouped
+            + backward_peak(layers[u], costs[u].activation_bytes + costs[u].working_bytes, pu * lp)
+        reducing = 0.0 if u in root else pu * lp + self.rs_buffers(pu) + grouped
         unit_bufs = prefetch + max(computing, reducing) + held_u
         frag_u = FRAGMENTATION * (act_u + grads_u)
         tp_buf, ddp_buf = self.tp_buf, self.ddp_buf
@@ -186,7 +183,8 @@ class _FsdpBackward:
         gradient is a shard, the root's are unsharded beside their reduce buffers, and the
         ZeRO-2 units have resharded their 16-bit parameters (as in unit_moment)."""
         costs = self.rk.costs
-        params -= sum(costs[j].param_bytes for j in self.order if self.rk.zeros[j] == 2 and j not in self.root)
+        if not (self.accumulated and self.rk.layout.pp > 1):
+            params -= sum(costs[j].param_bytes for j in self.order if self.rk.zeros[j] == 2 and j not in self.root)
         grads_r = sum(costs[j].grad_bytes for j in self.order if j not in self.root)
         last = min(self.own, default=None)
         in_flight = self.rs_buffers(costs[last].params_local) if last is not None else 0.0

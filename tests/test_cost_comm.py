@@ -95,6 +95,12 @@ def test_fsdp_units_reduce_every_micro_batch_when_the_lowering_does():
         ag = {flag: sum(b for kind, b, _ in cost[flag].dp_collectives if kind == "all_gather") for flag in cost}
         assert ag[True] == pytest.approx(m * ag[False] if zero == 2 else ag[False]) and ag[False] > 0
         assert cost[True].dp_step_exposed_s <= cost[False].dp_step_exposed_s  # none left for the step's end
+    # a pipeline stage keeps ZeRO-2 units gathered until its last backward: one gather a step
+    piped = {flag: layer_cost(layer, model, Layout(dp=16, pp=2, micro_batch_size=1, num_micro_batches=m,
+                                                   grads_reduced_per_micro_batch=flag), c, zero=2)
+             for flag in (False, True)}
+    ag = {flag: sum(b for kind, b, _ in piped[flag].dp_collectives if kind == "all_gather") for flag in piped}
+    assert ag[True] == pytest.approx(ag[False]) and ag[False] > 0
     one = Layout(dp=32, micro_batch_size=1, num_micro_batches=1, grads_reduced_per_micro_batch=True)
     assert layer_cost(layer, model, one, c, zero=3).dp_collectives == \
         layer_cost(layer, model, Layout(dp=32, micro_batch_size=1, num_micro_batches=1), c, zero=3).dp_collectives

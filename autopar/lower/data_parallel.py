@@ -187,14 +187,19 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
     mine = layout.layers_of_stage(stage_index)
     model = stage.model
     own_units = set()
+    # the units that stay gathered from forward to backward (ZeRO-2, fp32 islands): a
+    # pipeline keeps them gathered across micro-batches too (pipeline_parallel.ReducingStage)
+    stage.kept_gathered = []
     if mp is not None:  # innermost first: these units keep fp32 parameters inside bf16 / fp16 layers
         keep = getattr(model, "_keep_in_fp32_modules", None)
         for path in (p for l in mine for p in l.paths):
             layer = model.get_submodule(path)
             for sub, cast in fp32_modules(layer, keep).items():
-                fully_shard(layer.get_submodule(sub) if sub else layer, mesh=dp_mesh, reshard_after_forward=False,
+                unit = layer.get_submodule(sub) if sub else layer
+                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False,
                             mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                                            cast_forward_inputs=cast))
+                stage.kept_gathered.append(unit)
                 own_units.add(f"{path}.{sub}" if sub else path)
     for l in mine:
         # A layer holding one end of a weight tied to another local layer is
@@ -206,8 +211,12 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
         # and output Linear): one all-gather for them, as torchtitan groups [norm, output].
         modules = _callable_modules(model.get_submodule(p) for p in l.paths if p not in own_units)
         if modules:
-            fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=l.choice.zero >= 3,
-                        **kwargs, **({"offload_policy": off} if off else {}))
+            unit = fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=l.choice.zero >= 3,
+                               **kwargs, **({"offload_policy": off} if off else {}))
+            if l.choice.zero < 3:
+                stage.kept_gathered += unit if isinstance(unit, list) else [unit]
     off = offload_policy(mine[0].choice.offload if mine else "none")
-    fully_shard(stage, reshard_after_forward=any(l.choice.zero >= 3 for l in mine),
-                **kwargs, **({"offload_policy": off} if off else {}))
+    root_gathered = not any(l.choice.zero >= 3 for l in mine)
+    fully_shard(stage, reshard_after_forward=not root_gathered, **kwargs, **({"offload_policy": off} if off else {}))
+    if root_gathered:
+        stage.kept_gathered.append(stage)

@@ -372,7 +372,7 @@ class ReducingStage(PipelineStage):
     after the last, so a stage would hold every unit's unsharded gradient, and under
     ZeRO-3 its gathered parameters, from its first backward to the step's end: memory the
     plan does not book (benchmarks/memory_lowered.py measured -18% / -22%). Here FSDP2's
-    own post-backward hooks reduce (its defaults: sync on, reshard after backward), the
+    own post-backward hooks reduce (sync on; ZeRO-3 units reshard after every backward), the
     cost model prices the m reduce-scatters (Layout.grads_reduced_per_micro_batch), and
     torch's `perform_reduce_grad` then finds nothing left to reduce (FSDP's post_backward
     is a no-op without gradients) and only scales. Full backwards only: autopar lowers
@@ -387,6 +387,10 @@ class ReducingStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         if self.replica_all_reduce_once:
             self.submod.set_requires_all_reduce(last_backward)
+        # units gathered from forward to backward anyway (ZeRO-2) stay gathered until the
+        # last micro-batch's backward: one all-gather a step, as priced
+        for unit in getattr(self.submod, "kept_gathered", ()):
+            unit.set_reshard_after_backward(last_backward, recurse=False)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 
