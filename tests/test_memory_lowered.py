@@ -51,5 +51,7 @@ def test_pipeline_stages_reduce_every_micro_batch_as_priced(tmp_path):
     assert [(r["case"], r["pp_rank"]) for r in rows] == [(case, 0), (case, 1)]
     for row in rows:
         assert row["wrapper"] == "FSDP2"
-        assert row["tracked"]["UNSHARDED_GRAD"] == 0.0, row["tracked"]  # reduced every micro-batch
+        # reduced every micro-batch: at most the unit being reduced (a 128k-vocabulary embedding
+        # or head, 0.98 GiB); torch's stage held every unit's (2.20 / 1.39 GiB)
+        assert row["tracked"]["UNSHARDED_GRAD"] < 1.1 * 2 ** 30, row["tracked"]
         assert abs(row["error"]) < 0.06, (row["pp_rank"], row["error"])
