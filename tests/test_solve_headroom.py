@@ -55,10 +55,12 @@ def test_the_default_headroom_changes_a_plan_that_filled_memory(model, cluster):
     default = plan(model, cluster, global_batch_size=16, top_k=0)
     usable = cluster.device_profile.usable_memory_bytes
     # issue 11 saw 97%; since the estimate counts one micro-batch's activations and
-    # gradients as never peaking together (docs/cost_model.md section 4), the same plan is
-    # priced at 95%: the solver's own memory terms still add them, so it stays a little
-    # conservative
-    assert max(full.predicted.peak_memory_bytes) > 0.93 * usable
+    # gradients as never peaking together (docs/cost_model.md section 4), the same plan was
+    # priced at 95%, and since the data-parallel reduce-scatter moments are booked per
+    # micro-batch (ca4c147) at 91%: the solver's own memory terms still add them, so it stays
+    # conservative. What the test holds: without headroom the plan uses memory the default
+    # 10% headroom forbids
+    assert max(full.predicted.peak_memory_bytes) > 0.9 * usable
     assert max(default.predicted.peak_memory_bytes) <= 0.9 * usable
     assert default.predicted.step_time_s >= full.predicted.step_time_s  # memory bought with time
 

@@ -174,6 +174,11 @@ class TableBuilder:
                   + self._tied_copy(layer, cand, zero))
         p_b, g_b, _ = state_bytes_per_param(self.precision, self.optimizer)
         fsdp = lc.params_local * (2 * p_b + g_b) if zero >= 3 and cand.dp > 1 else 0.0
+        if zero == 2 and cand.dp > 1 and cand.pp > 1 and cand.num_micro_batches > 1:
+            # a pipeline stage keeps its ZeRO-2 units gathered from the first forward to the
+            # last backward (pipeline_parallel.ReducingStage), as the estimate books them
+            # (peak_memory._FsdpBackward): the 16-bit parameters are alive all step
+            static += lc.params_local * p_b
         tp_out = self._output_bytes(layer, cand) if cand.tp > 1 else 0.0
         return (to_time_units(time), to_time_units(step), to_mem_units(static), to_mem_units(frag * lc.activation_bytes),
                 (to_mem_units(frag * lc.working_bytes), to_mem_units(fsdp), to_mem_units(tp_out)),
