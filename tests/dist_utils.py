@@ -32,7 +32,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, env):
+class _TestStdio:
+    """The test's stdout / stderr as they are when the world starts (capfd's files inside a
+    test), handed to each rank: a rank forked from the fork server would otherwise write to
+    the server's, which belong to whichever test started it. Pickled while the rank starts,
+    so multiprocessing passes the two descriptors to the fork server with the request."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return _stdio_in_rank, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _stdio_in_rank(out, err):
+    return out.detach(), err.detach()
+
+
+def _worker(rank, world_size, port, fn, args, results, env, stdio=None):
+    if stdio is not None:
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(stdio[0], 1)
+        os.dup2(stdio[1], 2)
     os.environ.clear()
     os.environ.update(env)  # the test's environment now, not the fork server's at its start
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -92,7 +113,8 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, env), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, env, _TestStdio()),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
