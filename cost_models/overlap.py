@@ -77,7 +77,7 @@ def sharded_optimizer_exposed(rs_s: float, ag_s: float, fwd_s: float, bwd_window
 
 
 def sharded_optimizer_per_micro_batch_exposed(rs_s: float, ag_s: float, fwd_s: float, bwd_window_s: float,
-                                              share: float, m: int, device, place, cluster, gathers: int = 0):
+                                              share: float, m: int, device, place, cluster, gathers: int):
     """ZeRO-2 under FSDP2 with the gradients reduced every micro-batch
     (Layout.grads_reduced_per_micro_batch): (exposed seconds per forward, per backward,
     contention seconds per step). Each reduce-scatter hides under its own backward;
@@ -85,7 +85,6 @@ def sharded_optimizer_per_micro_batch_exposed(rs_s: float, ag_s: float, fwd_s: f
     keeps: pp = 1 and pipeline_parallel.ReducingStage), so every micro-batch's forward
     gathers the parameters again, under that forward (`gathers` = m; a pipeline stage keeps
     them gathered until its last backward: one, under the first forward)."""
-    gathers = gathers or m
     rs_exp, ag_exp = exposed(rs_s, share * bwd_window_s, device), exposed(ag_s, share * fwd_s, device)
     rs_cont, ag_cont = C.contention_s(rs_s - rs_exp, place, cluster), C.contention_s(ag_s - ag_exp, place, cluster)
     return ag_exp + ag_cont, rs_exp + rs_cont, m * rs_cont + gathers * ag_cont

@@ -110,17 +110,17 @@ class _FsdpBackward:
     every block's activations."""
 
     def __init__(self, rk: RankLayers, units: list, root_held: list, p_b: float, tp_buf: float, ddp_buf: float,
-                 others_act: float = 0.0, stage_out: float = 0.0):
+                 others_act: float = 0.0):
         layout, layers = rk.layout, rk.layers
         self.rk, self.units, self.p_b, self.tp_buf, self.ddp_buf = rk, units, p_b, tp_buf, ddp_buf
         # Several micro-batches a step, each reduced in its own backward
         # (Layout.grads_reduced_per_micro_batch): every unit holds a gradient shard from
-        # the earlier ones, and the other micro-batches the schedule keeps in flight hold
-        # their activations (`others_act`)
+        # the earlier ones, and what else stays alive meanwhile is `others_act` (the other
+        # micro-batches in flight, and the stage output a pipeline stage keeps)
         self.accumulated, self.others_act = layout.num_micro_batches > 1, others_act
-        # torch's pipeline stage keeps the micro-batch's stage output (the logits on the
-        # last stage) through that micro-batch's whole backward (stage_backward's argument)
-        self.others_act += stage_out
+        # ... and a pipeline stage keeps its ZeRO-2 units gathered until its last backward
+        # (pipeline_parallel.ReducingStage)
+        self.kept_gathered = self.accumulated and layout.pp > 1
         self.order = sorted(rk.idx)
         self.lp = 4 if layout.precision == "fp32" else 2
         self.red = 4 if (layout.main_grads != "same" or layout.precision == "fp32") else self.lp
@@ -142,11 +142,9 @@ class _FsdpBackward:
                                                           self.order, self.root, self.lp, self.p_b)
         pu = costs[u].params_local
         before = [j for j in order if j < u]
-        # ZeRO-2 units from u on: resharded, except in a pipeline stage's micro-batches before
-        # its last, which keep them gathered (pipeline_parallel.ReducingStage)
-        kept = self.accumulated and rk.layout.pp > 1
+        # ZeRO-2 units from u on: resharded, unless kept gathered
         params_u = sum(costs[j].param_bytes for j in order
-                       if kept or not (zeros[j] == 2 and j >= u and j not in root))
+                       if self.kept_gathered or not (zeros[j] == 2 and j >= u and j not in root))
         grads_u = sum(costs[j].grad_bytes for j in order if (j > u or self.accumulated) and j not in root)
         held_u = sum(costs[j].params_local * lp for j in root if j > u) \
             + (sum(g for h, g in self.tied_grad.items() if h > u) if u not in root else 0.0)
@@ -183,7 +181,7 @@ class _FsdpBackward:
         gradient is a shard, the root's are unsharded beside their reduce buffers, and the
         ZeRO-2 units have resharded their 16-bit parameters (as in unit_moment)."""
         costs = self.rk.costs
-        if not (self.accumulated and self.rk.layout.pp > 1):
+        if not self.kept_gathered:
             params -= sum(costs[j].param_bytes for j in self.order if self.rk.zeros[j] == 2 and j not in self.root)
         grads_r = sum(costs[j].grad_bytes for j in self.order if j not in self.root)
         last = min(self.own, default=None)
@@ -260,9 +258,11 @@ def rank_memory(rk: RankLayers, peak_activation_bytes: float, root_held: list, d
     # micro-batches the forward/backward moment above is what measured within 5% (the
     # `_2mb` row, -1.3%; these moments, calibrated on one micro-batch, book it +5.7%).
     if layout.dp > 1 and units and (m == 1 and layout.pp == 1 or per_mb_stage):
+        # alive through the backward beside its own activations: the other micro-batches in
+        # flight, and the stage output torch's pipeline stage keeps (stage_backward's argument)
         others = max(0.0, peak_activation_bytes - rk.total("activation_bytes"))
-        out = _stage_output_bytes(rk) if layout.pp > 1 else 0.0
-        at_rs, rs_parts = _FsdpBackward(rk, units, root_held, p_b, tp_buf, ddp_buf, others, out).peak(params, optim)
+        others += _stage_output_bytes(rk) if layout.pp > 1 else 0.0
+        at_rs, rs_parts = _FsdpBackward(rk, units, root_held, p_b, tp_buf, ddp_buf, others).peak(params, optim)
     if at_rs > max(total, at_loss, at_step):
         params, grads, activations, buffers, frag = rs_parts
         total = at_rs

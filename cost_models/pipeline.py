@@ -142,7 +142,7 @@ class _Run:
         self.fwd_s, self.bwd_s, self.p2p, self.act = fwd_s, bwd_s, p2p, act
         self.rendezvous, self.keep_events = rendezvous, keep_events
         orders = _rank_orders(schedule, pp, m, v)
-        self.orders = [list(order) for order, _ in orders]
+        self.orders = [order for order, _ in orders]  # tuples, shared through the cache: read only
         self.ops = [ops for _, ops in orders]  # per op: (forward?, micro-batch, stage), for _until_done_async
         self.pos = [0] * pp
         self.clock = [0.0] * pp

@@ -46,10 +46,7 @@ def balance_stages(weights: list, num_stages: int) -> list:
             loads.append(load)
             return counts, loads
         if i not in tails:
-            tail = 0.0
-            for w in weights[i:]:
-                tail += w
-            tails[i] = tail
+            tails[i] = sum(weights[i:], 0.0)
         counts.append(n - i)
         loads.append(tails[i])
         return counts, loads

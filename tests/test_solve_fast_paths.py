@@ -120,9 +120,9 @@ def test_chunk_count_filter_keeps_what_the_pairwise_one_kept():
 
 
 def test_rank_memory_after_reads_what_applying_and_undoing_gave():
-    """_RankMemory.after reads the peak terms off their tallies; the old way applied the
+    """RankMemory.after reads the peak terms off their tallies; the old way applied the
     switch to them, summed their maxima and undid it."""
-    from autopar.solve.warm_start import _RankMemory
+    from autopar.solve.warm_start import RankMemory
     rng = random.Random(4)
     for _ in range(300):
         opts = [OptionCost(k, rng.randint(1, 50), rng.randint(0, 5), rng.randint(0, 100), rng.randint(0, 30),
@@ -135,7 +135,7 @@ def test_rank_memory_after_reads_what_applying_and_undoing_gave():
         stage_of = sorted(list(range(pp * v)) + [rng.randrange(pp * v) for _ in range(n - pp * v)])
         option_of = [rng.randrange(len(opts)) for _ in range(n)]
         layers = [i for i in range(n) if stage_of[i] % pp == 0]
-        mem = _RankMemory(p, 0, layers, stage_of, option_of)
+        mem = RankMemory(p, 0, layers, stage_of, option_of)
         for _ in range(10):
             i = rng.choice(layers)
             old, new, chunk = opts[option_of[i]], rng.choice(opts), stage_of[i] // pp

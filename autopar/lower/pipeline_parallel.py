@@ -22,8 +22,9 @@ interleaving a rank holds several stages, as the looped schedules expect.
 Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B (at least pp
 micro-batches, else an error), interleaved -> ScheduleInterleaved1F1B.
 Over dp ranks a stage's FSDP2 units reduce-scatter every micro-batch's
-gradients and reshard after every backward (`ReducingStage`), as
-gradient accumulation does at pp = 1.
+gradients (`ReducingStage`), as gradient accumulation does at pp = 1; ZeRO-3
+units reshard after every backward, ZeRO-2 units stay gathered until the
+step's last one.
 """
 from __future__ import annotations
 
@@ -365,8 +366,8 @@ def check_schedule(plan) -> None:
 
 
 class ReducingStage(PipelineStage):
-    """A PipelineStage whose FSDP2 units reduce-scatter each micro-batch's gradients and
-    reshard after each backward, as ParallelModel._accumulate keeps them at pp = 1.
+    """A PipelineStage whose FSDP2 units reduce-scatter each micro-batch's gradients, as
+    ParallelModel._accumulate keeps them at pp = 1.
     torch's stage turns gradient sync and reshard-after-backward off for every
     micro-batch (`backward_maybe_with_nosync`) and reduces in `perform_reduce_grad`
     after the last, so a stage would hold every unit's unsharded gradient, and under

@@ -347,10 +347,9 @@ def _pinned_pairs(n: int, stages: int) -> tuple:
 def _cheapest(p: StageProblem, attr: str) -> list:
     """Per group, the least `attr` ("time" or "step") among its options; kept on the
     problem while its group_options is the same list (the bounds ask ~5 times)."""
-    memo = p.__dict__.setdefault("_cheapest", {})
-    hit = memo.get(attr)
+    hit = p._cheapest.get(attr)
     if hit is None or hit[0] is not p.group_options:
-        hit = memo[attr] = (p.group_options, [min(getattr(o, attr) for o in opts) for opts in p.group_options])
+        hit = p._cheapest[attr] = (p.group_options, [min(getattr(o, attr) for o in opts) for opts in p.group_options])
     return hit[1]
 
 

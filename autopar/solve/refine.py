@@ -122,8 +122,7 @@ class _Trials:
         self.stage_time[s] += new.time - old.time
         self.rank_step[s % p.pp] += new.step - old.step
         if self.exact:
-            self.mem[s % p.pp]._apply(old, s // p.pp, -1)
-            self.mem[s % p.pp]._apply(new, s // p.pp, +1)
+            self.mem[s % p.pp].switch(old, new, s // p.pp)
         self.option_of[i] = k
 
 

@@ -43,7 +43,7 @@ def balanced_stages(problem: StageProblem) -> list[int]:
     return [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
 
 
-class _RankMemory:
+class RankMemory:
     """A pp rank's peak memory (problem.rank_memory's rule for one rank), kept
     up to date move by move, so trying an option change costs O(V + peak terms)
     instead of a pass over the rank's layers (the 405B warm start made
@@ -69,6 +69,12 @@ class _RankMemory:
             self.chunk[chunk] += n * o.act_mem
             self._dots = None
         self._apply_peaks(o, n)
+
+    def switch(self, old, new, chunk: int) -> None:
+        """One layer of `chunk` moves from option `old` to `new` (the warm start's moves,
+        refine.tidy's kept trials)."""
+        self._apply(old, chunk, -1)
+        self._apply(new, chunk, +1)
 
     def _apply_peaks(self, o, n: int) -> None:
         self._top = None
@@ -142,8 +148,9 @@ class _RankMemory:
         if old.peaks == new.peaks:
             return self._total(static, step, act)
         key = (old.peaks, new.peaks, count)  # the same in every chunk: asked once per class and chunk
-        peaks = self._switched[key] if key in self._switched else self._switched.setdefault(
-            key, self._peaks_after(old, new, count))
+        if key not in self._switched:
+            self._switched[key] = self._peaks_after(old, new, count)
+        peaks = self._switched[key]
         if peaks is not None:
             return self._total(static, step, act, peaks)
         self._apply_peaks(old, -count)
@@ -153,8 +160,6 @@ class _RankMemory:
         self._apply_peaks(old, count)
         return value
 
-
-RankMemory = _RankMemory  # public: refine.tidy tallies its trials with it
 
 
 def warm_start(problem: StageProblem, max_moves: int | None = None) -> tuple[list, list] | None:
@@ -181,7 +186,7 @@ def _warm_start(problem: StageProblem, max_moves: int | None) -> tuple[list, lis
     budget = max_moves if max_moves is not None else 4 * p.num_layers
     for r in range(p.pp):
         layers = [i for i in range(p.num_layers) if stage_of[i] % p.pp == r]
-        mem = _RankMemory(p, r, layers, stage_of, option_of)
+        mem = RankMemory(p, r, layers, stage_of, option_of)
         memory = mem.total()
         while memory > p.capacity[r]:
             if budget <= 0:
@@ -230,16 +235,15 @@ def _classes(p: StageProblem, layers: list, stage_of: list, option_of: list) -> 
     return classes
 
 
-def _move(p: StageProblem, moved: list, k: int, stage_of: list, option_of: list, mem: _RankMemory) -> None:
+def _move(p: StageProblem, moved: list, k: int, stage_of: list, option_of: list, mem: RankMemory) -> None:
     """Switch the `moved` layers to option k, keeping the rank's memory tally in step."""
     for i in moved:
         opts = p.group_options[p.layer_group[i]]
-        mem._apply(opts[option_of[i]], stage_of[i] // p.pp, -1)
-        mem._apply(opts[k], stage_of[i] // p.pp, +1)
+        mem.switch(opts[option_of[i]], opts[k], stage_of[i] // p.pp)
         option_of[i] = k
 
 
-def _improve(p: StageProblem, r: int, layers: list, stage_of: list, option_of: list, mem: _RankMemory,
+def _improve(p: StageProblem, r: int, layers: list, stage_of: list, option_of: list, mem: RankMemory,
              budget: int) -> None:
     """Give time back where memory allows: repeatedly take the option change (for
     as many layers of a class as still fit) that saves the most weighted time.
