@@ -458,8 +458,8 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     out = {"checked": True, "pipeline": None, "tp": {}, "sequence_parallel": {}, "unverified": []}
     from autopar.lower.data_parallel import hsdp_refusal
-    if hsdp_refusal():  # HSDP (Mesh.dp_shard) is model-independent: only this torch can refuse it
-        out["hsdp"] = hsdp_refusal()
+    if why_not_hsdp := hsdp_refusal():  # HSDP (Mesh.dp_shard) is model-independent: only this torch can refuse it
+        out["hsdp"] = why_not_hsdp
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")
