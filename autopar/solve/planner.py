@@ -33,11 +33,12 @@ from autopar.solve.fusion_costs import charge_compiled_blocks, charge_fusions, p
 from autopar.solve.lowering_costs import charge_tp_collectives, keep_whole
 from autopar.solve.plan_build import TP_KINDS, build_plan, tp_style  # noqa: F401  (tp_style: planner.tp_style)
 from autopar.solve.problem import KIB, memory_floor, to_mem_units
-from autopar.solve.refine import fits, polish, tidy, uniform_layouts
+from autopar.solve.refine import UNIFORM_ESTIMATES, fits, polish, tidy, uniform_layouts, uniform_pricings
 from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.capacity import check_capacity
+from autopar.two_processes import Beside
 from autopar.solve.what_fits import checking_a_fix, doubled_clusters, hint_text, tried_text, what_would_fit
 
 GB = 1e9
@@ -190,7 +191,10 @@ def _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, lim
 
 
 def _run_search(model, cluster, constraints, global_batch_size, precision, optimizer, keep, time_limit_s,
-                progress=None, offload=False, limit_bytes=None):
+                progress=None, offload=False, limit_bytes=None, uniform_ahead=False):
+    """Search the candidates of this space. `uniform_ahead`: the uniform-layout check's
+    first estimates are priced meanwhile by a second process (two_processes.Beside),
+    left in result.stats["uniform_ahead"] for `_choose` (who must stop it)."""
     world = cluster.world_size
     cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints,
                                        seq_len=getattr(model, "seq_len", None),
@@ -208,9 +212,20 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
     # First pass: 6 work units, not search's 15. Candidates it does not reach are still
     # ranked by their warm start; on GPT-3 175B / 64 GPUs (the slowest benchmark case)
     # the other 9 units changed no plan and cost 35 s.
-    result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s, progress=progress,
-                    distinct=mesh_key, sweep=lambda c: int(c.schedule == "interleaved"), first_pass_budget=6.0)
-    result.stats["candidate_list"] = cands  # the space the uniform-layout check walks (not in the Plan)
+    ahead = Beside(lambda: uniform_pricings(model, cluster, cands, builder.options, bound_problem=builder.bound_problem,
+                                            precision=precision, optimizer=optimizer,
+                                            limit=3 * UNIFORM_ESTIMATES)) if uniform_ahead else None
+    try:
+        result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s,
+                        progress=progress, distinct=mesh_key, sweep=lambda c: int(c.schedule == "interleaved"),
+                        first_pass_budget=6.0)
+    except BaseException:
+        if ahead is not None:
+            ahead.stop()
+        raise
+    # neither is in the Plan: the space the uniform-layout check walks, and its estimates priced ahead
+    result.stats["candidate_list"] = cands
+    result.stats["uniform_ahead"] = ahead
     return result, builder
 
 
@@ -308,9 +323,12 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                    # would loosen the pruning cutoff and multiply the solves for little insight.
                    keep=3 if top_k > 0 else 1, progress=progress)
     found = _search_and_price(req)
-    if not found.fitting:
-        _refuse(req, found)
-    chosen, winner, selection, others = _choose(req, found)
+    try:
+        if not found.fitting:
+            _refuse(req, found)
+        chosen, winner, selection, others = _choose(req, found)
+    finally:
+        _stop(found.result.stats.get("uniform_ahead"))
     plan_obj = build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, found.result,
                           selection)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
@@ -411,9 +429,10 @@ class _Request:
     keep: int  # distinct meshes the search keeps exact
     progress: object = None
 
-    def search(self, offload: bool = False):
+    def search(self, offload: bool = False, uniform_ahead: bool = False):
         return _run_search(self.spec, self.cluster, self.pins, self.global_batch_size, self.precision, self.optimizer,
-                           self.keep, self.time_limit_s, self.progress, offload=offload, limit_bytes=self.limit)
+                           self.keep, self.time_limit_s, self.progress, offload=offload, limit_bytes=self.limit,
+                           uniform_ahead=uniform_ahead)
 
     def price(self, result: SearchResult) -> list:
         return [(r, *_price(self.spec, self.cluster, r, self.precision, self.optimizer))
@@ -440,7 +459,24 @@ class _Found:
 def _search_and_price(req: _Request) -> _Found:
     """Search, then price the best few with the full estimate; with CPU offload allowed
     when nothing fits without it."""
-    result, builder = req.search()
+    result, builder = req.search(uniform_ahead=True)
+    ahead = result.stats["uniform_ahead"]
+    try:
+        found = _price_found(req, result, builder)
+    except BaseException:
+        _stop(ahead)
+        raise
+    if found.result.stats.get("uniform_ahead") is not ahead:
+        _stop(ahead)  # a second search replaced the first: the estimates priced ahead serve no check
+    return found
+
+
+def _stop(ahead) -> dict | None:
+    """The uniform layouts priced ahead (`_run_search`), their process ended."""
+    return ahead.stop() if ahead is not None else None
+
+
+def _price_found(req: _Request, result, builder) -> _Found:
     if result.best is None and req.pins.offload is None:
         # Second pass: nothing fits without CPU offload; let layers offload.
         result, builder = req.search(offload=True)
@@ -503,7 +539,7 @@ def _choose(req: _Request, found: _Found):
     uniform, uniform_priced = uniform_layouts(
         req.spec, req.cluster, found.result.stats.get("candidate_list", []), found.builder.options,
         bound_problem=found.builder.bound_problem, precision=req.precision, optimizer=req.optimizer,
-        limit_bytes=req.limit, best_s=solver_pick[2].step_time_s)
+        limit_bytes=req.limit, best_s=solver_pick[2].step_time_s, known=_stop(found.result.stats.get("uniform_ahead")))
     uniform = [(CandidateResult(c, None, None, status="uniform"), layout, est) for c, _, layout, est in uniform]
     order = lambda x: (x[2].step_time_s, x[0].status == "uniform", x[0].candidate)  # noqa: E731
     pool = sorted(found.fitting + uniform[:req.keep], key=order)
