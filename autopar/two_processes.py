@@ -10,7 +10,8 @@ are independent of what this process does meanwhile:
 * the uniform-layout check (solve/refine.py) prices layouts in an order
   known before the search starts, and only which of them it reads depends on
   the search's answer: `Beside` prices them in that order while the search
-  runs, and the check reads what is ready and prices the rest itself.
+  runs, and the check reads what is ready and prices the rest itself; the
+  fusion pass traces the model's blocks while the lowering's checks run.
 Every answer is a pure function of inputs both processes hold at the fork,
 so it does not matter which process computed it (the memo tables and caches
 that differ only make a repeated computation faster).
@@ -109,6 +110,16 @@ class Beside:
         if self._fd is not None:
             self._read_frames()
         return self._done
+
+    def finish(self, timeout_s: float) -> dict:
+        """What is ready once the child has finished its items (or after `timeout_s`), the child ended."""
+        end = time.monotonic() + timeout_s
+        while self._pid is not None and time.monotonic() < end:
+            if os.waitpid(self._pid, os.WNOHANG)[0]:
+                self._pid = None  # reaped
+                break
+            time.sleep(0.005)
+        return self.stop()
 
     def stop(self) -> dict:
         """What was ready, the child ended (call it once the values are read)."""

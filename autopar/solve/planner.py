@@ -363,15 +363,24 @@ def _priced_graph(spec, cluster, pins, *, torch_module, check_lowering, engine, 
     `torch_module`: the nn.Module behind it (None for an analytic spec).
     -> (spec, the same before fusion, lowering_limits, fusions, why none were fused)."""
     lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
+    captured = spec  # the fusion pass reads its layers' names and modules, which the lowered graph keeps
+    # the fusion pass traces the blocks while the lowering's checks run (no input of one is the other's)
+    fusing = Beside(lambda: [("fusions", plan_fusions(torch_module, captured))]) \
+        if fusion and check_lowering is not None and torch_module is not None else None
     if check_lowering is not None and torch_module is not None:
         # only the tp degrees this cluster could use (each is one fake-tensor run per block kind)
         world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
                     and (pins.tp is None or t == pins.tp)]
-        lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
+        try:
+            lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
+        except BaseException:
+            _stop(fusing)
+            raise
     spec = lowered_graph(spec, lowering_limits, engine)
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
-        fusions, no_fusion_why = plan_fusions(torch_module, spec)
+        ready = fusing.finish(timeout_s=30.0) if fusing is not None else {}
+        fusions, no_fusion_why = ready["fusions"] if "fusions" in ready else plan_fusions(torch_module, captured)
         found = len(fusions)
         fusions = [f for f in fusions if engine.runs_fused(f["pattern"])]  # another engine fuses its own
         if found and not fusions:
