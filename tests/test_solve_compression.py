@@ -48,3 +48,17 @@ def test_the_pin_is_spelled_as_the_cli_says():
     assert parse_constraints({"grad_reduce_dtype": "BF16"}).grad_reduce_dtype == "bf16"
     with pytest.raises(ConstraintError, match="--grad-reduce-dtype must be one of fp32, bf16, auto"):
         parse_constraints({"grad_reduce_dtype": "int8"})
+
+
+def test_cpu_ranks_compress_under_fsdp2_only(model):
+    """DDP refuses its bf16 hook without CUDA / NCCL: a replicate layout on CPU ranks is not
+    compressed (and says why); a ZeRO 3 one is (FSDP2's reduce_dtype runs on gloo)."""
+    from autopar.solve.planner import scaled_cluster
+    from cost_models.hardware import ClusterSpec
+    cpu = scaled_cluster(ClusterSpec.resolve("cpu"), 1, 2)
+    small = gpt("s", hidden=64, heads=4, layers=2, seq_len=16, vocab_size=128)
+    plan = lambda zero: autopar.plan(small, cpu, global_batch_size=4, precision="fp32", top_k=1,  # noqa: E731
+                                     constraints={"grad_reduce_dtype": "bf16", "dp": 2, "zero": zero})
+    ddp, fsdp = plan(0), plan(3)
+    assert ddp.grad_reduce_dtype is None and "DDP's bf16_compress_hook needs" in ddp.solver["compression"]
+    assert fsdp.grad_reduce_dtype == "bf16"

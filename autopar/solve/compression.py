@@ -29,10 +29,22 @@ from autopar.solve.refine import fits
 DTYPE = "bf16"
 
 
-def nothing_to_compress(model, layout) -> str | None:
-    """Why a bf16 reduction of `layout` cannot pay (None: it might)."""
+# DDP's own rule (DistributedDataParallel._check_comm_hook): its bf16_compress_hook needs a
+# CUDA / NCCL 2.10+ or XPU / XCCL torch, which CPU ranks are not run with
+CPU_DDP = ("DDP's bf16_compress_hook needs a CUDA / NCCL or XPU / XCCL torch, not CPU ranks; ZeRO 0 / 1 on a pure "
+           "data-parallel mesh runs under DDP")
+
+
+def nothing_to_compress(model, layout, cluster) -> str | None:
+    """Why a bf16 reduction of `layout` cannot pay or cannot run (None: it might pay)."""
     if layout.dp <= 1:
         return "dp 1: no gradient is reduced"
+    why = (getattr(model, "lowering_limits", None) or {}).get("compression")  # what_runs: this torch cannot
+    if why:
+        return why
+    replicate = max(layout.layer_zero or [layout.zero]) <= 1  # lowered_zero_levels kept 0 / 1: DDP runs it
+    if replicate and cluster.device_profile.vendor == "cpu":
+        return CPU_DDP
     if not engine_of(model).is_autopar:
         return "another engine's plan reduces as that engine does"
     if layout.precision == "fp16":
@@ -48,7 +60,7 @@ def choose(model, cluster, winner, pin: str | None, limit_bytes: float):
     Layout, Estimate) with its gradients reduced in bf16 when pinned, or allowed ('auto')
     and faster; otherwise unchanged, with what bf16 reduction would have given."""
     r, layout, est = winner
-    why_not = nothing_to_compress(model, layout)
+    why_not = nothing_to_compress(model, layout, cluster)
     if pin == "fp32":
         return winner, "gradients reduced as held (--grad-reduce-dtype fp32)"
     if why_not:  # said only when asked: an unpinned plan with nothing to compress reads as before
