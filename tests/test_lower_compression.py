@@ -34,9 +34,19 @@ LAYOUTS = [
 ]
 
 
+# DDP (replicate) with its bf16_compress_hook: only where DDP takes the hook (a CUDA / NCCL
+# torch, gloo ranks on CPU tensors included); a CPU-only torch refuses it (tested below)
+DDP_LAYOUTS = [("ddp_fp32", dict(dp=2, zero=0)), ("ddp_bf16", dict(dp=2, zero=0, grad_reduce_dtype="bf16"))]
+
+
+def _ddp_runs() -> bool:
+    from autopar.lower.compression import ddp_hook_refusal
+    return ddp_hook_refusal() is None
+
+
 @pytest.fixture(scope="module")
 def trained():
-    return run_world(train_world, 2, LAYOUTS, STEPS, timeout=280)
+    return run_world(train_world, 2, LAYOUTS + (DDP_LAYOUTS if _ddp_runs() else []), STEPS, timeout=280)
 
 
 @pytest.mark.timeout(300)
@@ -51,7 +61,19 @@ def test_what_runs_under_fsdp2_is_what_the_plan_says(trained):
 def test_bf16_reduction_trains_within_the_rounding_bound(trained):
     for rank in trained[1:]:  # every rank steps the same model
         assert all(rank[n]["losses"] == trained[0][n]["losses"] for n in rank)
-    a, b = trained[0]["fsdp_fp32"]["losses"], trained[0]["fsdp_bf16"]["losses"]
+    _within_the_bound(trained[0]["fsdp_fp32"]["losses"], trained[0]["fsdp_bf16"]["losses"])
+
+
+@pytest.mark.timeout(300)
+def test_ddp_bf16_hook_trains_within_the_rounding_bound(trained):
+    if not _ddp_runs():
+        pytest.skip("this torch's DDP refuses bf16_compress_hook (CPU-only build); preflight refuses it, tested below")
+    r = trained[0]
+    assert r["ddp_bf16"]["runs"]["ddp_hooks"] == ["bf16_compress_hook"] and r["ddp_fp32"]["runs"]["ddp_hooks"] == []
+    _within_the_bound(r["ddp_fp32"]["losses"], r["ddp_bf16"]["losses"])
+
+
+def _within_the_bound(a, b):
     assert a[-1] < 0.8 * a[0]  # it learns: the bound is tested on a moving trajectory
     assert max(abs(x - y) / x for x, y in zip(a, b)) > FP32_FLOOR, "bf16 reduction changed nothing: field ignored"
     used = [abs(x - y) / (2 * 2 * U * (a[0] - x) + FP32_FLOOR * x) for x, y in zip(a, b)]
