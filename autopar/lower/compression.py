@@ -24,9 +24,10 @@ def reduce_dtype(plan) -> torch.dtype | None:
     return torch.bfloat16 if getattr(plan, "grad_reduce_dtype", None) == BF16 else None
 
 
-def refusal(plan=None) -> str | None:
+def refusal(plan=None, replicated: bool = False) -> str | None:
     """Why this torch cannot run the plan's compression (None: it can, or none is asked);
-    with no plan: whether it could run any (what_runs' model-independent answer)."""
+    with no plan: whether it could run any (what_runs' model-independent answer).
+    `replicated`: the plan runs under DDP (data_parallel.uses_replicate)."""
     if plan is not None and getattr(plan, "grad_reduce_dtype", None) is None:
         return None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -36,8 +37,7 @@ def refusal(plan=None) -> str | None:
                                       "reduce_dtype" in MixedPrecisionPolicy.__dataclass_fields__)) if not ok]
     if missing:
         return f"this torch ({torch.__version__}) has no {' or '.join(missing)}"
-    from autopar.lower.data_parallel import uses_replicate
-    return ddp_hook_refusal() if plan is not None and uses_replicate(plan) else None
+    return ddp_hook_refusal() if plan is not None and replicated else None
 
 
 def ddp_hook_refusal() -> str | None:

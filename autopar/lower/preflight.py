@@ -42,7 +42,8 @@ def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
     if why:
         raise PlanMismatchError(f"mesh.dp_shard {plan.mesh.dp_shard} (HSDP) cannot run: {why}",
                                 hint="drop dp_shard from the plan (shard over the whole dp), or upgrade torch")
-    why = compression_problem(plan.grad_reduce_dtype, plan.precision, plan.mesh.dp) or compression.refusal(plan)
+    why = compression_problem(plan.grad_reduce_dtype, plan.precision, plan.mesh.dp) or compression.refusal(
+        plan, data_parallel.uses_replicate(plan))
     if why:
         raise PlanMismatchError(f"grad_reduce_dtype {plan.grad_reduce_dtype!r} cannot run: {why}",
                                 hint="drop grad_reduce_dtype from the plan (gradients reduced as held)")
