@@ -71,7 +71,8 @@ def choose(model, cluster, winner, pin: str | None, limit_bytes: float):
     except CostModelError as exc:
         return winner, f"bf16 gradient reduction not priced: {exc}"
     gain = 1 - est2.step_time_s / est.step_time_s
-    numbers = f"{est2.step_time_s * 1e3:.1f} ms against {est.step_time_s * 1e3:.1f} ms ({gain:+.1%})"
+    numbers = (f"{est2.step_time_s * 1e3:.3g} ms against {est.step_time_s * 1e3:.3g} ms "
+               f"({abs(gain):.1%} {'faster' if gain > 0 else 'slower'})")
     if pin == DTYPE or (pin == "auto" and gain > 0 and fits(est2, limit_bytes)):
         why = "pinned (--grad-reduce-dtype bf16)" if pin == DTYPE else "faster"
         return (r, squeezed, est2), f"gradients reduced in bf16, cast back after: {why}, {numbers}"
