@@ -30,8 +30,8 @@ def train_world(rank, world, layouts, steps, optimizer=OPTIMIZER):
            (("one_process", False), ("one_process_bf16_grads", True))}
     for name, kw in layouts:
         model, example, loss_fn = build("gpt")
-        dp = kw.get("dp", 1)
-        plan = plan_for_model(model, example_inputs=example, micro_batch_size=GLOBAL_BATCH // dp, **kw)
+        size = GLOBAL_BATCH // (kw.get("dp", 1) * kw.get("num_micro_batches", 1))
+        plan = plan_for_model(model, example_inputs=example, micro_batch_size=size, **kw)
         pm = compile(model, example_inputs=example, loss_fn=loss_fn, plan=plan, optimizer=optimizer[0],
                      optimizer_kwargs=optimizer[1])
         losses = [pm.train_step((x,), y) for x, y in _batches(steps)]
