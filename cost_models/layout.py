@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from cost_models import compression
 from cost_models.errors import CostModelError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -80,6 +81,9 @@ class Layout:
     # gradient shards all-reduced across the dp / dp_shard replicas. None: one shard group
     # of the whole dp (plain FSDP / ZeRO), which is what every layout before it meant.
     dp_shard: int | None = None
+    # Communication compression (cost_models/compression.py): gradients reduced in this
+    # narrower dtype ("bf16"), cast back after; None: reduced as held
+    grad_reduce_dtype: str | None = None
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -122,6 +126,7 @@ class Layout:
         for key, allowed in checks:
             if getattr(self, key) not in allowed:
                 raise CostModelError(f"layout.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        compression.check(self.grad_reduce_dtype)
         if self.zero not in (0, 1, 2, 3):
             raise CostModelError(f"layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.schedule != "interleaved" and self.virtual_stages != 1:

@@ -23,7 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
-from autopar.solve import float8_choice, hsdp
+from autopar.solve import compression, float8_choice, hsdp
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
@@ -562,6 +562,11 @@ def _choose(req: _Request, found: _Found):
     why = hsdp.account(winner, pool, tried)
     if why:
         selection["hsdp"] = why
+    winner, why = compression.choose(req.spec, req.cluster, winner, req.pins.grad_reduce_dtype, req.limit)
+    if why:
+        selection["compression"] = why
+        if winner[1].grad_reduce_dtype:  # the solver's optimum was over uncompressed prices
+            selection["proven_optimal"] = False
     return chosen, winner, selection, uniform[:req.keep] + variants
 
 
