@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from cost_models import nccl
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 
@@ -94,14 +95,20 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
         if measured is not None:
             return measured
     bw, alpha = bus_bandwidth(place, cluster)
+    if place.nodes_spanned > 1 and kind in ("all_reduce", "all_gather", "reduce_scatter") and nccl_priced(cluster):
+        # across nodes: NCCL's own model picks ring / tree / PAT and LL / LL128 / Simple
+        return nccl.choose(kind, float(nbytes), n, place.nodes_spanned, bw, nccl_intra_tier(cluster),
+                           nccl.generation_at_least_ampere(cluster.device))[0]
     if kind == "all_reduce":
+        # Inside a node NCCL runs rings (or NVLS), not trees: its double binary tree
+        # spans nodes, with a chain inside each. Measured: 8 x H200, torch all_reduce
+        # takes 40 us at 32 KiB and 46 us at 1 MiB (stas00/ml-engineering
+        # network/benchmarks/results/all-reduce-8xH200.md), as the ring's 14 steps of
+        # 3 us give; a tree's 6 steps would say 18 us. NCCL's own model (cost_models/
+        # nccl.py) says 15 us at 32 KiB: it leaves out the launch and torch's dispatch,
+        # which that measurement holds, so inside a node the measured step stays.
         ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
         if place.nodes_spanned <= 1:
-            # Inside a node NCCL runs rings (or NVLS), not trees: its double binary tree
-            # spans nodes, with a chain inside each. Measured: 8 x H200, torch all_reduce
-            # takes 40 us at 32 KiB and 46 us at 1 MiB (stas00/ml-engineering
-            # network/benchmarks/results/all-reduce-8xH200.md), as the ring's 14 steps of
-            # 3 us give; a tree's 6 steps would say 18 us.
             return ring
         tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(n)) * alpha
         return min(ring, tree)
@@ -118,8 +125,7 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
     if kind == "broadcast":
         return nbytes / bw + (n - 1) * alpha
     if kind == "p2p":
-        link = cluster.intra_link if place.nodes_spanned <= 1 else cluster.inter_link
-        return nbytes / link.bus_bandwidth + link.latency_s
+        return p2p_time(nbytes, place.nodes_spanned <= 1, cluster)
     raise CostModelError(f"unknown collective '{kind}' (known: {', '.join(COLLECTIVES)})")
 
 
@@ -132,7 +138,24 @@ def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
         measured = link.measured.time("p2p", 2, nbytes)
         if measured is not None:
             return measured
+    if not same_node and nccl_priced(cluster):
+        # NCCL's LL protocol below its P2P LL threshold (half the link's bandwidth), Simple above
+        proto = nccl.LL if nbytes <= nccl.P2P_LL_THRESHOLD else nccl.SIMPLE
+        bw = link.bus_bandwidth * (.5 if proto == nccl.LL else 1.0)
+        return nbytes / bw + nccl.p2p_us(proto) * 1e-6
     return nbytes / link.bus_bandwidth + link.latency_s
+
+
+def nccl_priced(cluster: ClusterSpec) -> bool:
+    """Groups across nodes take NCCL's model (cost_models/nccl.py) on GPUs; gloo (the cpu
+    profile) keeps the link's alpha-beta."""
+    return cluster.device_profile.vendor != "cpu"
+
+
+def nccl_intra_tier(cluster: ClusterSpec) -> str:
+    """NCCL's intra-node hardware tier (tuning.cc intraHw): NVLink (and AMD's xGMI, which
+    RCCL treats alike) or PCI."""
+    return "pci" if cluster.intra_node_link.startswith("pcie") else "nvlink"
 
 
 def pp_neighbours_same_node(tp: int, dp: int, cluster: ClusterSpec) -> bool:
