@@ -13,7 +13,8 @@ describes their own machines in a YAML or JSON file of the same shape:
       gpus_per_node: 8
       device: my-gpu               # a shipped name or one defined below
       intra_node_link: nvlink4
-      inter_node_link: ib-ndr
+      inter_node_link: ib-ndr      # or fabric: ib-ndr | ib-hdr | roce-400 | efa-v2 | ethernet-100g,
+                                   # or fabric: {bandwidth_gbps: 400, latency_us: 6} per GPU
       host_memory_gib: 2048
     devices:                       # optional, same fields as devices.yaml
       my-gpu: {peak_tflops: {bf16: 500}, memory_gib: 96, ...}
@@ -32,6 +33,7 @@ from typing import Any
 from cost_models.devices import (GIB, GIGA, PROFILE_DIR, TERA, DeviceProfile, LinkProfile,  # noqa: F401
                                  get_device, get_link, load_devices, load_links, load_profile_file, shipped_clusters,
                                  shipped_devices, shipped_links)
+from cost_models import fabric
 from cost_models.errors import ClusterSizeError, ProfileError
 from cost_models.fields import read_mapping, read_number, read_str
 from cost_models.measured import Profile
@@ -144,8 +146,10 @@ class ClusterSpec:
         body = read_mapping(body, "cluster", file)
         base: dict = {}
         if "preset" in body:  # start from a preset, override what the file gives
-            base = dict(_preset_body(read_str(body, "preset", "cluster", file), file))
-        merged = {**base, **{k: v for k, v in body.items() if k != "preset"}}
+            base = fabric.resolve(dict(_preset_body(read_str(body, "preset", "cluster", file), file)), links, file)
+            if "fabric" in body:
+                base.pop("inter_node_link", None)
+        merged = fabric.resolve({**base, **{k: v for k, v in body.items() if k != "preset"}}, links, file)
         known = {"name", "nodes", "gpus_per_node", "device", "intra_node_link", "inter_node_link",
                  "host_memory_gib", "host_memory_bytes", "host_link", "host_memory_bandwidth_gbs", "world_size"}
         unknown = sorted(set(merged) - known - {"devices", "links", "cluster"})
