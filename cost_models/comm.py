@@ -95,10 +95,10 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
         if measured is not None:
             return measured
     bw, alpha = bus_bandwidth(place, cluster)
-    if place.nodes_spanned > 1 and kind in ("all_reduce", "all_gather", "reduce_scatter") and nccl_priced(cluster):
-        # across nodes: NCCL's own model picks ring / tree / PAT and LL / LL128 / Simple
-        return nccl.choose(kind, float(nbytes), n, place.nodes_spanned, bw, nccl_intra_tier(cluster),
-                           nccl.generation_at_least_ampere(cluster.device))[0]
+    if place.nodes_spanned > 1 and kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        gpu = _nccl_setup(cluster)
+        if gpu is not None:  # across nodes: NCCL's own model picks ring / tree / PAT and LL / LL128 / Simple
+            return nccl.choose(kind, float(nbytes), n, place.nodes_spanned, bw, *gpu)[0]
     if kind == "all_reduce":
         # Inside a node NCCL runs rings (or NVLS), not trees: its double binary tree
         # spans nodes, with a chain inside each. Measured: 8 x H200, torch all_reduce
@@ -138,7 +138,7 @@ def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
         measured = link.measured.time("p2p", 2, nbytes)
         if measured is not None:
             return measured
-    if not same_node and nccl_priced(cluster):
+    if not same_node and _nccl_setup(cluster) is not None:
         # NCCL's LL protocol below its P2P LL threshold (half the link's bandwidth), Simple above
         proto = nccl.LL if nbytes <= nccl.P2P_LL_THRESHOLD else nccl.SIMPLE
         bw = link.bus_bandwidth * (.5 if proto == nccl.LL else 1.0)
@@ -146,16 +146,19 @@ def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
     return nbytes / link.bus_bandwidth + link.latency_s
 
 
-def nccl_priced(cluster: ClusterSpec) -> bool:
-    """Groups across nodes take NCCL's model (cost_models/nccl.py) on GPUs; gloo (the cpu
-    profile) keeps the link's alpha-beta."""
-    return cluster.device_profile.vendor != "cpu"
-
-
-def nccl_intra_tier(cluster: ClusterSpec) -> str:
-    """NCCL's intra-node hardware tier (tuning.cc intraHw): NVLink (and AMD's xGMI, which
-    RCCL treats alike) or PCI."""
-    return "pci" if cluster.intra_node_link.startswith("pcie") else "nvlink"
+def _nccl_setup(cluster: ClusterSpec) -> tuple[str, bool] | None:
+    """(NCCL's intra-node tier, compute capability >= 8.0) for pricing groups across nodes
+    with NCCL's model (cost_models/nccl.py); None on gloo (the cpu profile), which keeps the
+    link's alpha-beta. The tier is tuning.cc's intraHw: NVLink (AMD's xGMI alike) or PCI.
+    Memoised on the cluster by what it depends on (the pricing's hot path)."""
+    key = (cluster.device, cluster.intra_node_link)
+    memo = cluster.__dict__.get("_nccl_memo")
+    if memo is None or memo[0] != key:
+        gpu = cluster.device_profile.vendor != "cpu"
+        tier = "pci" if cluster.intra_node_link.startswith("pcie") else "nvlink"
+        memo = (key, (tier, nccl.generation_at_least_ampere(cluster.device)) if gpu else None)
+        cluster.__dict__["_nccl_memo"] = memo
+    return memo[1]
 
 
 def pp_neighbours_same_node(tp: int, dp: int, cluster: ClusterSpec) -> bool:
