@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from cost_models import nccl
+from cost_models.congestion import network_share
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 
@@ -81,7 +82,10 @@ def bus_bandwidth(place: GroupPlacement, cluster: ClusterSpec) -> tuple[float, f
     if place.nodes_spanned <= 1:
         return intra.bus_bandwidth, intra.latency_s
     inter = cluster.inter_link
-    return min(intra.bus_bandwidth, place.ranks_per_node * inter.bus_bandwidth), inter.latency_s
+    # every group of the axis at once: past a leaf, its uplinks' share (cost_models/congestion.py)
+    share = 1.0 if cluster.topology is None else network_share(place.nodes_spanned, cluster.gpus_per_node,
+                                                                 cluster.topology)
+    return min(intra.bus_bandwidth, place.ranks_per_node * inter.bus_bandwidth * share), inter.latency_s
 
 
 def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: ClusterSpec) -> float:
@@ -118,7 +122,8 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
         if place.nodes_spanned > 1:
             # The share bound for other nodes leaves through this GPU's own NIC.
             r = place.ranks_per_node
-            cross = (n - r) / n * nbytes / cluster.inter_link.bus_bandwidth
+            share = network_share(place.nodes_spanned, cluster.gpus_per_node, cluster.topology)
+            cross = (n - r) / n * nbytes / (cluster.inter_link.bus_bandwidth * share)
             local = (r - 1) / n * nbytes / cluster.intra_link.bus_bandwidth
             return max(cross, local) + (n - 1) * alpha
         return (n - 1) / n * nbytes / bw + (n - 1) * alpha
