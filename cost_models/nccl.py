@@ -31,11 +31,13 @@ PROTOCOLS = (LL, LL128, SIMPLE)
 
 # baseLatencies (us), per protocol (LL, LL128, Simple)
 BASE_LAT_US = {"tree": (6.8, 14.0, 8.4), "ring": (6.6, 14.0, 8.4), "pat": (8.0, 8.0, 8.0)}
-# hwLatencies (us) of one hop, by tier (NCCL_HW_NVLINK / PCI / NET), algorithm and protocol
+# hwLatencies (us) of one hop, by tier (NCCL_HW_NVLINK / PCI / NET), algorithm and protocol.
+# PAT's own rows never apply: PAT runs only at one GPU per node, where there is no hop inside
+# a node and tuning.cc takes the tree's network latency.
 HW_LAT_US = {
-    "nvlink": {"tree": (0.6, 1.25, 4.0), "ring": (0.6, 1.9, 3.4), "pat": (0.0, 0.0, 4.0)},
-    "pci": {"tree": (1.0, 1.9, 4.0), "ring": (1.0, 2.5, 5.7), "pat": (0.0, 0.0, 4.0)},
-    "net": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0), "pat": (0.0, 0.0, 14.0)},
+    "nvlink": {"tree": (0.6, 1.25, 4.0), "ring": (0.6, 1.9, 3.4)},
+    "pci": {"tree": (1.0, 1.9, 4.0), "ring": (1.0, 2.5, 5.7)},
+    "net": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0)},
 }
 # llMaxBws (GB/s): the LL protocol's bus-bandwidth cap. Multi-node rows are indexed by the
 # host CPU (Intel row; AMD's is 22.5 / 19.0) and node count (2 nodes, more than 2).
@@ -74,18 +76,18 @@ def bus_bandwidths(kind: str, algo: str, bus_bw: float, nodes: int) -> tuple[flo
 def latency_us(kind: str, algo: str, proto: int, n: int, nodes: int, intra_tier: str) -> float:
     """NCCL's latency of one collective: the base plus every hop's (tuning.cc)."""
     ppn = n // nodes
-    intra = HW_LAT_US[intra_tier][algo][proto]
     # with one GPU per node latencies are fully exposed: NCCL takes the tree's network latency
     inter = HW_LAT_US["net"]["tree" if ppn == 1 else algo][proto]
     lat = BASE_LAT_US[algo][proto]
+    if algo == "pat":  # one GPU per node: log latency plus its linear part
+        return lat + _log2i(nodes) * (inter / 3.5) + n * 2.8
+    intra = HW_LAT_US[intra_tier][algo][proto]
     if algo == "ring":
         steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
         inter_steps = 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
         intra = max(intra, NET_OVERHEAD_US * (3 if proto == SIMPLE else 1))
         return lat + (steps - inter_steps) * intra + inter_steps * inter
-    if algo == "tree":
-        return lat + 2 * ((ppn - 1) * intra + _log2i(nodes) * inter)
-    return lat + _log2i(nodes) * (inter / 3.5) + n * 2.8  # pat: log latency plus its linear part
+    return lat + 2 * ((ppn - 1) * intra + _log2i(nodes) * inter)  # tree
 
 
 def algorithms(kind: str, n: int, nodes: int) -> tuple[str, ...]:

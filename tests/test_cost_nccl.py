@@ -90,3 +90,38 @@ def test_inside_a_node_the_measured_ring_stays():
     place = C.group_placement("dp", 1, 8, 1, c)
     bw, alpha = C.bus_bandwidth(place, c)
     assert C.collective_time("all_reduce", 8, place, c) == pytest.approx(14 * alpha, rel=0.01)
+
+
+def test_ring_simple_latency_and_its_plateau():
+    """A large all-reduce over 64 ranks on 8 nodes runs the ring with Simple: 8.4 us + 126 - 14
+    = 112 steps inside nodes at NVLink's 3.4 us (above the 3 us network post overhead) + 14
+    network steps of 14 us, x 1.4 on a large buffer (the ring's plateau, compute capability >= 8)."""
+    S, n, bw = 16.0 * 2**30, 64, 340e9
+    t, algo, proto = nccl.choose("all_reduce", S, n, 8, bw, "nvlink", True)
+    assert (algo, proto) == ("ring", nccl.SIMPLE)
+    assert nccl.latency_us("all_reduce", "ring", nccl.SIMPLE, n, 8, "nvlink") == pytest.approx(8.4 + 112 * 3.4 + 14 * 14)
+    bytes_s = S / (bw * n / (2 * (n - 1)))
+    assert (t - bytes_s) / US == pytest.approx((8.4 + 112 * 3.4 + 14 * 14) * 1.4, rel=1e-6)
+
+
+def test_ll_bandwidth_is_capped_past_two_nodes():
+    """128 KiB all-gathered over 1024 ranks on 128 nodes: the ring with LL, whose bus bandwidth
+    NCCL caps at 20.4 GB/s past two nodes (llMaxBws, Intel hosts), far under half the rails."""
+    S, n, bw = 131072.0, 1024, 170e9
+    t, algo, proto = nccl.choose("all_gather", S, n, 128, bw, "nvlink", True)
+    assert (algo, proto) == ("ring", nccl.LL)
+    lat = nccl.latency_us("all_gather", "ring", nccl.LL, n, 128, "nvlink") * US
+    assert t - lat == pytest.approx(S / (20.4e9 * n / (n - 1)), rel=1e-6)
+
+
+def test_pcie_nodes_pay_ncclS_pci_hops():
+    """Two nodes of 8 PCIe H100s (intra-node tier PCI in NCCL's table): 8 bytes take the tree
+    with LL, 6.8 + 2 x (7 PCI hops of 1.0 us + 1 network hop of 5.0 us) = 30.8 us; 4 GiB take
+    the ring with Simple, whose 28 steps inside nodes cost PCI's 5.7 us (x 1.4, the plateau)
+    beside 2 network steps of 14 us, and whose bytes go at PCIe 5's 48 GB/s bus bandwidth."""
+    c = ClusterSpec.preset("h100-pcie-node", nodes=2)
+    place = C.group_placement("dp", 1, 16, 1, c)
+    assert C.collective_time("all_reduce", 8, place, c) == pytest.approx(30.8 * US, rel=0.01)
+    S = 4.0 * 2**30
+    t = C.collective_time("all_reduce", S, place, c)
+    assert t - 2 * 15 / 16 * S / 48e9 == pytest.approx((8.4 + 28 * 5.7 + 2 * 14.0) * 1.4 * US, rel=1e-3)
