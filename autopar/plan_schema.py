@@ -87,7 +87,7 @@ PLAN_SCHEMA = ("object", {
     "cluster": ("object", {"nodes": "posint", "gpus_per_node": "posint", "device": "str", "name": "str?",
                            "intra_node_link": "str", "inter_node_link": "str", "host_link": "str",
                            "host_memory_gib": "number", "host_memory_bandwidth_gbs": "number",
-                           "world_size": "posint", "devices": "object", "links": "object"}),
+                           "world_size": "posint", "devices": "object", "links": "object", "topology": "object"}),
     "global_batch_size": "posint", "seq_len": "posint?", "precision": "str", "mesh": _MESH,
     "sequence_parallel": "bool", "schedule": "str", "virtual_stages": "posint", "micro_batch_size": "posint",
     "num_micro_batches": "posint", "grad_reduce_dtype": "str", "stages": ("list", _STAGE), "predicted": _PREDICTED,

@@ -132,6 +132,10 @@ class DpComm:
     step_exposed_s: float = 0.0
     contention_s: float = 0.0
     replica_place: C.GroupPlacement | None = None  # HSDP: the group its gradient shards are all-reduced over
+    # one backward's collectives in issue order (cost_models/issue_order.py): the gradient
+    # reduction issued after the last backward, and the all-gather a backward waits for (FSDP2)
+    last_reduce_s: float = 0.0
+    bwd_gather_s: float = 0.0
 
 
 def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float, bucket_bytes: float) -> None:
@@ -140,6 +144,7 @@ def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float, buck
     device = cluster.device_profile
     ar = C.collective_time("all_reduce", full_grads, dp.place, cluster)
     dp.collectives.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
+    dp.last_reduce_s = ar
     ar_exp, dp.contention_s = all_reduce_exposed(ar, bwd_window, gradient_window_share(layout), device, dp.place,
                                                  cluster)
     # DDP copies each gradient into its bucket before the all-reduce and back after
@@ -159,6 +164,7 @@ def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout
     dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs),
                        ("all_gather", gathers * full_params * frac, gathers * ag)]
     device, share = cluster.device_profile, gradient_window_share(layout)
+    dp.last_reduce_s = rs
     if m == 1:
         dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(rs, ag, fwd_s, bwd_window, share, device,
                                                                        dp.place, cluster)
@@ -195,6 +201,7 @@ def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, l
     frac = (layout.shard_ranks - 1) / layout.shard_ranks
     m = layout.num_micro_batches
     reduces = m if per_micro_batch else 1
+    dp.last_reduce_s, dp.bwd_gather_s = rs, ag
     dp.collectives += [("all_gather", 2 * m * full_params * frac, 2 * m * ag),
                        ("reduce_scatter", reduces * full_grads * frac, reduces * rs)]
     dp.fwd_exposed_s, dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = fsdp_exposed(
