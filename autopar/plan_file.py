@@ -106,7 +106,7 @@ def plan_problem(plan) -> str | None:
                     return f"{where}.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}"
             if not isinstance(c.module_paths, list):
                 return f"{where}.module_paths must be a list of module names"
-    problem = hsdp_problem(plan)
+    problem = hsdp_problem(plan) or ep_problem(plan)
     if problem:
         return problem
     num_layers = plan.model.get("num_layers") if isinstance(plan.model, dict) else None
@@ -130,6 +130,21 @@ def hsdp_problem(plan) -> str | None:
         return (f"mesh.dp_shard {m.dp_shard} (HSDP) shards ZeRO states, but layer {zero0[0]!r}"
                 + (f" and {len(zero0) - 1} more" if len(zero0) > 1 else "")
                 + " have zero 0; set their zero to 1, 2 or 3, or drop dp_shard")
+    return None
+
+
+def ep_problem(plan) -> str | None:
+    """mesh.ep must divide the ranks it folds into (dp), and runs, as lowered today, on a
+    mesh of data parallelism alone (tp 1, pp 1, no HSDP): one line saying which."""
+    m = plan.mesh
+    if m.ep is None or m.ep == 1:
+        return None
+    if not is_positive_int(m.ep) or m.ep_fold_ranks % m.ep:
+        return (f"mesh.ep {m.ep!r} must divide mesh.dp {m.dp} (expert parallelism folds into data "
+                f"parallelism: dp = efsdp x ep); pick a divisor of {m.dp} or drop ep")
+    if m.tp > 1 or m.pp > 1 or m.hsdp:
+        return (f"mesh.ep {m.ep} runs on data parallelism alone (tp 1, pp 1, no dp_shard), this plan has "
+                f"pp {m.pp}, tp {m.tp}{', dp_shard ' + str(m.dp_shard) if m.hsdp else ''}; drop ep or those axes")
     return None
 
 
