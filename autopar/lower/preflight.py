@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import batch_norm, data_parallel, pipeline_parallel, tensor_parallel, weight_reads, what_runs
+from autopar.lower import (batch_norm, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel, weight_reads,
+                           what_runs)
 from autopar.lower.model_io import forward_kwargs
 from autopar.lower.model_layers import ModelLayout
 from autopar.plan import Plan
+from autopar.plan_file import ep_problem
 
 
 def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
@@ -40,6 +42,9 @@ def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
     if why:
         raise PlanMismatchError(f"mesh.dp_shard {plan.mesh.dp_shard} (HSDP) cannot run: {why}",
                                 hint="drop dp_shard from the plan (shard over the whole dp), or upgrade torch")
+    why = ep_problem(plan) or expert_parallel.ep_refusal(model, plan.mesh.ep)
+    if why:
+        raise PlanMismatchError(f"mesh.ep {plan.mesh.ep} cannot run: {why}", hint="drop ep from the plan")
     optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
     if optimizer_only:
         raise PlanMismatchError(
