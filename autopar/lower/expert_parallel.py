@@ -341,5 +341,7 @@ def shard_experts(stage: nn.Module, efsdp_mesh: DeviceMesh, plan, mp_policy) -> 
         unit = fully_shard(module, mesh=efsdp_mesh, reshard_after_forward=reshard,
                            **({"mp_policy": mp_policy} if mp_policy is not None else {}))
         unit.set_gradient_divide_factor(float(plan.mesh.ep_fold_ranks))
-        if efsdp_mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+        # gloo has no PREMUL_SUM: sum, then divide. Not on one rank: torch 2.13's foreach_reduce
+        # divides a one-rank group's gradient by the factor twice there (_fsdp_collectives.py 627, 686)
+        if efsdp_mesh.device_type == "cpu" and efsdp_mesh.size() > 1:
             unit.set_force_sum_reduction_for_comms(True)
