@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cost_models.hardware import ClusterSpec
 from dist_utils import run_world
 
 TOL = 1e-5
@@ -76,8 +77,12 @@ def ep_world(rank, world, cases):
         model = build(arch)
         dp, mutate = kw["dp"], kw.pop("mutate_ep", None)
         try:
-            plan = plan_for_model(model, example_inputs=_example, precision="fp32", micro_batch_size=BATCH // dp,
-                                  **{k: v for k, v in kw.items() if k != "ep"} if mutate else kw)
+            if "plan_json" in kw:  # the planner's plan, saved as JSON
+                from autopar.plan import Plan
+                plan = Plan.load(kw["plan_json"])
+            else:
+                plan = plan_for_model(model, example_inputs=_example, precision="fp32", micro_batch_size=BATCH // dp,
+                                      **{k: v for k, v in kw.items() if k != "ep"} if mutate else kw)
             if mutate:  # a plan edited after planning: ep set where the model cannot run it
                 plan.mesh.ep = mutate
             pm = autopar.compile(model, plan=plan, example_inputs=_example, optimizer=torch.optim.SGD,
@@ -109,17 +114,30 @@ def _param_rel(model, ref_params, rank, plan) -> float:
     return worst
 
 
+def _planned(path, dp: int) -> str:
+    """The planner's plan for a pinned --ep 2 on `dp` CPU ranks (fp32, as the reference trains)."""
+    import autopar
+    from autopar.solve.planner import scaled_cluster
+    p = autopar.plan(build("mixtral"), scaled_cluster(ClusterSpec.resolve("cpu"), 1, dp), _example,
+                     global_batch_size=BATCH, constraints={"dp": dp, "ep": 2, "micro_batch": BATCH // dp},
+                     precision="fp32", fusion=False)
+    assert p.mesh.ep == 2, p.mesh
+    p.save(str(path))
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ep_2_on_2_ranks_matches_one_process_and_dbrx_is_refused_everywhere():
+def test_ep_2_on_2_ranks_matches_one_process_and_dbrx_is_refused_everywhere(tmp_path):
     # DBRX first: its refusals come before this world's first process group
     cases = [("dbrx_ep2", "dbrx", dict(dp=2, ep=2, zero=3)),
              ("dbrx_ep2_edited", "dbrx", dict(dp=2, ep=2, zero=3, mutate_ep=2)),
              ("mixtral_ep2_zero3", "mixtral", dict(dp=2, ep=2, zero=3)),
-             ("qwen3_ep2_zero2", "qwen3_moe", dict(dp=2, ep=2, zero=2))]
+             ("qwen3_ep2_zero2", "qwen3_moe", dict(dp=2, ep=2, zero=2)),
+             ("planned_ep2", "mixtral", dict(dp=2, plan_json=_planned(tmp_path / "plan.json", 2)))]
     results = run_world(ep_world, 2, cases, timeout=280)
     for rank, res in enumerate(results):
-        for name in ("mixtral_ep2_zero3", "qwen3_ep2_zero2"):
+        for name in ("mixtral_ep2_zero3", "qwen3_ep2_zero2", "planned_ep2"):
             r = res[name]
             assert "refused" not in r, (rank, name, r)
             assert r["loss_rel"] < TOL and r["param_rel"] < TOL, (rank, name, r)
