@@ -92,7 +92,10 @@ def ep_world(rank, world, cases):
             continue
         losses = [pm.train_step((x,), y) for x, y in _batches()]
         ref_losses, ref_params = _reference(arch)
-        out[name] = {"losses": losses, "ref": ref_losses,
+        full = pm.full_state_dict()  # every expert whole again (collective over ep)
+        full_rel = max(((full[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+                       for k, v in ref_params.items()) if set(full) == set(ref_params) else float("inf")
+        out[name] = {"losses": losses, "ref": ref_losses, "full_rel": full_rel,
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                      "param_rel": _param_rel(model, ref_params, rank, plan), "expert_rows": _expert_rows(model)}
     return out
@@ -140,7 +143,7 @@ def test_ep_2_on_2_ranks_matches_one_process_and_dbrx_is_refused_everywhere(tmp_
         for name in ("mixtral_ep2_zero3", "qwen3_ep2_zero2", "planned_ep2"):
             r = res[name]
             assert "refused" not in r, (rank, name, r)
-            assert r["loss_rel"] < TOL and r["param_rel"] < TOL, (rank, name, r)
+            assert r["loss_rel"] < TOL and r["param_rel"] < TOL and r["full_rel"] < TOL, (rank, name, r)
             assert r["expert_rows"] == [2], (name, r)  # 2 of the 4 experts on each rank
         for name in ("dbrx_ep2", "dbrx_ep2_edited"):
             assert "2-D (experts x ffn, hidden)" in res[name]["refused"], res[name]
@@ -158,7 +161,7 @@ def test_ep_2_x_efsdp_2_on_4_ranks_matches_one_process():
     for rank, res in enumerate(results):
         r = res["mixtral_dp4_ep2"]
         assert "refused" not in r, (rank, r)
-        assert r["loss_rel"] < TOL and r["param_rel"] < TOL, (rank, r)
+        assert r["loss_rel"] < TOL and r["param_rel"] < TOL and r["full_rel"] < TOL, (rank, r)
         assert r["expert_rows"] == [2], r
         assert res["mixtral_dp4"]["expert_rows"] == [] and res["mixtral_dp4"]["loss_rel"] < TOL
 

@@ -345,3 +345,21 @@ def shard_experts(stage: nn.Module, efsdp_mesh: DeviceMesh, plan, mp_policy) -> 
         # divides a one-rank group's gradient by the factor twice there (_fsdp_collectives.py 627, 686)
         if efsdp_mesh.device_type == "cpu" and efsdp_mesh.size() > 1:
             unit.set_force_sum_reduction_for_comms(True)
+
+
+def whole_experts(state: dict, holders: dict, model: nn.Module, ep_mesh: DeviceMesh) -> dict:
+    """`state` (name -> this rank's unsharded tensor) with the ep-split experts whole again:
+    a fused weight's slices concatenated over the ep ranks in order, a ModuleList's experts
+    collected from their owners. Collective over ep (a checkpoint or export under ep holds
+    every expert, as one process's would)."""
+    owned = {id(m) for e in local_expert_modules(model) for m in e.modules()}
+    fused = {id(m.local) for m in model.modules() if isinstance(m, ExpertParallelExperts)}
+    mine = {n: state[n] for n in state if any(id(mod) in owned for mod, _ in holders.get(n, ()))}
+    parts = [None] * ep_mesh.size()
+    dist.all_gather_object(parts, mine, group=ep_mesh.get_group())
+    out = dict(state)
+    for name in sorted({n for p in parts for n in p}):
+        pieces = [p[name] for p in parts if name in p]
+        is_fused = any(id(mod) in fused for mod, _ in holders.get(name, ()))
+        out[name] = torch.cat(pieces, 0) if is_fused and len(pieces) > 1 else pieces[0]
+    return dict(sorted(out.items()))

@@ -93,6 +93,7 @@ class ParallelModel:
         self.last_step_skipped = False
         self.notes: list[str] = []
         self.compiled_blocks: compile_blocks.CompiledBlocks | None = None
+        self.ep_mesh = None  # expert parallelism's 1-D mesh (lower() sets it under Plan.mesh.ep)
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -329,6 +330,8 @@ class ParallelModel:
                 mine[name] = t.detach().to("cpu", copy=True)
         finally:
             quiet.setLevel(level)
+        if self.ep_mesh is not None:  # every expert whole, not this rank's experts / ep
+            mine = expert_parallel.whole_experts(mine, self._holders, self.module, self.ep_mesh)
         if self.plan.mesh.pp == 1:
             return mine
         gathered = [None] * self.plan.mesh.pp
@@ -471,7 +474,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         batch_norm.synchronise(model, mesh["dp"].get_group(), device)
 
     # 0b. expert parallelism: each MoE layer's experts split over the ep mesh (from dp)
-    efsdp_mesh = None
+    efsdp_mesh = ep_mesh = None
     if (plan.mesh.ep or 1) > 1:
         efsdp_mesh, ep_mesh = expert_parallel.ep_meshes(plan, mesh)
         expert_parallel.split_experts(model, ep_mesh)
@@ -529,6 +532,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm.notes = (data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
                 + compile_blocks.priced_otherwise(plan, compiling))
     pm.compiled_blocks = compiled
+    pm.ep_mesh = ep_mesh
     pm._build_schedule, pm._batch_norms = build_schedule, batch_norm.batch_norms(model)
     pm.tied_aliases = aliases
     if float8.gathers_in_float8(plan):
