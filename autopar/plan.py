@@ -79,9 +79,10 @@ class Mesh:
         return self.dp_shard is not None and self.dp_shard < self.dp
 
     def dp_text(self) -> str:
-        """'dp 8' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        """'dp 8', 'dp 8 (ep 4)' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        ep = f" (ep {self.ep})" if (self.ep or 1) > 1 else ""
         if not self.hsdp:
-            return f"dp {self.dp}"
+            return f"dp {self.dp}{ep}"
         return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards"
 
 
