@@ -144,7 +144,11 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
                   byte_scale) if layout.ep > 1 and moe_layer(layer) else None
     if ep is not None:  # experts / ep on this rank, sharded over efsdp; four all-to-alls
         states, dp, opt_params = ep.states, ep.dp, ep.opt_params
-        fwd_s, bwd_s, act = fwd_s + ep.fwd_extra_s, bwd_s + ep.bwd_extra_s, act + ep.activation_bytes
+        fwd_s, bwd_s = fwd_s + ep.fwd_extra_s, bwd_s + ep.bwd_extra_s
+        if checkpoint == "full":  # the block's forward runs again in backward, its all-to-alls too
+            recompute_s += ep.fwd_extra_s
+        else:  # the received rows are the expert GEMMs' saved input
+            act += ep.activation_bytes
     m = layout.num_micro_batches
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tpc.fwd_s + tpc.bwd_s,

@@ -18,7 +18,9 @@ compute stream as torchtitan's AllToAllTokenDispatcher and autopar's lowering
 run them (booked inside fwd_s / bwd_s and shown as `ep_comm_s`); the busiest
 rank computes `imbalance` x the mean rows, so its expert time grows by
 (imbalance - 1) x the experts' share of the layer's time; the rows it received
-are saved for backward (one more buffer of them per micro-batch in flight).
+are saved for backward (one more buffer of them per micro-batch in flight),
+unless the block is recomputed whole ("full" checkpointing: it keeps only its
+input, and its forward, all-to-alls included, runs again in backward).
 """
 from __future__ import annotations
 
