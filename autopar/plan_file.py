@@ -134,17 +134,17 @@ def hsdp_problem(plan) -> str | None:
 
 
 def ep_problem(plan) -> str | None:
-    """mesh.ep must divide the ranks it folds into (dp), and runs, as lowered today, on a
-    mesh of data parallelism alone (tp 1, pp 1, no HSDP): one line saying which."""
+    """mesh.ep must divide the ranks it folds into (dp), and runs, as lowered today, beside
+    data and pipeline parallelism (not tp, not HSDP): one line saying which."""
     m = plan.mesh
     if m.ep is None or m.ep == 1:
         return None
     if not is_positive_int(m.ep) or m.ep_fold_ranks % m.ep:
         return (f"mesh.ep {m.ep!r} must divide mesh.dp {m.dp} (expert parallelism folds into data "
                 f"parallelism: dp = efsdp x ep); pick a divisor of {m.dp} or drop ep")
-    if m.tp > 1 or m.pp > 1 or m.hsdp:
-        return (f"mesh.ep {m.ep} runs on data parallelism alone (tp 1, pp 1, no dp_shard), this plan has "
-                f"pp {m.pp}, tp {m.tp}{', dp_shard ' + str(m.dp_shard) if m.hsdp else ''}; drop ep or those axes")
+    if m.tp > 1 or m.hsdp:
+        return (f"mesh.ep {m.ep} runs beside data and pipeline parallelism only (tp 1, no dp_shard), this plan "
+                f"has tp {m.tp}{', dp_shard ' + str(m.dp_shard) if m.hsdp else ''}; drop ep or those axes")
     return None
 
 

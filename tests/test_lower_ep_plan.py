@@ -81,7 +81,8 @@ def ep_world(rank, world, cases):
                 from autopar.plan import Plan
                 plan = Plan.load(kw["plan_json"])
             else:
-                plan = plan_for_model(model, example_inputs=_example, precision="fp32", micro_batch_size=BATCH // dp,
+                mbs = BATCH // (dp * kw.get("num_micro_batches", 1))
+                plan = plan_for_model(model, example_inputs=_example, precision="fp32", micro_batch_size=mbs,
                                       **{k: v for k, v in kw.items() if k != "ep"} if mutate else kw)
             if mutate:  # a plan edited after planning: ep set where the model cannot run it
                 plan.mesh.ep = mutate
@@ -156,13 +157,18 @@ def test_ep_2_on_2_ranks_matches_one_process_and_dbrx_is_refused_everywhere(tmp_
 @pytest.mark.timeout(300)
 def test_ep_2_x_efsdp_2_on_4_ranks_matches_one_process():
     cases = [("mixtral_dp4_ep2", "mixtral", dict(dp=4, ep=2, zero=3)),
+             # pp 2 x dp 2 (ep 2): each stage's experts over its own ep group, 1F1B over 2 micro-batches
+             ("mixtral_pp2_dp2_ep2", "mixtral", dict(pp=2, dp=2, ep=2, zero=2, schedule="1f1b",
+                                                     num_micro_batches=2)),
              ("mixtral_dp4", "mixtral", dict(dp=4, zero=3))]  # no ep: every expert on every rank
     results = run_world(ep_world, 4, cases, timeout=280)
     for rank, res in enumerate(results):
-        r = res["mixtral_dp4_ep2"]
-        assert "refused" not in r, (rank, r)
-        assert r["loss_rel"] < TOL and r["param_rel"] < TOL and r["full_rel"] < TOL, (rank, r)
-        assert r["expert_rows"] == [2], r
+        for name in ("mixtral_dp4_ep2", "mixtral_pp2_dp2_ep2"):
+            r = res[name]
+            assert "refused" not in r, (rank, name, r)
+            assert r["loss_rel"] < TOL and r["full_rel"] < TOL, (rank, name, r)
+            assert r["expert_rows"] == [2], (name, r)
+        assert res["mixtral_dp4_ep2"]["param_rel"] < TOL
         assert res["mixtral_dp4"]["expert_rows"] == [] and res["mixtral_dp4"]["loss_rel"] < TOL
 
 

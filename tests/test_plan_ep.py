@@ -27,13 +27,14 @@ def test_ep_is_absent_from_the_json_unless_set_and_round_trips():
 
 @pytest.mark.parametrize("mesh, words", [
     (dict(dp=4, ep=3), "mesh.ep 3 must divide mesh.dp 4"),
-    (dict(dp=4, tp=2, ep=2), "runs on data parallelism alone"),
-    (dict(dp=4, pp=2, ep=2), "runs on data parallelism alone"),
+    (dict(dp=4, tp=2, ep=2), "runs beside data and pipeline parallelism only"),
+    (dict(dp=4, dp_shard=2, ep=2), "runs beside data and pipeline parallelism only"),
 ])
 def test_a_hand_mesh_ep_that_cannot_run_is_refused(mesh, words):
     problem = ep_problem(_plan(**mesh))
     assert words in problem and "\n" not in problem
     assert ep_problem(_plan(dp=4, ep=2)) is None and ep_problem(_plan(dp=4, ep=1)) is None
+    assert ep_problem(_plan(dp=4, pp=2, ep=2)) is None  # beside a pipeline: each stage's experts
 
 
 def _example(b):

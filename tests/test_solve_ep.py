@@ -39,8 +39,8 @@ def test_ep_is_searched_and_explained(mixtral):
 
 def test_a_pinned_ep_is_planned_priced_and_saved(mixtral):
     from autopar.plan import Plan
-    p = _plan(mixtral, {"ep": 2})
-    assert (p.mesh.ep, p.mesh.tp, p.mesh.pp) == (2, 1, 1)
+    p = _plan(mixtral, {"ep": 2, "pp": 1})
+    assert (p.mesh.ep, p.mesh.tp) == (2, 1)
     assert p.constraints["ep"] == 2 and "ep 2:" in p.solver["ep"]
     row = next(r for r in p.predicted.comm if r["axis"] == "ep")
     assert row["collective"].startswith("all_to_all") and p.predicted.time_breakdown["ep_comm_s"] > 0
@@ -50,7 +50,7 @@ def test_a_pinned_ep_is_planned_priced_and_saved(mixtral):
 def test_ep_pins_that_cannot_run_are_refused():
     with pytest.raises(ConstraintError, match="does not divide --dp 4"):
         parse_constraints({"dp": 4, "ep": 3})
-    with pytest.raises(ConstraintError, match="runs on data parallelism alone"):
+    with pytest.raises(ConstraintError, match="runs beside data and pipeline parallelism only"):
         parse_constraints({"tp": 2, "ep": 2})
     pins = parse_constraints({"ep": 2})
     # a model whose experts cannot split (what_runs' "ep", DBRX): no candidate, the reason said
@@ -59,10 +59,11 @@ def test_ep_pins_that_cannot_run_are_refused():
     assert not cands and "lowering cannot run ep (DBRX: 2-D experts)" in report.summary()
     cands, report = enumerate_candidates(8, 64, 4, [1, 2], pins, experts=0)
     assert not cands and "no MoE layer" in report.summary()
-    # unpinned: ep only on pp 1 x tp 1 meshes, degrees dividing both dp and the experts
+    # unpinned: ep only on meshes without tp, degrees dividing both dp and the experts
     cands, _ = enumerate_candidates(8, 64, 4, [1, 2], parse_constraints({}), experts=4)
     assert {c.ep for c in cands if c.pp == 1 and c.tp == 1} == {0, 2, 4}
-    assert {c.ep for c in cands if c.pp > 1 or c.tp > 1} == {0}
+    assert {c.ep for c in cands if c.pp == 2 and c.tp == 1} == {0, 2, 4}
+    assert {c.ep for c in cands if c.tp > 1} == {0}
 
 
 def test_pinning_ep_on_a_dense_model_is_refused():

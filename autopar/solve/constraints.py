@@ -170,9 +170,9 @@ def _check_contradictions(c: Constraints) -> None:
     if c.ep not in (None, 1) and c.dp is not None and c.dp % c.ep:
         raise ConstraintError(f"--ep {c.ep} does not divide --dp {c.dp}",
                               hint="expert parallelism folds into dp (dp = efsdp x ep): pin a divisor of --dp")
-    if c.ep not in (None, 1) and (c.tp not in (None, 1) or c.pp not in (None, 1) or c.dp_shard is not None):
-        raise ConstraintError(f"--ep {c.ep} runs on data parallelism alone: it contradicts --tp / --pp / --dp-shard",
-                              hint="drop --ep, or those pins")
+    if c.ep not in (None, 1) and (c.tp not in (None, 1) or c.dp_shard is not None):
+        raise ConstraintError(f"--ep {c.ep} runs beside data and pipeline parallelism only: it contradicts --tp / "
+                              f"--dp-shard", hint="drop --ep, or those pins")
     if c.offload == "params" and c.zero is not None and c.zero != 3:
         raise ConstraintError(f"--offload params needs --zero 3 (parameters are offloaded shard by shard), got --zero {c.zero}")
     if c.offload == "optimizer":

@@ -32,8 +32,8 @@ def account(winner, pool: list, experts: int) -> str | None:
             text += "; no layout without ep fits among those priced exactly"
         return text
     if split is None:
-        return (f"ep 1: no ep layout among the {len(pool)} priced exactly (ep is searched on meshes of data "
-                f"parallelism alone: tp 1, pp 1; the fastest here uses pp {c.pp} x tp {c.tp})")
+        return (f"ep 1: no ep layout among the {len(pool)} priced exactly (ep is searched on meshes without tp; "
+                f"the fastest here uses pp {c.pp} x tp {c.tp})")
     lost = split[2].step_time_s / est.step_time_s - 1
     return (f"ep 1: the best ep layout ({split[0].candidate.describe()}, {split[2].step_time_s * 1e3:.1f} ms; "
             f"{_parts(split[2])}) is {lost:.1%} slower than this one")

@@ -113,16 +113,16 @@ def _dp_shard_of(dp: int, c: Constraints, report: SpaceReport, mesh: str, cannot
 def ep_choices(pp: int, dp: int, tp: int, experts: int, c: Constraints, report: SpaceReport, mesh: str,
                cannot_run: str | None) -> list[int]:
     """The ep degrees (0: none) a mesh is searched with: for a model with MoE layers, on a
-    mesh of data parallelism alone (what the lowering runs: tp 1, pp 1, no HSDP), every
-    divisor of dp above 1 that divides the experts; a pinned --ep only. Empty: the pin
-    cannot run on this mesh (said in the report)."""
+    mesh without tp or HSDP (what the lowering runs: dp, and pp), every divisor of dp
+    above 1 that divides the experts; a pinned --ep only. Empty: the pin cannot run on
+    this mesh (said in the report)."""
     pinned = c.ep if c.ep not in (None, 1) else None
-    runs = experts and tp == 1 and pp == 1 and not c.dp_shard and not cannot_run
+    runs = experts and tp == 1 and not c.dp_shard and not cannot_run
     if not runs or (pinned and (dp % pinned or experts % pinned)):
         if pinned:
             why = (f"lowering cannot run ep ({cannot_run})" if cannot_run else
                    "the model has no MoE layer" if not experts else
-                   "--ep runs on data parallelism alone (tp 1, pp 1)" if tp > 1 or pp > 1 else
+                   "--ep runs beside dp and pp only (tp 1)" if tp > 1 else
                    f"--ep {pinned} does not divide dp or the {experts} experts")
             report.add(why, mesh)
             return []
