@@ -143,7 +143,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
     ep = ep_parts(layer, model, layout, cluster, zero, offload, params_local, fwd_s, bwd_s, bwd_s + recompute_s,
                   byte_scale) if layout.ep > 1 and moe_layer(layer) else None
     if ep is not None:  # experts / ep on this rank, sharded over efsdp; four all-to-alls
-        states, dp, opt_params = ep.states, ep.dp, ep.opt_params
+        states, dp, opt_params, params_local = ep.states, ep.dp, ep.opt_params, ep.held_params
         fwd_s, bwd_s = fwd_s + ep.fwd_extra_s, bwd_s + ep.bwd_extra_s
         if checkpoint == "full":  # the block's forward runs again in backward, its all-to-alls too
             recompute_s += ep.fwd_extra_s

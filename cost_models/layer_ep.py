@@ -63,6 +63,7 @@ class EpParts:
     states: ModelStates
     dp: DpComm
     opt_params: float  # parameters this rank's optimizer steps
+    held_params: float  # before ZeRO sharding: the dense part and experts / ep (what FSDP gathers)
     fwd_extra_s: float  # all-to-alls + the busiest rank's extra expert compute, per micro-batch
     bwd_extra_s: float
     comm_s: float  # the four all-to-alls, per micro-batch
@@ -99,7 +100,7 @@ def ep_parts(layer, model, layout, cluster, zero, offload, params_local, fwd_s, 
     b, s1 = layout.micro_batch_size, model.seq_len or 1
     fwd_share = _share(fast(layer.ep_expert_fwd_flops)(b, s1), fast(layer.fwd_flops)(b, s1))
     bwd_share = _share(fast(layer.ep_expert_bwd_flops)(b, s1), fast(layer.bwd_flops)(b, s1))
-    return EpParts(states, traffic, opt_params, cost.fwd_comm_s + hot * fwd_share * fwd_s,
+    return EpParts(states, traffic, opt_params, dense_local + experts_local / layout.ep, cost.fwd_comm_s + hot * fwd_share * fwd_s,
                    cost.bwd_comm_s + hot * bwd_share * bwd_s, cost.comm_s, 4 * cost.send_bytes,
                    cost.routed_bytes_per_rank, ep_placement(layout.ep, layout.tp, cluster).tier)
 
