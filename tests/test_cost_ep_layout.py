@@ -1,6 +1,7 @@
 """Layout.ep in the estimate (cost_models/layer_ep.py): a captured tiny Mixtral on 8 H100s.
 
-With ep the experts' states shrink by ep (and by efsdp under ZeRO), the four
+With ep the experts' states shrink by ep (and by efsdp under ZeRO), a gathered unit
+holds only this rank's experts, the four
 all-to-alls per MoE layer and micro-batch appear as an `ep` comm row and an
 ep_comm_s time, the dense layers' price does not move, and a layout whose ep
 does not divide dp is refused.
@@ -47,6 +48,8 @@ def test_expert_states_divide_by_ep_and_efsdp(graph, cluster):
         want = (1 - share) + share / 4 if zero == 0 else 1.0
         assert four.param_bytes == pytest.approx(one.param_bytes * want), zero
         assert four.optimizer_bytes == pytest.approx(one.optimizer_bytes * want), zero
+        # what FSDP gathers into one unit (peak_memory's buffers): the dense part and experts / ep
+        assert four.params_local == pytest.approx(one.params_local * ((1 - share) + share / 4)), zero
         assert four.ep_comm_s > 0 and one.ep_comm_s == 0
         assert four.fwd_s > one.fwd_s and four.bwd_s > one.bwd_s  # all-to-alls + the busiest rank's rows
         assert layer_cost(dense, graph, _layout(4, zero), cluster) == layer_cost(dense, graph, _layout(1, zero), cluster)
