@@ -45,10 +45,25 @@ class Mesh:
     # gradient shards all-reduced across the dp / dp_shard replicas. None (and absent
     # from the JSON): one shard group of the whole dp, as every plan before the field.
     dp_shard: int | None = None
+    # Expert parallelism: each MoE layer's experts split over groups of `ep` data-parallel
+    # ranks (neighbours), sharded by FSDP2 over the other fold_ranks / ep ("efsdp"), as
+    # torchtitan folds it (dp_shard x cp = efsdp x ep). World size is unchanged. None
+    # (and absent from the JSON): every rank holds every expert, as every plan before it.
+    ep: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+    @property
+    def ep_fold_ranks(self) -> int:
+        """The ranks ep divides: dp (x cp once a cp axis exists). The one place that says so."""
+        return self.dp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks an expert's weights are FSDP-sharded over: fold_ranks / ep."""
+        return self.ep_fold_ranks // (self.ep or 1) if self.ep_fold_ranks % (self.ep or 1) == 0 else 1
 
     @property
     def shard_ranks(self) -> int:
@@ -64,9 +79,10 @@ class Mesh:
         return self.dp_shard is not None and self.dp_shard < self.dp
 
     def dp_text(self) -> str:
-        """'dp 8' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        """'dp 8', 'dp 8 (ep 4)' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        ep = f" (ep {self.ep})" if (self.ep or 1) > 1 else ""
         if not self.hsdp:
-            return f"dp {self.dp}"
+            return f"dp {self.dp}{ep}"
         return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards"
 
 
@@ -186,8 +202,9 @@ class Plan:
     # -- JSON ------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["mesh"].get("dp_shard") is None:  # not HSDP: the JSON of every plan before the field
-            d["mesh"].pop("dp_shard", None)
+        for key in ("dp_shard", "ep"):  # unset (no HSDP, no ep): the JSON of every plan before the field
+            if d["mesh"].get(key) is None:
+                d["mesh"].pop(key, None)
         if d.get("grad_reduce_dtype") is None:  # uncompressed: the JSON of every plan before the field
             d.pop("grad_reduce_dtype", None)
         return d

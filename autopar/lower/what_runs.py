@@ -27,7 +27,9 @@ with the reason for each layout it rules out:
      "tp_checked": [the tp degrees tried: those the planner's cluster can use],
      "runs_whole": {embedding / head layer: why tp leaves it whole},
      "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal),
-     "compression": reason, only where this torch cannot reduce in bf16 (compression.refusal)}
+     "compression": reason, only where this torch cannot reduce in bf16 (compression.refusal),
+     "ep": reason, only where the model's MoE layers cannot split their experts (DBRX:
+           expert_parallel.moe_refusal)}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
 be decided here; such a layout is not offered either (the reason says so,
 and "unverified" lists it), while a hand-made plan that asks for it is
@@ -464,6 +466,9 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     from autopar.lower.compression import refusal as compression_refusal
     if why_not_compressed := compression_refusal():  # Plan.grad_reduce_dtype: likewise
         out["compression"] = why_not_compressed
+    from autopar.lower.expert_parallel import moe_refusal
+    if why_not_ep := moe_refusal(model):  # the experts' form, whatever the ep degree (DBRX)
+        out["ep"] = why_not_ep
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")

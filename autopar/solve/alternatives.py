@@ -48,12 +48,13 @@ def how_chosen(result: SearchResult, solver_pick, chosen, winner, uniform, unifo
 
 def mesh_dict(c: Candidate) -> dict:
     """A candidate's mesh as the Plan's JSON writes it (dp_shard only under HSDP)."""
-    return {"pp": c.pp, "dp": c.dp, "tp": c.tp, **({"dp_shard": c.dp_shard} if c.dp_shard else {})}
+    return {"pp": c.pp, "dp": c.dp, "tp": c.tp, **({"dp_shard": c.dp_shard} if c.dp_shard else {}),
+            **({"ep": c.ep} if c.ep else {})}
 
 
 def mesh_text(mesh: dict) -> str:
     dp = f"dp{mesh['dp']}" + (f" ({mesh['dp'] // mesh['dp_shard']} replicas x {mesh['dp_shard']} shards)"
-                              if mesh.get("dp_shard") else "")
+                              if mesh.get("dp_shard") else "") + (f" (ep {mesh['ep']})" if mesh.get("ep") else "")
     return f"pp{mesh['pp']} x {dp} x tp{mesh['tp']}"
 
 
@@ -67,6 +68,7 @@ def layout_summary(c: Candidate, choices) -> dict:
 
 
 _TIME_WORDS = {"compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
+               "ep_comm_s": "expert-parallel all-to-alls",
                "pp_comm_s": "pipeline communication", "dp_comm_exposed_s": "exposed data-parallel communication",
                "bubble_s": "pipeline bubble", "optimizer_s": "optimizer step"}
 

@@ -23,7 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
-from autopar.solve import compression, float8_choice, hsdp
+from autopar.solve import compression, expert_parallel, float8_choice, hsdp
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
@@ -35,7 +35,7 @@ from autopar.solve.plan_build import TP_KINDS, build_plan, tp_style  # noqa: F40
 from autopar.solve.problem import KIB, memory_floor, to_mem_units
 from autopar.solve.refine import UNIFORM_ESTIMATES, fits, polish, tidy, uniform_layouts, uniform_pricings
 from autopar.solve.search import CandidateResult, SearchResult, search
-from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, whole_batch_reason
+from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, moe_experts, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.capacity import check_capacity
 from autopar.two_processes import Beside
@@ -200,7 +200,8 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
                                        seq_len=getattr(model, "seq_len", None),
                                        lowering_limits=getattr(model, "lowering_limits", None),
                                        whole_batch=whole_batch_reason(model.layers),
-                                       tp_why=tp_refusals(model, divisors(world)))
+                                       tp_why=tp_refusals(model, divisors(world)),
+                                       experts=moe_experts(model.layers) if engine_of(model).is_autopar else 0)
     if not cands:
         raise InfeasibleError(
             f"no valid mesh for {world} GPUs, global batch {global_batch_size} and {len(model.layers)} layers"
@@ -562,6 +563,9 @@ def _choose(req: _Request, found: _Found):
     why = hsdp.account(winner, pool, tried)
     if why:
         selection["hsdp"] = why
+    why = expert_parallel.account(winner, pool, moe_experts(req.spec.layers))
+    if why:
+        selection["ep"] = why
     winner, why = compression.choose(req.spec, req.cluster, winner, req.pins.grad_reduce_dtype, req.limit)
     if why:
         selection["compression"] = why
