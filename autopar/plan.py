@@ -45,10 +45,14 @@ class Mesh:
     # gradient shards all-reduced across the dp / dp_shard replicas. None (and absent
     # from the JSON): one shard group of the whole dp, as every plan before the field.
     dp_shard: int | None = None
+    # Context parallelism: every sequence cut over cp ranks (ring attention), between dp
+    # and tp in rank order as torchtitan orders it (pp, dp, cp, tp); parameters sharded and
+    # gradients reduced over dp x cp. None (and absent from the JSON): no cut, cp 1.
+    cp: int | None = None
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * (self.cp or 1) * self.tp
 
     @property
     def shard_ranks(self) -> int:
@@ -184,6 +188,8 @@ class Plan:
         d = asdict(self)
         if d["mesh"].get("dp_shard") is None:  # not HSDP: the JSON of every plan before the field
             d["mesh"].pop("dp_shard", None)
+        if (d["mesh"].get("cp") or 1) == 1:  # no context parallelism: the JSON of every plan before the field
+            d["mesh"].pop("cp", None)
         return d
 
     def to_json(self, indent: int | None = 2) -> str:

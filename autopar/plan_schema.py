@@ -48,7 +48,7 @@ _KINDS = {
     "strlist": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "any": ("anything", lambda v: True),
 }
-_MESH = ("object", {"pp": "posint", "dp": "posint", "tp": "posint", "dp_shard": "posint"}, "closed")
+_MESH = ("object", {"pp": "posint", "dp": "posint", "tp": "posint", "dp_shard": "posint", "cp": "posint"}, "closed")
 _NUMBERS = ("object", "number")  # every value a number
 _COMM = ("object", {"axis": "str", "collective": "str", "tier": "str", "bytes": "number", "time_s": "number",
                     "exposed_s": "number"})
