@@ -25,7 +25,11 @@ What this file adds to torch:
     mesh) the step is the mean over every token, as one process computes it.
   * the refusals (`refusal`): what torch's ring cannot split.
 
-Not wired into the Plan yet (docs/lowering.md "Context parallelism").
+From a Plan (`Mesh.cp` > 1): `lower` builds the (pp, dp, cp, tp) mesh
+(lower/mesh.py), shards the parameters over dp x cp (`mesh.data_mesh`), refuses
+what cannot run before any group exists (`check_plan`), and every train / eval
+step runs inside `step_shard`; the loss's global token mean is model_io's
+(`ParallelModel._weigh_by_tokens` counts cp's shares).
 """
 from __future__ import annotations
 
@@ -250,6 +254,77 @@ def sequence_shard(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torc
             module._buffers[name] = original
 
 
+def model_refusal(model: nn.Module, seq_len, *, n_inputs: int = 1, graph=None) -> str | None:
+    """Why no cp can run on `model` (what_runs' "cp"), or None: `refusal` at cp 2 on its
+    sequence rounded up to 4 tokens (each plan's own 2 x cp chunks are checked with it)."""
+    if not seq_len:
+        return "the model's inputs have no sequence axis to cut"
+    return refusal(model, seq_len + (-seq_len) % 4, 2, n_inputs=n_inputs, graph=graph)
+
+
+def plan_refusal(model: nn.Module, plan, example_inputs) -> str | None:
+    """Why `plan`'s mesh.cp cannot run on `model` as autopar lowers it, or None:
+    `refusal` on the example inputs' sequence, and what the lowering does not compose
+    cp with yet (a pipeline, whose stages are built for the whole sequence; HSDP)."""
+    cp = plan.mesh.cp or 1
+    if cp == 1:
+        return None
+    if plan.mesh.pp > 1:
+        return f"context parallel {cp} under a pipeline (pp {plan.mesh.pp}) is not lowered; use pp 1 with cp"
+    if plan.mesh.hsdp:
+        return f"context parallel {cp} with HSDP (mesh.dp_shard) is not lowered; drop dp_shard with cp"
+    if callable(example_inputs):  # batch size -> one micro-batch's inputs
+        example_inputs = example_inputs(plan.micro_batch_size)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    first = inputs[0] if inputs else None
+    if not isinstance(first, torch.Tensor) or first.dim() != 2 or first.is_floating_point():
+        return "context parallel cuts token ids of shape (batch, seq); these example inputs are not"
+    return refusal(model, plan.seq_len or first.shape[1], cp, n_inputs=len(inputs))
+
+
+def check_plan(model: nn.Module, plan, example_inputs) -> None:
+    """`plan_refusal` as an error, on every rank before any process group."""
+    reason = plan_refusal(model, plan, example_inputs)
+    if reason:
+        raise PlanMismatchError(f"mesh.cp {plan.mesh.cp} cannot run: {reason}")
+
+
+@contextlib.contextmanager
+def step_shard(model: nn.Module, cp_mesh, inputs: tuple, targets: torch.Tensor, loss_fn):
+    """One step's batch cut over cp (`sequence_shard`), as ((inputs,), targets). A
+    loss that shifts its labels itself (transformers' causal LM loss) gets them
+    shifted over the whole sequence first and told so (`labels_shifted`)."""
+    seq = targets.shape[1] if targets.dim() >= 2 else 0
+    cp = cp_mesh.size()
+    if seq % (2 * cp):
+        raise PlanMismatchError(f"context parallel {cp} needs the sequence ({seq}) in 2 x cp = {2 * cp} equal "
+                                f"chunks; pad the batch's sequences to a multiple of {2 * cp}")
+    shift = bool(getattr(loss_fn, "shift", False))
+    with sequence_shard(model, cp_mesh, inputs[0], targets, shift_labels=shift) as (x, y):
+        ring_sdpa = F.scaled_dot_product_attention  # torch's CP wrapper, installed by the context
+        F.scaled_dot_product_attention = _heads_local(ring_sdpa)
+        loss_fn.labels_shifted = shift
+        try:
+            yield (x,), y
+        finally:
+            loss_fn.labels_shifted = False
+            F.scaled_dot_product_attention = ring_sdpa  # before the context restores its own
+
+
+def _heads_local(ring_sdpa):
+    """SDPA whose tensor-parallel DTensor inputs (q, k, v on the tp mesh, heads split)
+    enter torch's ring as this rank's heads: the ring takes plain tensors or its own
+    Shard(seq) DTensors only. The output goes back to the tp placements it came in."""
+    from torch.distributed.tensor import DTensor
+
+    def sdpa(query, key, value, *args, **kwargs):
+        if not isinstance(query, DTensor):
+            return ring_sdpa(query, key, value, *args, **kwargs)
+        out = ring_sdpa(query.to_local(), key.to_local(), value.to_local(), *args, **kwargs)
+        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+    return sdpa
+
+
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_mesh, ignore_index: int = -100):
     """(loss to backpropagate, the global mean loss) for this rank's tokens.
     Cross entropy summed over the rank's scored tokens, divided by the scored
@@ -311,5 +386,5 @@ def unshard(cp_mesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
     return context_parallel_unshard(cp_mesh, [tensor], [seq_dim])[0]
 
 
-__all__ = ["apply_context_parallel", "check", "forward_backward", "graph_refusal", "position_tables", "refusal",
+__all__ = ["apply_context_parallel", "check", "check_plan", "model_refusal", "plan_refusal", "step_shard", "forward_backward", "graph_refusal", "position_tables", "refusal",
            "register_cpu_ring_attention", "sequence_shard", "token_loss", "unshard"]

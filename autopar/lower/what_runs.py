@@ -26,7 +26,9 @@ with the reason for each layout it rules out:
      "unverified": [what the fake run could not decide],
      "tp_checked": [the tp degrees tried: those the planner's cluster can use],
      "runs_whole": {embedding / head layer: why tp leaves it whole},
-     "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal)}
+     "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal),
+     "cp": why context parallelism cannot cut this model's sequences, only where it
+           cannot (context_parallel.model_refusal; cp runs at pp 1 without HSDP)}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
 be decided here; such a layout is not offered either (the reason says so,
 and "unverified" lists it), while a hand-made plan that asks for it is
@@ -460,6 +462,9 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     from autopar.lower.data_parallel import hsdp_refusal
     if why_not_hsdp := hsdp_refusal():  # HSDP (Mesh.dp_shard) is model-independent: only this torch can refuse it
         out["hsdp"] = why_not_hsdp
+    from autopar.lower.context_parallel import model_refusal
+    if why_not_cp := model_refusal(model, getattr(graph, "seq_len", None), n_inputs=len(args), graph=graph):
+        out["cp"] = why_not_cp  # absent where cp runs: the answers (and plans) of before read unchanged
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")
