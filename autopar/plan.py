@@ -68,10 +68,12 @@ class Mesh:
         return self.dp_shard is not None and self.dp_shard < self.dp
 
     def dp_text(self) -> str:
-        """'dp 8' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        """'dp 8' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report); then
+        ' x cp 16' under context parallelism."""
+        cp = f" x cp {self.cp}" if (self.cp or 1) > 1 else ""
         if not self.hsdp:
-            return f"dp {self.dp}"
-        return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards"
+            return f"dp {self.dp}{cp}"
+        return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards{cp}"
 
 
 @dataclass

@@ -92,7 +92,7 @@ PLAN_SCHEMA = ("object", {
     "solver": "object",
     "assumptions": "object",
     "constraints": ("object", {"tp": "posint", "pp": "posint", "dp": "posint", "dp_shard": "posint",
-                               "micro_batch": "posint",
+                               "cp": "posint", "micro_batch": "posint",
                                "zero": "int", "checkpoint": "str", "offload": "str", "schedule": "str",
                                "virtual_stages": "posint", "sequence_parallel": "bool"}),
 })

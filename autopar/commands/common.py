@@ -54,6 +54,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     pin.add_argument("--dp-shard", dest="dp_shard", type=int, default=None, metavar="N",
                      help="HSDP: shard ZeRO states over groups of N dp ranks, replicated across dp / N groups "
                           "(default: the planner prices whole-dp sharding and node-sized groups)")
+    pin.add_argument("--cp", type=int, default=None, metavar="N",
+                     help="context parallelism: cut every sequence over N ranks (ring attention; default: the "
+                          "planner tries it where one sequence's activations do not fit, or cp pays)")
     pin.add_argument("--micro-batch", type=int, default=None, metavar="N", help="samples per micro-batch")
     pin.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO level of every layer")
     pin.add_argument("--checkpoint", default=None, choices=("none", "selective", "full"),
@@ -140,8 +143,8 @@ def engine_from_args(args):
 
 # Options that only matter when planning (None = not given): meaningless next to a saved --plan.
 PLANNING_OPTIONS = ("gpus", "gpus_per_node", "device", "cluster", "batch_size", "seq_len", "tp", "pp", "dp",
-                    "dp_shard", "micro_batch", "zero", "checkpoint", "offload", "schedule", "sequence_parallel",
-                    "memory_headroom", *ENGINE_OPTIONS)
+                    "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "offload", "schedule",
+                    "sequence_parallel", "memory_headroom", *ENGINE_OPTIONS)
 
 
 def planning_options_given(args, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -162,7 +165,7 @@ def check_report_path(path: str, flag: str) -> None:
 
 
 def constraints_from_args(args) -> dict:
-    keys = ("tp", "pp", "dp", "dp_shard", "micro_batch", "zero", "checkpoint", "schedule", "sequence_parallel",
+    keys = ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "schedule", "sequence_parallel",
             "offload")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

@@ -214,9 +214,10 @@ def _print_layout(plan, console) -> None:
     mesh.add_row(str(plan.mesh.pp), dp, str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
-    why = (plan.solver or {}).get("hsdp") if isinstance(plan.solver, dict) else None
-    if why:
-        console.print(why, markup=False)
+    for key in ("hsdp", "cp"):  # why the plan shards / cuts sequences as it does
+        why = (plan.solver or {}).get(key) if isinstance(plan.solver, dict) else None
+        if why:
+            console.print(why, markup=False)
 
 
 def _print_speed(plan, console) -> None:

@@ -463,7 +463,8 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     if why_not_hsdp := hsdp_refusal():  # HSDP (Mesh.dp_shard) is model-independent: only this torch can refuse it
         out["hsdp"] = why_not_hsdp
     from autopar.lower.context_parallel import model_refusal
-    if why_not_cp := model_refusal(model, getattr(graph, "seq_len", None), n_inputs=len(args), graph=graph):
+    seq_len = getattr(graph, "seq_len", None)  # no sequence (images): nothing to cut, nothing to say
+    if seq_len and (why_not_cp := model_refusal(model, seq_len, n_inputs=len(args), graph=graph)):
         out["cp"] = why_not_cp  # absent where cp runs: the answers (and plans) of before read unchanged
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}

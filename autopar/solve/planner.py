@@ -23,6 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
+from autopar.solve import context_parallel as cp_search
 from autopar.solve import float8_choice, hsdp
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
@@ -307,10 +308,17 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                    # Distinct meshes kept exact by the search (the winner and two runners-up): more
                    # would loosen the pruning cutoff and multiply the solves for little insight.
                    keep=3 if top_k > 0 else 1, progress=progress)
-    found = _search_and_price(req)
-    if not found.fitting:
-        _refuse(req, found)
-    chosen, winner, selection, others = _choose(req, found)
+    found = _search_and_price(req) if (pins.cp or 1) == 1 else None  # a pinned cp searches only its share
+    base = _choose(req, found) if found is not None and found.fitting else None
+    cut = cp_search.search(req, base, _search_and_price, _choose)  # solve/context_parallel.py
+    if cut is None or cut[0] == "tried":
+        if base is None:
+            _refuse(req, found)
+        chosen, winner, selection, others = base
+        if cut:
+            selection["cp"] = cut[1]
+    else:
+        found, chosen, winner, selection, others = cut
     plan_obj = build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, found.result,
                           selection)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
