@@ -30,10 +30,26 @@ def _cp_seen_world(rank, world):
     return {"seen": seen, "data_group": pm.mesh["dp", "cp"].size(), "cp_rank": pm.mesh["cp"].get_local_rank()}
 
 
+def _planned_cp(path) -> str:
+    """What the planner writes for a pinned --cp 2 on 2 CPU ranks (fp32, as the reference
+    trains), saved as JSON: the cp layout the planner offers must run as one process does."""
+    from autopar.solve.planner import scaled_cluster
+    from cost_models.hardware import ClusterSpec
+    from lower_worlds import GLOBAL_BATCH, build
+    import autopar
+    model, example, _ = build("llama")
+    p = autopar.plan(model, scaled_cluster(ClusterSpec.resolve("cpu"), 1, 2), example, global_batch_size=GLOBAL_BATCH,
+                     constraints={"cp": 2}, precision="fp32", fusion=False)
+    assert p.mesh.cp == 2 and p.mesh.world_size == 2
+    p.save(str(path))
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cp2_plan_matches_one_process():
-    layouts = [("cp2", dict(cp=2, seq_len=SEQ)), ("cp2_zero3_mb2", dict(cp=2, seq_len=SEQ, zero=3,
+def test_cp2_plan_matches_one_process(tmp_path):
+    planned = ("planned", {"plan_json": _planned_cp(tmp_path / "plan.json")})
+    layouts = [planned, ("cp2", dict(cp=2, seq_len=SEQ)), ("cp2_zero3_mb2", dict(cp=2, seq_len=SEQ, zero=3,
                                                                          num_micro_batches=2)),
                # transformers' own causal loss: labels shifted over the whole sequence, then cut
                ("hf_llama_cp2", dict(model="hf_llama", cp=2, seq_len=SEQ))]
