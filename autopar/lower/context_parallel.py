@@ -279,7 +279,36 @@ def plan_refusal(model: nn.Module, plan, example_inputs) -> str | None:
     first = inputs[0] if inputs else None
     if not isinstance(first, torch.Tensor) or first.dim() != 2 or first.is_floating_point():
         return "context parallel cuts token ids of shape (batch, seq); these example inputs are not"
-    return refusal(model, plan.seq_len or first.shape[1], cp, n_inputs=len(inputs))
+    return (refusal(model, plan.seq_len or first.shape[1], cp, n_inputs=len(inputs))
+            or attention_refusal(model, inputs))
+
+
+def attention_refusal(model: nn.Module, inputs: tuple) -> str | None:
+    """How the model calls SDPA, seen in one forward on fake tensors (model_io.probe_forward,
+    no real weight read, no collective): torch's load-balanced ring takes is_causal without a
+    mask only. None also when the probe cannot run the model (the step then says why)."""
+    from autopar.lower.model_io import forward_kwargs, probe_forward
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        calls.append((mask is not None, bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))))
+        return sdpa(*args, **kwargs)
+    F.scaled_dot_product_attention = spy
+    try:
+        with probe_forward(model):
+            model(*inputs, **forward_kwargs(model))
+    except Exception:  # noqa: BLE001 - undecided here
+        return None
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    if not calls:
+        return "the model calls no scaled_dot_product_attention, which is what context parallel splits"
+    if any(mask for mask, _ in calls):
+        return "the model passes an attention mask tensor to SDPA: torch's ring attention takes is_causal only"
+    if not all(causal for _, causal in calls):
+        return "the model runs non-causal attention: the load-balanced ring needs is_causal=True"
+    return None
 
 
 def check_plan(model: nn.Module, plan, example_inputs) -> None:
