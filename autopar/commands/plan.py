@@ -307,6 +307,7 @@ def _print_alternatives(plan, console, top: int) -> None:
     for i, a in enumerate(plan.alternatives[:top], 1):
         sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
         layout = (f"{a['mesh']['pp']}x{a['mesh']['dp']}x{a['mesh']['tp']}"
+                  + (f" cp{a['mesh']['cp']}" if a["mesh"].get("cp") else "")
                   + (" SP" if a.get("sequence_parallel") else "")
                   + f", {sched}, mb {a['micro_batch_size']}x{a['num_micro_batches']}")
         step = a.get("predicted", {}).get("step_time_s")

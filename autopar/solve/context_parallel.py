@@ -148,15 +148,18 @@ def _in_cp_terms(req, found_cp, choice, cp: int):
     chosen, winner, selection, others = choice
     convert = lambda x: as_cp(x, cp, req.spec, req.cluster)  # noqa: E731
     try:
-        winner_cp, chosen_cp = convert(winner), convert(chosen)
         priced = [convert(x) for x in found_cp.priced]
         others = [convert(x) for x in others]
+        kept = [convert(winner)] + priced + others
     except CostModelError:
         return None
-    if not fits(winner_cp[2], req.limit):
+    # the share under-prices the ring; among what it found, the fastest by the cp estimate wins
+    fitting = [x for x in kept if fits(x[2], req.limit)]
+    if not fitting:
         return None
+    best = min(fitting, key=lambda x: (x[2].step_time_s, x[0].candidate))
     found_cp = dataclasses.replace(found_cp, priced=priced, fitting=[x for x in priced if fits(x[2], req.limit)])
-    return found_cp, chosen_cp, winner_cp, dict(selection), others
+    return found_cp, best, best, dict(selection), [x for x in others if x is not best]
 
 
 def _explained(picked, cp: int, best, tried: list):
