@@ -60,3 +60,10 @@ def test_not_tried_for_short_sequences_nor_where_the_lowering_cannot_run_it():
     assert plan.mesh.cp is None and "cp" not in json.loads(plan.to_json())["mesh"]
     with pytest.raises(InfeasibleError, match="--cp 2: context parallelism cannot be planned: the lowering cannot"):
         autopar.plan(refused, CLUSTER, global_batch_size=8, fusion=False, constraints={"cp": 2})
+
+
+def test_export_refuses_a_cp_plan_in_one_line():
+    from autopar.errors import AutoparError
+    from autopar.export_config import export
+    with pytest.raises(AutoparError, match="cuts sequences over cp 2 ranks"):
+        export(_plan(cp=2), "torchtitan")
