@@ -329,6 +329,10 @@ def step_shard(model: nn.Module, cp_mesh, inputs: tuple, targets: torch.Tensor, 
         raise PlanMismatchError(f"context parallel {cp} needs the sequence ({seq}) in 2 x cp = {2 * cp} equal "
                                 f"chunks; pad the batch's sequences to a multiple of {2 * cp}")
     shift = bool(getattr(loss_fn, "shift", False))
+    # the ring of K/V sends, each overlapped with a step's attention, as cost_models/context_parallel.py
+    # prices it (torch's default rotation all-gathers every shard after the first step instead)
+    from torch.distributed.tensor.experimental import _attention as cp_api
+    cp_api.set_rotate_method("alltoall")
     with sequence_shard(model, cp_mesh, inputs[0], targets, shift_labels=shift) as (x, y):
         ring_sdpa = F.scaled_dot_product_attention  # torch's CP wrapper, installed by the context
         F.scaled_dot_product_attention = _heads_local(ring_sdpa)
