@@ -52,7 +52,11 @@ def test_cp2_plan_matches_one_process(tmp_path):
     layouts = [planned, ("cp2", dict(cp=2, seq_len=SEQ)), ("cp2_zero3_mb2", dict(cp=2, seq_len=SEQ, zero=3,
                                                                          num_micro_batches=2)),
                # transformers' own causal loss: labels shifted over the whole sequence, then cut
-               ("hf_llama_cp2", dict(model="hf_llama", cp=2, seq_len=SEQ))]
+               ("hf_llama_cp2", dict(model="hf_llama", cp=2, seq_len=SEQ)),
+               # position ids in a buffer (zoo GPT), a learned position table (GPT-2), a window longer
+               # than the sequence (Mistral, which then passes is_causal)
+               ("gpt_cp2", dict(model="gpt", cp=2, seq_len=SEQ)), ("hf_gpt2_cp2", dict(model="hf_gpt2", cp=2)),
+               ("hf_mistral_cp2", dict(model="hf_mistral", cp=2))]
     results = run_world(equivalence_world, 2, "llama", layouts, "sgd", timeout=280)
     for name, r in results[0].items():
         assert results[1][name]["losses"] == r["losses"], name

@@ -19,10 +19,9 @@ What this file adds to torch:
     (output, logsumexp (b, h, s)) pair. `register_cpu_ring_attention` adds it and
     its backward to torch's CP op table, each run by torch's own
     `_templated_ring_attention(_backward)`: same ring, same rotation, same merge.
-  * the loss over cp: each rank scores its own tokens; `token_loss` divides the
-    local sum by the global count of scored tokens, so after the gradient
-    averaging over cp (`apply_context_parallel`: torch's `replicate` on the cp
-    mesh) the step is the mean over every token, as one process computes it.
+  * the loss over cp: each rank scores its own tokens, and model_io's global token
+    mean counts cp's shares (`ParallelModel._weigh_by_tokens`), so after the gradient
+    averaging over dp x cp the step is the mean over every token, as one process computes it.
   * the refusals (`refusal`): what torch's ring cannot split.
 
 From a Plan (`Mesh.cp` > 1): `lower` builds the (pp, dp, cp, tp) mesh
@@ -358,53 +357,6 @@ def _heads_local(ring_sdpa):
     return sdpa
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_mesh, ignore_index: int = -100):
-    """(loss to backpropagate, the global mean loss) for this rank's tokens.
-    Cross entropy summed over the rank's scored tokens, divided by the scored
-    tokens of every rank (one tiny all-reduce over cp): with gradients averaged
-    over cp (`apply_context_parallel`), the step's gradient is the mean over all
-    tokens, as one process computes it, also when ranks score different numbers
-    of tokens (-100 labels)."""
-    import torch.distributed._functional_collectives as funcol
-    group = cp_mesh.get_group()
-    local_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
-                                reduction="sum")
-    count = (labels != ignore_index).sum().to(torch.float32)
-    total = funcol.all_reduce(count.detach(), "sum", group).clamp(min=1)
-    for_backward = local_sum * cp_mesh.size() / total
-    mean = funcol.all_reduce(local_sum.detach(), "sum", group) / total
-    return for_backward, mean
-
-
-def forward_backward(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torch.Tensor, *,
-                     shift_labels: bool = False, call=None) -> torch.Tensor:
-    """One micro-batch's forward and backward with its sequence cut over cp;
-    returns the global mean loss. `call(model, inputs)` runs the model (default
-    `model(inputs)`); its output is the logits or has `.logits`."""
-    with sequence_shard(model, cp_mesh, inputs, labels, shift_labels=shift_labels) as (x, y):
-        out = call(model, x) if call is not None else model(x)
-        loss, mean = token_loss(out if isinstance(out, torch.Tensor) else out.logits, y, cp_mesh)
-        loss.backward()
-    return mean
-
-
-def apply_context_parallel(model: nn.Module, cp_mesh, *, shard: bool = False, blocks=()) -> nn.Module:
-    """Gradients averaged over cp, which `token_loss` expects. `shard=False`:
-    parameters whole on every cp rank, torch's `replicate` (DDP) on the cp mesh.
-    `shard=True`: FSDP2 `fully_shard` over cp, each of `blocks` a unit and the
-    model the root, as torchtitan folds cp into FSDP's mesh (dp_shard_cp); the
-    only form that takes tensor-parallel (DTensor) parameters. Composing with
-    autopar's own dp/FSDP axis is the wiring step."""
-    register_cpu_ring_attention()
-    if not shard:
-        from autopar.lower.data_parallel import apply_replicate
-        return apply_replicate(model, cp_mesh)
-    from torch.distributed.fsdp import fully_shard
-    for block in blocks:
-        fully_shard(block, mesh=cp_mesh, reshard_after_forward=False)
-    return fully_shard(model, mesh=cp_mesh, reshard_after_forward=False)
-
-
 def check(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph=None) -> None:
     """`refusal` as an error (every rank raises alike, before any collective)."""
     reason = refusal(model, seq_len, cp, n_inputs=n_inputs, graph=graph)
@@ -419,5 +371,5 @@ def unshard(cp_mesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
     return context_parallel_unshard(cp_mesh, [tensor], [seq_dim])[0]
 
 
-__all__ = ["apply_context_parallel", "check", "check_plan", "model_refusal", "plan_refusal", "step_shard", "forward_backward", "graph_refusal", "position_tables", "refusal",
-           "register_cpu_ring_attention", "sequence_shard", "token_loss", "unshard"]
+__all__ = ["check", "check_plan", "model_refusal", "plan_refusal", "step_shard", "graph_refusal", "position_tables", "refusal",
+           "register_cpu_ring_attention", "sequence_shard", "unshard"]
