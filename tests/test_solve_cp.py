@@ -33,7 +33,7 @@ def test_long_sequences_cut_when_the_pipeline_idles():
     plan = _plan()
     assert (plan.mesh.cp or 1) > 1 and plan.mesh.pp == 1
     assert plan.mesh.world_size == 128 and plan.global_batch_size == 8
-    assert plan.solver["cp"].startswith(f"cp {plan.mesh.cp}: every sequence cut over")
+    assert plan.solver["cp"].startswith(f"cp {plan.mesh.cp}: every sequence cut over {plan.mesh.cp} ranks")
     assert "faster than the best layout without cp" in plan.solver["cp"]
     assert any("cp" not in a["mesh"] for a in plan.alternatives)  # the layout without cp is shown beside it
     # what is priced is what runs: the Plan's numbers are the estimate of its own cp layout

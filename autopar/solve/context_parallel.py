@@ -4,9 +4,10 @@ Where cp is tried. Pinned (`--cp N`): only cp N. Unpinned, cp > 1 only where it
 can pay: a cp rank holds 1/cp of every sequence's activations for the same tokens
 per GPU and step (cost_models/context_parallel.py), and cp ranks are GPUs a batch
 of few long sequences could not otherwise fill without a deep pipeline. So:
+for sequences of LONG_SEQUENCE tokens or more (shorter ones plan as before cp existed):
   * cp 2, 4, 8, ... (2 x cp dividing the sequence) when no layout fits at cp 1,
     keeping the smallest that fits: one sequence's activations are what does not fit;
-  * for sequences of LONG_SEQUENCE tokens or more, when the best cp-1 layout
+  * when the best cp-1 layout
     recomputes every layer in full, offloads, or idles in its pipeline bubble
     (`pays_to_try`): two cuts from the one at which the batch fills the cluster
     with tp a node and no pipeline; the faster of them and the cp-1 plan by the
@@ -37,9 +38,9 @@ from autopar.solve.refine import fits
 
 MAX_CP = 64  # the largest cut tried unpinned (Llama 3 405B's long-context stage used 16)
 # Search-cost guards, not prices (the estimate decides between the layouts found): cp is
-# searched beside a cp-1 plan that fits only for sequences this long (Llama 3 cut its
-# 131,072-token stage over 16; below 16k tokens a sequence's activations rarely bind)
-# and only where that plan idles in its pipeline more than this share of the step.
+# searched unpinned only for sequences this long (Llama 3 cut its 131,072-token stage over
+# 16; below 16k tokens a sequence's activations rarely bind), and beside a cp-1 plan that
+# fits only where that plan idles in its pipeline more than this share of the step.
 LONG_SEQUENCE = 16384
 BUBBLE_SHARE = 0.10
 
@@ -72,7 +73,7 @@ def sizes_to_try(spec, cluster, pins, global_batch_size: int, best) -> list[int]
     if pins.cp is not None:
         return [pins.cp] if pins.cp > 1 else []
     seq = spec.seq_len
-    if best is not None and (seq < LONG_SEQUENCE or not pays_to_try(best)):
+    if seq < LONG_SEQUENCE or best is not None and not pays_to_try(best):
         return []
     start = 2
     if best is not None:  # the cut at which the batch fills the cluster without a pipeline, tp a node
@@ -170,11 +171,13 @@ def _explained(picked, cp: int, best, tried: list):
     if best is not None:
         if best[2].step_time_s <= est.step_time_s:
             return ("tried", f"cp tried ({'; '.join(tried)}): none faster than cp 1 ({best[2].step_time_s:.3f} s)")
-        why = (f"cp {cp}: every sequence cut over {cp} ranks (ring attention), so the batch fills the GPUs with "
-               f"{_mesh_text(winner[0].candidate)}; {1 - est.step_time_s / best[2].step_time_s:.1%} faster than "
-               f"the best layout without cp ({best[2].step_time_s:.2f} s, {best[0].candidate.describe()}, "
-               f"{best[2].time_breakdown.get('bubble_s', 0.0) / best[2].step_time_s:.0%} of it pipeline bubble); "
-               f"tried {'; '.join(tried)}")
+        t = best[2].time_breakdown
+        why = (f"cp {cp}: every sequence cut over {cp} ranks (ring attention), {_mesh_text(winner[0].candidate)}, "
+               f"each rank holding 1/{cp} of every sequence's activations; "
+               f"{1 - est.step_time_s / best[2].step_time_s:.1%} faster than the best layout without cp "
+               f"({best[2].step_time_s:.2f} s, {best[0].candidate.describe()}: pipeline bubble "
+               f"{t.get('bubble_s', 0.0) / best[2].step_time_s:.0%}, recomputation "
+               f"{t.get('recompute_s', 0.0) / best[2].step_time_s:.0%} of it); tried {'; '.join(tried)}")
         others = others + [best]
     else:
         why = (f"cp {cp}: no layout fits one sequence's activations at cp 1"
