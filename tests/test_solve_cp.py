@@ -42,6 +42,8 @@ def test_long_sequences_cut_when_the_pipeline_idles():
     est = estimate(_llama(), layout, ClusterSpec.resolve(CLUSTER))
     assert est.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert plan.to_json() == _plan().to_json()  # same model and cluster, same plan
+    from autopar.report.html import render_html  # the report draws the dp x cp x tp ranks and names cp
+    assert f"dp {plan.mesh.dp} \u00d7 cp {plan.mesh.cp} \u00d7 tp {plan.mesh.tp} = 128 GPUs" in render_html(plan)
 
 
 def test_pin_and_its_contradictions():
