@@ -114,3 +114,19 @@ def test_what_runs_says_where_cp_cannot_run():
     assert "cp" not in limits(model, autopar.capture(model, example), example)
     model.register_buffer("causal_mask", torch.ones(SEQ, SEQ).tril())  # a precomputed mask: not splittable
     assert "causal_mask" in limits(model, autopar.capture(model, example), example)["cp"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_training_data_path_under_cp(tmp_path):
+    """autopar.train's pieces under cp 2 x dp 2: each dp rank reads its share of a token file
+    (the cp ranks of one dp rank the same samples, which the step cuts), clipping by the global
+    gradient norm over dp x cp shards, warmup + cosine, AdamW; as one process on the whole batch."""
+    from lower_worlds import training_runtime_world
+    from test_train_runtime import _token_file
+    path = _token_file(tmp_path, n=64 * 16 + 1)
+    results = run_world(training_runtime_world, 4, path, [("cp2_dp2", dict(cp=2, dp=2, zero=3))], timeout=380)
+    r = results[0]["cp2_dp2"]
+    assert abs(r["norms"][0] / r["ref_norms"][0] - 1) < 1e-6, (r["norms"], r["ref_norms"])
+    assert r["norm_rel"] < 1e-4 and r["loss_rel"] < 1e-4 and r["param_rel"] < 1e-3, r
+    assert all(res == results[0] for res in results[1:])
