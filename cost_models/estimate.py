@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from cost_models import comm as C
 from cost_models.compute import fast
+from cost_models.context_parallel import cp_view
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_fingerprint  # also importable from here (docs/INTERFACES.md)
 from cost_models.hardware import ClusterSpec
@@ -251,7 +252,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     n = len(layers)
     layout.validate(n)
     if layout.world_size > cluster.world_size:
-        raise CostModelError(f"layout needs tp x pp x dp = {layout.world_size} GPUs, "
+        raise CostModelError(f"layout needs tp x pp x dp x cp = {layout.world_size} GPUs, "
                              f"the cluster has {cluster.world_size}")
     device = cluster.device_profile
     peak = device.peak(layout.precision)
@@ -268,6 +269,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         if key not in same:
             same[key] = layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o, float8=f)
         costs.append(same[key])
+    # under context parallelism what follows prices one cp rank's share (cp_view): seq / cp
+    # tokens a sequence, dp x cp ranks; the whole job's batch and FLOPs from `whole`
+    whole, (model, layout) = (model, layout), cp_view(model, layout)
     byte_scale = DTYPE_BYTES[layout.precision] / (model.dtype_bytes or 2)
     pipe = pipeline(model, layout, cluster, costs, byte_scale)
 
@@ -283,14 +287,14 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     st = _step(pipe, costs, layout, device)
     step = st.step_s
 
-    model_flops, hw_flops = _model_flops(layers, ckpts, layout, s1)
+    model_flops, hw_flops = _model_flops(layers, ckpts, whole[1], whole[0].seq_len or 1)
     world = layout.world_size
     why = _why_not_fit(peaks, memory, device.usable_memory_bytes, host_per_gpu, cluster)
     time_breakdown = _time_breakdown(costs, pipe.ranks[st.critical], st, pipe, layout.num_micro_batches)
-    gbs = layout.global_batch_size
+    gbs = whole[1].global_batch_size
     return Estimate(
         step_time_s=step,
-        tokens_per_s=gbs * (model.tokens_per_sample or s1) / step,
+        tokens_per_s=gbs * (whole[0].tokens_per_sample or whole[0].seq_len or 1) / step,
         tflops_per_gpu=model_flops / step / world / 1e12,
         mfu=model_flops / (step * world * peak),
         peak_memory_bytes=peaks,

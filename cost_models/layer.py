@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from cost_models.compute import fast
+from cost_models.context_parallel import sharded_layer_cost
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_cost_key
 from cost_models.float8 import converted_ops, device_runs_float8, weight_elements
@@ -98,7 +99,10 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: Clus
     hit = _LAYER_CACHE.get(key)
     if hit is not None:
         return hit
-    if float8 is None and layout.float8 and _converts_any(layer, layout, model, cluster):
+    if layout.cp > 1:  # one cp rank's share of the sequence, its attention over the ring
+        cost = sharded_layer_cost(layer, model, layout, cluster, checkpoint=checkpoint, price=lambda m, l: layer_cost(
+            layer, m, l, cluster, zero=zero, checkpoint=checkpoint, offload=offload, float8=float8))
+    elif float8 is None and layout.float8 and _converts_any(layer, layout, model, cluster):
         # float8 changes the Linears' time, not what is held: the faster of the two
         cost = min((_layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, f8) for f8 in (False, True)),
                    key=lambda c: c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s)

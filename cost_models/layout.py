@@ -89,6 +89,11 @@ class Layout:
     # ep_fold_ranks / ep ("efsdp", torchtitan's dp_shard x cp = efsdp x ep); dense layers,
     # routers and shared experts as without it. 1: every rank holds every expert.
     ep: int = 1
+    # Context parallelism (cost_models/context_parallel.py): every sequence cut over cp ranks,
+    # placed between dp and tp (tp, cp, dp, pp from the innermost, as torchtitan orders them);
+    # every op but attention runs on seq / cp tokens, the ZeRO states are sharded and the
+    # gradients reduced over dp x cp (torchtitan's dp_shard_cp). 1: no cut.
+    cp: int = 1
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -97,7 +102,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def shard_ranks(self) -> int:
@@ -129,7 +134,7 @@ class Layout:
 
     def validate(self, num_layers: int | None = None) -> None:
         """Raise CostModelError naming the first field that cannot be priced."""
-        for key in ("tp", "pp", "dp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
+        for key in ("tp", "pp", "dp", "cp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostModelError(f"layout.{key} must be a positive integer, got {value!r}")

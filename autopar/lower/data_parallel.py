@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from autopar.lower import compression
-from autopar.lower.mesh import hsdp_mesh
+from autopar.lower.mesh import data_mesh, hsdp_mesh
 from autopar.lower.model_layers import ModelLayout
 from autopar.precision import DTYPES as _DTYPES
 
@@ -115,13 +115,13 @@ def offload_policy(offload: str):
 def wraps(plan) -> bool:
     """Whether the plan needs a data-parallel wrapper (replicate or FSDP2): dp > 1, or
     ZeRO, offload or mixed precision on one rank."""
-    return (plan.mesh.dp > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices)
+    return (plan.mesh.dp * (plan.mesh.cp or 1) > 1 or any(c.zero > 0 or c.offload != "none" for c in plan.layer_choices)
             or plan.precision != "fp32")
 
 
 def uses_replicate(plan) -> bool:
     # HSDP and ep (experts sharded over their own efsdp mesh) are FSDP2 on every layer
-    return (plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and not plan.mesh.hsdp
+    return (plan.mesh.dp * (plan.mesh.cp or 1) > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and not plan.mesh.hsdp
             and (plan.mesh.ep or 1) == 1
             and all(c.zero <= 1 and c.offload == "none" for c in plan.layer_choices))
 
@@ -140,8 +140,9 @@ def hsdp_refusal() -> str | None:
 
 def fsdp_mesh(plan, mesh):
     """The mesh fully_shard shards over: the dp axis, or under HSDP the 2-D
-    (dp_replicate, dp_shard) submesh, which FSDP2 takes as (replicate, shard)."""
-    return hsdp_mesh(plan, mesh) if plan.mesh.hsdp else mesh["dp"]
+    (dp_replicate, dp_shard) submesh, which FSDP2 takes as (replicate, shard); under
+    context parallelism dp x cp (`mesh.data_mesh`)."""
+    return hsdp_mesh(plan, mesh) if plan.mesh.hsdp else data_mesh(plan, mesh)
 
 
 def zero_redundancy_optimizer(params, optimizer_cls, kwargs, dp_mesh):

@@ -29,7 +29,9 @@ with the reason for each layout it rules out:
      "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal),
      "compression": reason, only where this torch cannot reduce in bf16 (compression.refusal),
      "ep": reason, only where the model's MoE layers cannot split their experts (DBRX:
-           expert_parallel.moe_refusal)}
+           expert_parallel.moe_refusal),
+     "cp": why context parallelism cannot cut this model's sequences, only where it
+           cannot (context_parallel.model_refusal; cp runs at pp 1 without HSDP)}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
 be decided here; such a layout is not offered either (the reason says so,
 and "unverified" lists it), while a hand-made plan that asks for it is
@@ -469,6 +471,10 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     from autopar.lower.expert_parallel import moe_refusal
     if why_not_ep := moe_refusal(model):  # the experts' form, whatever the ep degree (DBRX)
         out["ep"] = why_not_ep
+    from autopar.lower.context_parallel import model_refusal
+    seq_len = getattr(graph, "seq_len", None)  # no sequence (images): nothing to cut, nothing to say
+    if seq_len and (why_not_cp := model_refusal(model, seq_len, n_inputs=len(args), graph=graph)):
+        out["cp"] = why_not_cp  # absent where cp runs: the answers (and plans) of before read unchanged
     layout = resolve(model, plan_for_model(model, example_inputs=example_inputs, graph=graph))
     blocks = {l.block_index: model.get_submodule(l.paths[0]) for l in layout.layers if l.position == "block"}
     degrees = sorted({d for l in graph.layers if l.kind not in ("embedding", "head")

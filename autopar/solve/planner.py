@@ -24,6 +24,7 @@ from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
 from autopar.solve import compression, expert_parallel, float8_choice, hsdp
+from autopar.solve import context_parallel as cp_search
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
@@ -323,13 +324,21 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                    # Distinct meshes kept exact by the search (the winner and two runners-up): more
                    # would loosen the pruning cutoff and multiply the solves for little insight.
                    keep=3 if top_k > 0 else 1, progress=progress)
-    found = _search_and_price(req)
     try:
-        if not found.fitting:
-            _refuse(req, found)
-        chosen, winner, selection, others = _choose(req, found)
-    finally:
-        _stop(found.result.stats.get("uniform_ahead"))
+        found = _search_and_price(req) if (pins.cp or 1) == 1 else None  # a pinned cp searches only its share
+        base = _choose(req, found) if found is not None and found.fitting else None
+        cut = cp_search.search(req, base, _search_and_price, _choose)  # solve/context_parallel.py
+        if cut is None or cut[0] == "tried":
+            if base is None:
+                _refuse(req, found)
+            chosen, winner, selection, others = base
+            if cut:
+                selection["cp"] = cut[1]
+        else:
+            found, chosen, winner, selection, others = cut
+    finally:  # every search's uniform layouts priced ahead (_search_and_price): their processes end
+        for ahead in req.aheads:
+            _stop(ahead)
     plan_obj = build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, found.result,
                           selection)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
@@ -438,6 +447,7 @@ class _Request:
     limit: float  # bytes every pp rank's predicted peak must stay within
     keep: int  # distinct meshes the search keeps exact
     progress: object = None
+    aheads: list = dataclasses.field(default_factory=list)  # the searches' uniform layouts priced ahead
 
     def search(self, offload: bool = False, uniform_ahead: bool = False):
         return _run_search(self.spec, self.cluster, self.pins, self.global_batch_size, self.precision, self.optimizer,
@@ -471,6 +481,7 @@ def _search_and_price(req: _Request) -> _Found:
     when nothing fits without it."""
     result, builder = req.search(uniform_ahead=True)
     ahead = result.stats["uniform_ahead"]
+    req.aheads.append(ahead)  # plan() ends it on every path
     try:
         found = _price_found(req, result, builder)
     except BaseException:
