@@ -218,7 +218,7 @@ def track(name: str, plan_dict: dict, rank: int, relay: Path | None = None) -> d
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     dist.destroy_process_group()
     return {"tracked": {str(k).split(".")[-1]: float(v) for k, v in peak.items()}, "fsdp": pm._fsdp,
-            "replicated": pm._replicated, "notes": pm.notes}
+            "replicated": pm._replicated, "notes": pm.notes, "loss_parallel": pm.loss_parallel}
 
 
 def compare(plan: dict, pp_rank: int, tracked: dict) -> dict:
@@ -265,6 +265,7 @@ def run_case(name: str, out: str) -> list[dict]:
             else:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 row.update(compare(plan, pp_rank, got["tracked"]), tracked=got["tracked"], notes=got["notes"],
+                           loss_parallel=got.get("loss_parallel"),  # under tp: logits kept vocab-sharded or gathered
                            wrapper="FSDP2" if got["fsdp"] else "replicate" if got["replicated"] else "none")
                 print(f"{name:40s} rank {rank}  predicted {row['predicted_bytes'] / GIB:6.2f} GiB  tracked "
                       f"{row['tracked_bytes'] / GIB:6.2f} GiB  {row['error']:+.1%}", file=sys.stderr, flush=True)
