@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, expert_parallel, float8,
-                           grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict, tensor_parallel, tied_weights, weight_reads)
+                           grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict, tensor_parallel,
+                           tied_weights, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, resolve_loss_fn
