@@ -50,10 +50,14 @@ class Mesh:
     # torchtitan folds it (dp_shard x cp = efsdp x ep). World size is unchanged. None
     # (and absent from the JSON): every rank holds every expert, as every plan before it.
     ep: int | None = None
+    # Context parallelism: every sequence cut over cp ranks (ring attention), between dp
+    # and tp in rank order as torchtitan orders it (pp, dp, cp, tp); parameters sharded and
+    # gradients reduced over dp x cp. None (and absent from the JSON): no cut, cp 1.
+    cp: int | None = None
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * (self.cp or 1) * self.tp
 
     @property
     def ep_fold_ranks(self) -> int:
@@ -79,11 +83,13 @@ class Mesh:
         return self.dp_shard is not None and self.dp_shard < self.dp
 
     def dp_text(self) -> str:
-        """'dp 8', 'dp 8 (ep 4)' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report)."""
+        """'dp 8', 'dp 8 (ep 4)' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report); then
+        ' x cp 16' under context parallelism."""
         ep = f" (ep {self.ep})" if (self.ep or 1) > 1 else ""
+        cp = f" x cp {self.cp}" if (self.cp or 1) > 1 else ""
         if not self.hsdp:
-            return f"dp {self.dp}{ep}"
-        return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards"
+            return f"dp {self.dp}{ep}{cp}"
+        return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards{cp}"
 
 
 @dataclass
@@ -144,6 +150,10 @@ class Plan:
     virtual_stages: int = 1
     micro_batch_size: int = 1
     num_micro_batches: int = 1
+    # Communication compression: gradients reduced in this dtype, narrower than they are
+    # held ("bf16"; autopar/compression.py says what it means per precision). None (and
+    # absent from the JSON): reduced as held, as every plan before the field.
+    grad_reduce_dtype: str | None = None
     stages: list[Stage] = field(default_factory=list)
     predicted: Predicted = field(default_factory=Predicted)
     alternatives: list[dict] = field(default_factory=list)  # ranked: layout summary, predicted, why it lost
@@ -201,6 +211,10 @@ class Plan:
         for key in ("dp_shard", "ep"):  # unset (no HSDP, no ep): the JSON of every plan before the field
             if d["mesh"].get(key) is None:
                 d["mesh"].pop(key, None)
+        if (d["mesh"].get("cp") or 1) == 1:  # no context parallelism: the JSON of every plan before the field
+            d["mesh"].pop("cp", None)
+        if d.get("grad_reduce_dtype") is None:  # uncompressed: the JSON of every plan before the field
+            d.pop("grad_reduce_dtype", None)
         return d
 
     def to_json(self, indent: int | None = 2) -> str:

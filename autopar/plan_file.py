@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+from autopar.compression import problem as compression_problem
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.plan_schema import (CHECKPOINTS, OFFLOADS, PRECISIONS, SCHEDULES, TP_STYLES, is_number,
@@ -106,7 +107,8 @@ def plan_problem(plan) -> str | None:
                     return f"{where}.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}"
             if not isinstance(c.module_paths, list):
                 return f"{where}.module_paths must be a list of module names"
-    problem = hsdp_problem(plan) or ep_problem(plan)
+    problem = (hsdp_problem(plan) or compression_problem(plan.grad_reduce_dtype, plan.precision, m.dp)
+               or ep_problem(plan) or cp_problem(plan))
     if problem:
         return problem
     num_layers = plan.model.get("num_layers") if isinstance(plan.model, dict) else None
@@ -145,6 +147,24 @@ def ep_problem(plan) -> str | None:
     if m.tp > 1 or m.hsdp:
         return (f"mesh.ep {m.ep} runs beside data and pipeline parallelism only (tp 1, no dp_shard), this plan "
                 f"has tp {m.tp}{', dp_shard ' + str(m.dp_shard) if m.hsdp else ''}; drop ep or those axes")
+    if (m.cp or 1) > 1:
+        return (f"mesh.ep {m.ep} does not run beside context parallelism yet (cp {m.cp}); drop ep or cp")
+    return None
+
+
+def cp_problem(plan) -> str | None:
+    """mesh.cp (context parallelism) cuts a sequence into 2 x cp load-balanced chunks:
+    it needs a token model whose seq_len 2 x cp divides."""
+    cp = plan.mesh.cp
+    if cp is None or cp == 1:
+        return None
+    if not is_positive_int(cp):
+        return f"mesh.cp must be a positive integer, got {cp!r}"
+    if not plan.seq_len:
+        return f"mesh.cp {cp} cuts sequences, but the plan has no seq_len (not a token model); drop cp"
+    if plan.seq_len % (2 * cp):
+        return (f"mesh.cp {cp} needs seq_len {plan.seq_len} in 2 x cp = {2 * cp} equal chunks (the causal load "
+                f"balancing); pad the sequence to a multiple of {2 * cp} or change cp")
     return None
 
 
@@ -183,4 +203,4 @@ def _predicted_problem(p, pp: int) -> str | None:
     return None
 
 
-__all__ = ["load_plan_file", "plan_problem", "hsdp_problem", "type_problem"]
+__all__ = ["load_plan_file", "plan_problem", "hsdp_problem", "cp_problem", "type_problem"]

@@ -1,7 +1,7 @@
 """Context parallelism on CUDA (autopar/lower/context_parallel.py): torch's own ring
 handlers for the CUDA SDPA kernels, which the CPU tests never reach.
 
-Two ranks, cp 2, the zoo Llama (2 layers, dim 256, 4 heads of 64, 2 KV heads, 256
+Two ranks, a Plan with cp 2 through `autopar.compile`, the zoo Llama (2 layers, dim 256, 4 heads of 64, 2 KV heads, 256
 tokens): 3 AdamW steps against one process, in fp32 (SDPA picks the memory-efficient
 kernel) and bf16 (flash). NCCL with one GPU a rank when there are two; on one GPU
 both ranks share it over gloo (CUDA tensors). Writes OUT/cp_gpu_check.json.
@@ -35,9 +35,8 @@ def _model(device, dtype):
 
 def _run(rank, world, port, results):
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.lower import context_parallel as cp
+    from autopar.lower import compile as ap_compile
+    from autopar.lower import plan_for_model
     cuda = torch.cuda.is_available()  # without one: the same script on CPU (a dry run of this file)
     two_gpus = torch.cuda.device_count() >= world
     device = torch.device("cuda", rank if two_gpus else 0) if cuda else torch.device("cpu")
@@ -45,7 +44,6 @@ def _run(rank, world, port, results):
         torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if two_gpus else "gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
     row = {"backend": dist.get_backend(), "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         g = torch.Generator().manual_seed(1)
@@ -60,16 +58,16 @@ def _run(rank, world, port, results):
             opt.step()
             opt.zero_grad()
             ref_losses.append(loss.item())
-        cp.apply_context_parallel(model, mesh)
-        opt, losses = torch.optim.AdamW(model.parameters(), lr=LR), []
-        for x, y in batches:
-            losses.append(cp.forward_backward(model, mesh, x, y).item())
-            opt.step()
-            opt.zero_grad()
+        # through a Plan, as autopar runs it: the (dp, cp, tp) mesh, replicate over dp x cp, step_shard
+        plan = plan_for_model(model, cp=world, seq_len=SEQ, micro_batch_size=2, precision="fp32")
+        pm = ap_compile(model, plan=plan, example_inputs=lambda b: (torch.zeros(b, SEQ, dtype=torch.long),),
+                        loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1).float(), t.flatten()),
+                        optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": LR})
+        losses = [pm.train_step((x,), y) for x, y in batches]
+        got = pm.full_state_dict()
         want = dict(ref.named_parameters())
         row[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                     "param_diff": max((p.detach() - want[k].detach()).abs().max().item()
-                                       for k, p in model.named_parameters()),
+                     "param_diff": max((got[k].to(device) - want[k].detach()).abs().max().item() for k in want),
                      "losses": losses, "ref_losses": ref_losses}
     results.put((rank, row))
     dist.destroy_process_group()

@@ -29,17 +29,22 @@ seq / cp tokens: compute and saved activations per rank / cp (flash attention
 saves O(seq) per head, not the seq^2 scores). The ring holds two shards of K
 and V at a time (the one computed on, the one arriving).
 
-Not priced here: the parameters' gradient averaging over cp (it joins the data-
-parallel reduction, as torchtitan folds cp into FSDP's dp_shard_cp group) and
-torch's default all-gather rotation (`set_rotate_method("allgather")`: the same
-(cp - 1) shards arrive in one collective, hidden only behind the first step).
-`attention_layer_shape` reads a captured layer (its ops' times by compute.op_times,
-capture's `cp_kv_elems_per_token`). Not yet called by `estimate` nor searched by the
-planner: Layout and solve/ have no cp axis yet (docs/cost_model.md "Context parallelism").
+In `estimate` (Layout.cp > 1): `cp_view` is one cp rank's share of the job (every
+op on seq / cp tokens; dp x cp ranks holding and reducing the ZeRO states and
+gradients, as torchtitan folds cp into FSDP's dp_shard_cp group, the cp ranks
+inner to dp after tp), and `sharded_layer_cost` adds to each attention layer what
+the view under-prices: the causal attention over the whole sequence / cp (the
+view computes only its own seq / cp square) and the ring's exposed transfers.
+
+Not priced: torch's all-gather rotation (`set_rotate_method("allgather")`: the
+same (cp - 1) shards in one collective, hidden only behind the first step;
+autopar's lowering keeps the default alltoall rotation, a ring of sends) and the
+ring's two K/V shard buffers (a transient the size of one layer's K and V).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 from cost_models.comm import p2p_time
 from cost_models.compute import op_times
@@ -137,3 +142,78 @@ def attention_layer_shape(layer: LayerSpec, batch: float, seq: int, cluster: Clu
         batch=batch, seq=seq, kv_elems_per_token=kv, dtype_bytes=dtype_bytes,
         attn_fwd_s=times[True][0], attn_bwd_s=times[True][1], other_fwd_s=times[False][0],
         other_bwd_s=times[False][1], activation_bytes=layer.eval("activation_bytes", batch, seq) * byte_scale)
+
+
+def cp_view(model, layout):
+    """(model, layout) as one cp rank of `layout` runs them: sequences of seq / cp
+    tokens, and dp x cp data-parallel ranks (the cp ranks inner to dp: torchtitan's
+    dp_shard_cp), sharding ZeRO states and reducing gradients as dp x cp ranks do;
+    under HSDP each shard group spans dp_shard x cp ranks. cp 1: unchanged."""
+    cp = layout.cp
+    if cp == 1:
+        return model, layout
+    seq = model.seq_len
+    if not seq or seq % (2 * cp):
+        raise CostModelError(f"cp={cp} needs the sequence ({seq}) in 2 x cp = {2 * cp} equal chunks "
+                             f"(the causal load balancing)")
+    share = copy.copy(model)
+    share.seq_len = seq // cp
+    if getattr(model, "tokens_per_sample", 1) == seq:
+        share.tokens_per_sample = seq // cp
+    return share, replace(layout, cp=1, dp=layout.dp * cp, dp_shard=layout.dp_shard * cp if layout.dp_shard else None)
+
+
+def kv_elems_per_token(layer: LayerSpec) -> int | None:
+    """K + V elements per token the ring exchanges: capture's fact, or for an analytic
+    block (attrs heads / kv_heads / head_dim) 2 x kv_heads x head_dim."""
+    attrs = layer.attrs or {}
+    if attrs.get("cp_kv_elems_per_token"):
+        return attrs["cp_kv_elems_per_token"]
+    if attrs.get("head_dim") and (attrs.get("kv_heads") or attrs.get("heads")):
+        return 2 * (attrs.get("kv_heads") or attrs["heads"]) * attrs["head_dim"]
+    return None
+
+
+def ring_extra_s(layer: LayerSpec, model, layout, cluster: ClusterSpec) -> tuple[float, float]:
+    """(forward, backward) seconds one attention layer takes on a cp rank beyond its
+    price on seq / cp tokens: the whole causal attention / cp less the local square,
+    plus the ring's transfers no step's attention hides (`cp_layer_cost`). A layer
+    without attention ops: (0, 0)."""
+    attention = [op for op in layer.ops if op.kind == "attention"]
+    if layout.cp == 1 or not attention:
+        return 0.0, 0.0
+    kv = kv_elems_per_token(layer)
+    if not kv:
+        raise CostModelError(f"layer '{layer.name}' has no scaled_dot_product_attention call capture could "
+                             f"read: context parallelism cannot split it")
+    cp, b, seq = layout.cp, layout.micro_batch_size, model.seq_len
+    tp = layout.tp if layout.tp in tuple(layer.tp_degrees or (1,)) else 1
+    dtype_bytes = 4 if layout.precision == "fp32" else 2
+    byte_scale = dtype_bytes / (model.dtype_bytes or 2)
+
+    def times(s):
+        f = bw = 0.0
+        for op in attention:
+            t = op_times(op, b, s, cluster.device_profile, dtype=layout.precision, byte_scale=byte_scale,
+                         work_divisor=tp if op.tp_sharded else 1)
+            f, bw = f + t[0], bw + t[1]
+        return f, bw
+    (full_f, full_b), (local_f, local_b) = times(seq), times(seq // cp)
+    shape = AttentionLayerShape(batch=b, seq=seq, kv_elems_per_token=kv / tp, dtype_bytes=dtype_bytes,
+                                attn_fwd_s=full_f, attn_bwd_s=full_b)
+    ring = cp_layer_cost(shape, cp, cluster, same_node=layout.tp * cp <= cluster.gpus_per_node)
+    return (max(0.0, full_f / cp - local_f) + ring.fwd_exposed_s,
+            max(0.0, full_b / cp - local_b) + ring.bwd_exposed_s)
+
+
+def sharded_layer_cost(layer: LayerSpec, model, layout, cluster: ClusterSpec, price, checkpoint: str):
+    """`layer`'s LayerCost on one cp rank: `price(model, layout)` (layer_cost) of its
+    share (`cp_view`) plus the attention the share under-prices (`ring_extra_s`),
+    redone in backward under full recomputation (the checkpointed forward runs the ring again)."""
+    share, share_layout = cp_view(model, layout)
+    cost = price(share, share_layout)
+    fwd, bwd = ring_extra_s(layer, model, layout, cluster)
+    if not fwd and not bwd:
+        return cost
+    return replace(cost, fwd_s=cost.fwd_s + fwd, bwd_s=cost.bwd_s + bwd,
+                   recompute_s=cost.recompute_s + (fwd if checkpoint == "full" else 0.0))

@@ -23,9 +23,11 @@ from dataclasses import asdict, dataclass, field
 
 from cost_models import comm as C
 from cost_models.compute import fast
+from cost_models.context_parallel import cp_view
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_fingerprint  # also importable from here (docs/INTERFACES.md)
 from cost_models.hardware import ClusterSpec
+from cost_models.issue_order import last_backward_exposed
 from cost_models.layer import DTYPE_BYTES, LayerCost, layer_cost  # noqa: F401 - the layer API, importable from here
 from cost_models.layout import Layout
 from cost_models.memory import FRAGMENTATION
@@ -75,16 +77,19 @@ class _Step:
     pp_exposed_s: float  # the critical rank's waits for pipeline sends
     p2p_s: float  # the critical rank's sends per micro-batch
     straggler_s: float
+    dp_tail_s: float = 0.0  # the critical rank's gradient reduction past its last backward (issue_order.py)
 
 
 def _step(pipe: Pipeline, costs: list, layout: Layout, device) -> _Step:
     """Per pp rank: its schedule's finish plus the end-of-step data-parallel exposure and the
     optimizer step; the slowest rank paces the step, and the slowest GPU stretches it."""
     pp, m, sim, p2p = layout.pp, layout.num_micro_batches, pipe.sim, pipe.p2p_s
-    rank_total, rank_opt = [], []
+    rank_total, rank_opt, tails = [], [], []
     for r in range(pp):
         idx = pipe.ranks[r]
         step_exp = sum(costs[j].dp_step_exposed_s for j in idx)
+        tails.append(_issue_order_tail(costs, idx, m))
+        step_exp += tails[-1]
         opt = sum(costs[j].optimizer_s for j in idx)
         if device.measured is not None and idx:  # the optimizer's fixed cost per step (measured)
             opt += device.measured.optimizer_step_constant(layout.optimizer)
@@ -104,10 +109,23 @@ def _step(pipe: Pipeline, costs: list, layout: Layout, device) -> _Step:
     # compute-paced part of the step (compute, recompute, bubble, optimizer) stretches;
     # communication time does not depend on SM clocks.
     comm_exposed = (m * sum(costs[j].tp_comm_s + costs[j].ep_comm_s for j in idx) + pp_exposed
-                    + sum(costs[j].dp_comm_exposed_s for j in idx))
+                    + sum(costs[j].dp_comm_exposed_s for j in idx) + tails[crit])
     straggler_s = max(0.0, step - comm_exposed) * (
         slowest_gpu_slowdown(layout.world_size, device.clock_spread) - 1.0)
-    return _Step(step + straggler_s, crit, rank_opt, pp_exposed, p2p_rank, straggler_s)
+    return _Step(step + straggler_s, crit, rank_opt, pp_exposed, p2p_rank, straggler_s, tails[crit])
+
+
+def _issue_order_tail(costs: list, idx: list, m: int) -> float:
+    """What the rank's last backward, run in issue order, exposes beyond the layers' own
+    exposures of it (cost_models/issue_order.py): never negative."""
+    order = idx[::-1]
+    if not any(costs[j].dp_last_reduce_s for j in order):
+        return 0.0
+    queued = last_backward_exposed([costs[j].bwd_s + costs[j].recompute_s + costs[j].tp_comm_s - costs[j].tp_comm_fwd_s
+                                    for j in order], [costs[j].dp_bwd_gather_s for j in order],
+                                   [costs[j].dp_last_reduce_s for j in order])
+    priced = sum(costs[j].dp_step_exposed_s + costs[j].dp_bwd_exposed_s for j in idx)
+    return max(0.0, queued - priced)
 
 
 def _why_not_fit(peaks: list, memory: list, capacity: float, host_per_gpu: float, cluster: ClusterSpec) -> str:
@@ -134,7 +152,7 @@ def _time_breakdown(costs: list, idx: list, st: _Step, pipe: Pipeline, m: int) -
         "tp_comm_s": m * sum(costs[j].tp_comm_s for j in idx),
         "pp_comm_s": st.pp_exposed_s,
         "dp_comm_s": sum(costs[j].dp_comm_s for j in idx),
-        "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx),
+        "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx) + st.dp_tail_s,
         # part of dp_comm_exposed_s: compute slowed by the SMs hidden DP collectives hold
         "nccl_contention_s": sum(costs[j].nccl_contention_s for j in idx),
         "bubble_s": pipe.sim.bubble_s[st.critical] - st.pp_exposed_s,
@@ -234,7 +252,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     n = len(layers)
     layout.validate(n)
     if layout.world_size > cluster.world_size:
-        raise CostModelError(f"layout needs tp x pp x dp = {layout.world_size} GPUs, "
+        raise CostModelError(f"layout needs tp x pp x dp x cp = {layout.world_size} GPUs, "
                              f"the cluster has {cluster.world_size}")
     device = cluster.device_profile
     peak = device.peak(layout.precision)
@@ -251,6 +269,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
         if key not in same:
             same[key] = layer_cost(layer, model, layout, cluster, zero=z, checkpoint=c, offload=o, float8=f)
         costs.append(same[key])
+    # under context parallelism what follows prices one cp rank's share (cp_view): seq / cp
+    # tokens a sequence, dp x cp ranks; the whole job's batch and FLOPs from `whole`
+    whole, (model, layout) = (model, layout), cp_view(model, layout)
     byte_scale = DTYPE_BYTES[layout.precision] / (model.dtype_bytes or 2)
     pipe = pipeline(model, layout, cluster, costs, byte_scale)
 
@@ -266,14 +287,14 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Estimate
     st = _step(pipe, costs, layout, device)
     step = st.step_s
 
-    model_flops, hw_flops = _model_flops(layers, ckpts, layout, s1)
+    model_flops, hw_flops = _model_flops(layers, ckpts, whole[1], whole[0].seq_len or 1)
     world = layout.world_size
     why = _why_not_fit(peaks, memory, device.usable_memory_bytes, host_per_gpu, cluster)
     time_breakdown = _time_breakdown(costs, pipe.ranks[st.critical], st, pipe, layout.num_micro_batches)
-    gbs = layout.global_batch_size
+    gbs = whole[1].global_batch_size
     return Estimate(
         step_time_s=step,
-        tokens_per_s=gbs * (model.tokens_per_sample or s1) / step,
+        tokens_per_s=gbs * (whole[0].tokens_per_sample or whole[0].seq_len or 1) / step,
         tflops_per_gpu=model_flops / step / world / 1e12,
         mfu=model_flops / (step * world * peak),
         peak_memory_bytes=peaks,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from cost_models.compute import fast
+from cost_models.context_parallel import sharded_layer_cost
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_cost_key
 from cost_models.float8 import converted_ops, device_runs_float8, weight_elements
@@ -67,6 +68,8 @@ class LayerCost:
     model_flops: float = 0.0  # per micro-batch per GPU, fwd + bwd, no recomputation
     recompute_flops: float = 0.0  # per micro-batch per GPU
     dp_collectives: tuple = ()  # ((collective, bytes per step, time per step), ...)
+    dp_last_reduce_s: float = 0.0  # the gradient reduction issued after the last backward (issue_order.py)
+    dp_bwd_gather_s: float = 0.0  # the all-gather each backward waits for (FSDP2)
     tier: dict = field(default_factory=dict)  # axis -> 'intra_node' | 'inter_node'
     float8: bool = False  # its nn.Linear GEMMs priced in float8 (cost_models/float8.py)
     # expert parallelism (layer_ep.py), per micro-batch: the four all-to-alls (inside fwd_s /
@@ -96,7 +99,10 @@ def layer_cost(layer: LayerSpec, model: ModelSpec, layout: Layout, cluster: Clus
     hit = _LAYER_CACHE.get(key)
     if hit is not None:
         return hit
-    if float8 is None and layout.float8 and _converts_any(layer, layout, model, cluster):
+    if layout.cp > 1:  # one cp rank's share of the sequence, its attention over the ring
+        cost = sharded_layer_cost(layer, model, layout, cluster, checkpoint=checkpoint, price=lambda m, l: layer_cost(
+            layer, m, l, cluster, zero=zero, checkpoint=checkpoint, offload=offload, float8=float8))
+    elif float8 is None and layout.float8 and _converts_any(layer, layout, model, cluster):
         # float8 changes the Linears' time, not what is held: the faster of the two
         cost = min((_layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, f8) for f8 in (False, True)),
                    key=lambda c: c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s)
@@ -164,7 +170,8 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
         optimizer_temp_bytes=optimizer_temp_bytes(layout, device, opt_params, offload),
         loss_grad_bytes=loss_grad_bytes(layer, b, s1, byte_scale, tp),
         model_flops=3 * fast(layer.fwd_flops)(b, s1) / tp, recompute_flops=recompute_flops,
-        dp_collectives=tuple(dp.collectives), tier={"tp": tpc.place.tier, "dp": dp.place.tier,
+        dp_collectives=tuple(dp.collectives), dp_last_reduce_s=dp.last_reduce_s, dp_bwd_gather_s=dp.bwd_gather_s,
+        tier={"tp": tpc.place.tier, "dp": dp.place.tier,
                                                       **({"dp_replicate": dp.replica_place.tier}
                                                          if dp.replica_place else {}),
                                                       **({"ep": ep.tier} if ep else {})}, float8=float8,

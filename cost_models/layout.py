@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from cost_models import compression
 from cost_models.errors import CostModelError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -80,11 +81,19 @@ class Layout:
     # gradient shards all-reduced across the dp / dp_shard replicas. None: one shard group
     # of the whole dp (plain FSDP / ZeRO), which is what every layout before it meant.
     dp_shard: int | None = None
+    # Communication compression (cost_models/compression.py): gradients reduced in this
+    # narrower dtype ("bf16"), cast back after; None: reduced as held
+    grad_reduce_dtype: str | None = None
     # Expert parallelism (cost_models/expert_parallel.py): an MoE layer's experts split over
     # groups of `ep` neighbouring dp ranks, their states sharded over the other
     # ep_fold_ranks / ep ("efsdp", torchtitan's dp_shard x cp = efsdp x ep); dense layers,
     # routers and shared experts as without it. 1: every rank holds every expert.
     ep: int = 1
+    # Context parallelism (cost_models/context_parallel.py): every sequence cut over cp ranks,
+    # placed between dp and tp (tp, cp, dp, pp from the innermost, as torchtitan orders them);
+    # every op but attention runs on seq / cp tokens, the ZeRO states are sharded and the
+    # gradients reduced over dp x cp (torchtitan's dp_shard_cp). 1: no cut.
+    cp: int = 1
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -93,7 +102,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def shard_ranks(self) -> int:
@@ -125,7 +134,7 @@ class Layout:
 
     def validate(self, num_layers: int | None = None) -> None:
         """Raise CostModelError naming the first field that cannot be priced."""
-        for key in ("tp", "pp", "dp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
+        for key in ("tp", "pp", "dp", "cp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostModelError(f"layout.{key} must be a positive integer, got {value!r}")
@@ -141,6 +150,7 @@ class Layout:
         for key, allowed in checks:
             if getattr(self, key) not in allowed:
                 raise CostModelError(f"layout.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        compression.check(self.grad_reduce_dtype)
         if self.zero not in (0, 1, 2, 3):
             raise CostModelError(f"layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.schedule != "interleaved" and self.virtual_stages != 1:

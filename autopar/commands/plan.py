@@ -214,7 +214,7 @@ def _print_layout(plan, console) -> None:
     mesh.add_row(str(plan.mesh.pp), dp, str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
-    for key in ("ep", "hsdp"):  # why the plan splits its experts / shards as it does
+    for key in ("ep", "hsdp", "cp", "compression"):  # why the plan splits experts / shards / cuts sequences as it does, the reduction dtype
         why = (plan.solver or {}).get(key) if isinstance(plan.solver, dict) else None
         if why:
             console.print(why, markup=False)
@@ -307,6 +307,7 @@ def _print_alternatives(plan, console, top: int) -> None:
     for i, a in enumerate(plan.alternatives[:top], 1):
         sched = a["schedule"] + (f":{a['virtual_stages']}" if a["schedule"] == "interleaved" else "")
         layout = (f"{a['mesh']['pp']}x{a['mesh']['dp']}x{a['mesh']['tp']}"
+                  + (f" cp{a['mesh']['cp']}" if a["mesh"].get("cp") else "")
                   + (" SP" if a.get("sequence_parallel") else "")
                   + f", {sched}, mb {a['micro_batch_size']}x{a['num_micro_batches']}")
         step = a.get("predicted", {}).get("step_time_s")

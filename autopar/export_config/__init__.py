@@ -33,6 +33,9 @@ def export(plan, target: str, clip: float = DEFAULT_CLIP, checkpoint: str | None
     layer of the plan uses, which fits wherever the plan fits)."""
     if target not in TARGETS:
         raise AutoparError(f"unknown export target {target!r}", hint=f"one of: {', '.join(TARGETS)}")
+    if (plan.mesh.cp or 1) > 1:  # refused rather than written without the cut (each target spells cp its own way)
+        raise AutoparError(f"the plan cuts sequences over cp {plan.mesh.cp} ranks, which export-config does not "
+                           f"write yet", hint="run it with autopar compile, or re-plan with --cp 1 to export")
     return TARGETS[target][0].export(plan, clip, checkpoint)
 
 

@@ -19,13 +19,16 @@ What this file adds to torch:
     (output, logsumexp (b, h, s)) pair. `register_cpu_ring_attention` adds it and
     its backward to torch's CP op table, each run by torch's own
     `_templated_ring_attention(_backward)`: same ring, same rotation, same merge.
-  * the loss over cp: each rank scores its own tokens; `token_loss` divides the
-    local sum by the global count of scored tokens, so after the gradient
-    averaging over cp (`apply_context_parallel`: torch's `replicate` on the cp
-    mesh) the step is the mean over every token, as one process computes it.
+  * the loss over cp: each rank scores its own tokens, and model_io's global token
+    mean counts cp's shares (`ParallelModel._weigh_by_tokens`), so after the gradient
+    averaging over dp x cp the step is the mean over every token, as one process computes it.
   * the refusals (`refusal`): what torch's ring cannot split.
 
-Not wired into the Plan yet (docs/lowering.md "Context parallelism").
+From a Plan (`Mesh.cp` > 1): `lower` builds the (pp, dp, cp, tp) mesh
+(lower/mesh.py), shards the parameters over dp x cp (`mesh.data_mesh`), refuses
+what cannot run before any group exists (`check_plan`), and every train / eval
+step runs inside `step_shard`; the loss's global token mean is model_io's
+(`ParallelModel._weigh_by_tokens` counts cp's shares).
 """
 from __future__ import annotations
 
@@ -250,51 +253,108 @@ def sequence_shard(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torc
             module._buffers[name] = original
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_mesh, ignore_index: int = -100):
-    """(loss to backpropagate, the global mean loss) for this rank's tokens.
-    Cross entropy summed over the rank's scored tokens, divided by the scored
-    tokens of every rank (one tiny all-reduce over cp): with gradients averaged
-    over cp (`apply_context_parallel`), the step's gradient is the mean over all
-    tokens, as one process computes it, also when ranks score different numbers
-    of tokens (-100 labels)."""
-    import torch.distributed._functional_collectives as funcol
-    group = cp_mesh.get_group()
-    local_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
-                                reduction="sum")
-    count = (labels != ignore_index).sum().to(torch.float32)
-    total = funcol.all_reduce(count.detach(), "sum", group).clamp(min=1)
-    for_backward = local_sum * cp_mesh.size() / total
-    mean = funcol.all_reduce(local_sum.detach(), "sum", group) / total
-    return for_backward, mean
+def model_refusal(model: nn.Module, seq_len, *, n_inputs: int = 1, graph=None) -> str | None:
+    """Why no cp can run on `model` (what_runs' "cp"), or None: `refusal` at cp 2 on its
+    sequence rounded up to 4 tokens (each plan's own 2 x cp chunks are checked with it)."""
+    if not seq_len:
+        return "the model's inputs have no sequence axis to cut"
+    return refusal(model, seq_len + (-seq_len) % 4, 2, n_inputs=n_inputs, graph=graph)
 
 
-def forward_backward(model: nn.Module, cp_mesh, inputs: torch.Tensor, labels: torch.Tensor, *,
-                     shift_labels: bool = False, call=None) -> torch.Tensor:
-    """One micro-batch's forward and backward with its sequence cut over cp;
-    returns the global mean loss. `call(model, inputs)` runs the model (default
-    `model(inputs)`); its output is the logits or has `.logits`."""
-    with sequence_shard(model, cp_mesh, inputs, labels, shift_labels=shift_labels) as (x, y):
-        out = call(model, x) if call is not None else model(x)
-        loss, mean = token_loss(out if isinstance(out, torch.Tensor) else out.logits, y, cp_mesh)
-        loss.backward()
-    return mean
+def plan_refusal(model: nn.Module, plan, example_inputs) -> str | None:
+    """Why `plan`'s mesh.cp cannot run on `model` as autopar lowers it, or None:
+    `refusal` on the example inputs' sequence, and what the lowering does not compose
+    cp with yet (a pipeline, whose stages are built for the whole sequence; HSDP)."""
+    cp = plan.mesh.cp or 1
+    if cp == 1:
+        return None
+    if plan.mesh.pp > 1:
+        return f"context parallel {cp} under a pipeline (pp {plan.mesh.pp}) is not lowered; use pp 1 with cp"
+    if plan.mesh.hsdp:
+        return f"context parallel {cp} with HSDP (mesh.dp_shard) is not lowered; drop dp_shard with cp"
+    if callable(example_inputs):  # batch size -> one micro-batch's inputs
+        example_inputs = example_inputs(plan.micro_batch_size)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    first = inputs[0] if inputs else None
+    if not isinstance(first, torch.Tensor) or first.dim() != 2 or first.is_floating_point():
+        return "context parallel cuts token ids of shape (batch, seq); these example inputs are not"
+    return (refusal(model, plan.seq_len or first.shape[1], cp, n_inputs=len(inputs))
+            or attention_refusal(model, inputs))
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh, *, shard: bool = False, blocks=()) -> nn.Module:
-    """Gradients averaged over cp, which `token_loss` expects. `shard=False`:
-    parameters whole on every cp rank, torch's `replicate` (DDP) on the cp mesh.
-    `shard=True`: FSDP2 `fully_shard` over cp, each of `blocks` a unit and the
-    model the root, as torchtitan folds cp into FSDP's mesh (dp_shard_cp); the
-    only form that takes tensor-parallel (DTensor) parameters. Composing with
-    autopar's own dp/FSDP axis is the wiring step."""
-    register_cpu_ring_attention()
-    if not shard:
-        from autopar.lower.data_parallel import apply_replicate
-        return apply_replicate(model, cp_mesh)
-    from torch.distributed.fsdp import fully_shard
-    for block in blocks:
-        fully_shard(block, mesh=cp_mesh, reshard_after_forward=False)
-    return fully_shard(model, mesh=cp_mesh, reshard_after_forward=False)
+def attention_refusal(model: nn.Module, inputs: tuple) -> str | None:
+    """How the model calls SDPA, seen in one forward on fake tensors (model_io.probe_forward,
+    no real weight read, no collective): torch's load-balanced ring takes is_causal without a
+    mask only. None also when the probe cannot run the model (the step then says why)."""
+    from autopar.lower.model_io import forward_kwargs, probe_forward
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        calls.append((mask is not None, bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))))
+        return sdpa(*args, **kwargs)
+    F.scaled_dot_product_attention = spy
+    try:
+        with probe_forward(model):
+            model(*inputs, **forward_kwargs(model))
+    except Exception:  # noqa: BLE001 - undecided here
+        return None
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    if not calls:
+        return "the model calls no scaled_dot_product_attention, which is what context parallel splits"
+    if any(mask for mask, _ in calls):
+        return "the model passes an attention mask tensor to SDPA: torch's ring attention takes is_causal only"
+    if not all(causal for _, causal in calls):
+        return "the model runs non-causal attention: the load-balanced ring needs is_causal=True"
+    return None
+
+
+def check_plan(model: nn.Module, plan, example_inputs) -> None:
+    """`plan_refusal` as an error, on every rank before any process group."""
+    reason = plan_refusal(model, plan, example_inputs)
+    if reason:
+        raise PlanMismatchError(f"mesh.cp {plan.mesh.cp} cannot run: {reason}")
+
+
+@contextlib.contextmanager
+def step_shard(model: nn.Module, cp_mesh, inputs: tuple, targets: torch.Tensor, loss_fn):
+    """One step's batch cut over cp (`sequence_shard`), as ((inputs,), targets). A
+    loss that shifts its labels itself (transformers' causal LM loss) gets them
+    shifted over the whole sequence first and told so (`labels_shifted`)."""
+    seq = targets.shape[1] if targets.dim() >= 2 else 0
+    cp = cp_mesh.size()
+    if seq % (2 * cp):
+        raise PlanMismatchError(f"context parallel {cp} needs the sequence ({seq}) in 2 x cp = {2 * cp} equal "
+                                f"chunks; pad the batch's sequences to a multiple of {2 * cp}")
+    shift = bool(getattr(loss_fn, "shift", False))
+    # the ring of K/V sends, each overlapped with a step's attention, as cost_models/context_parallel.py
+    # prices it (torch's default rotation all-gathers every shard after the first step instead)
+    from torch.distributed.tensor.experimental import _attention as cp_api
+    cp_api.set_rotate_method("alltoall")
+    with sequence_shard(model, cp_mesh, inputs[0], targets, shift_labels=shift) as (x, y):
+        ring_sdpa = F.scaled_dot_product_attention  # torch's CP wrapper, installed by the context
+        F.scaled_dot_product_attention = _heads_local(ring_sdpa)
+        loss_fn.labels_shifted = shift
+        try:
+            yield (x,), y
+        finally:
+            loss_fn.labels_shifted = False
+            F.scaled_dot_product_attention = ring_sdpa  # before the context restores its own
+
+
+def _heads_local(ring_sdpa):
+    """SDPA whose tensor-parallel DTensor inputs (q, k, v on the tp mesh, heads split)
+    enter torch's ring as this rank's heads: the ring takes plain tensors or its own
+    Shard(seq) DTensors only. The output goes back to the tp placements it came in."""
+    from torch.distributed.tensor import DTensor
+
+    def sdpa(query, key, value, *args, **kwargs):
+        if not isinstance(query, DTensor):
+            return ring_sdpa(query, key, value, *args, **kwargs)
+        out = ring_sdpa(query.to_local(), key.to_local(), value.to_local(), *args, **kwargs)
+        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+    return sdpa
 
 
 def check(model: nn.Module, seq_len: int, cp: int, *, n_inputs: int = 1, graph=None) -> None:
@@ -311,5 +371,5 @@ def unshard(cp_mesh, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
     return context_parallel_unshard(cp_mesh, [tensor], [seq_dim])[0]
 
 
-__all__ = ["apply_context_parallel", "check", "forward_backward", "graph_refusal", "position_tables", "refusal",
-           "register_cpu_ring_attention", "sequence_shard", "token_loss", "unshard"]
+__all__ = ["check", "check_plan", "model_refusal", "plan_refusal", "step_shard", "graph_refusal", "position_tables", "refusal",
+           "register_cpu_ring_attention", "sequence_shard", "unshard"]

@@ -12,6 +12,11 @@ dp into ("dp_replicate", "dp_shard") for FSDP2, the shard axis inner so a
 shard group is neighbouring tp slabs (one node when dp_shard x tp fits it),
 the order torchtitan's parallel_dims lays them in.
 
+Under context parallelism (`Mesh.cp` > 1) the mesh has a fourth axis, "cp",
+between dp and tp (pp, dp, cp, tp: torchtitan's order), so mesh["dp"] still
+names the ranks holding different samples; `data_mesh` flattens dp x cp into
+the one group that shards and reduces the parameters (torchtitan's dp_shard_cp).
+
 Everything that could make ranks disagree (world size, missing launcher
 environment) is checked here, before the first collective, so a wrong launch
 fails with a message instead of hanging.
@@ -29,6 +34,7 @@ from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
 
 AXES = ("pp", "dp", "tp")
+CP_AXES = ("pp", "dp", "cp", "tp")
 HSDP_AXES = ("dp_replicate", "dp_shard")
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -79,7 +85,8 @@ def check_world_size(plan: Plan) -> None:
     m = plan.mesh
     if m.world_size != world:
         raise PlanMismatchError(
-            f"the plan is for {m.world_size} ranks (pp={m.pp} x dp={m.dp} x tp={m.tp}) but this job has {world}",
+            f"the plan is for {m.world_size} ranks (pp={m.pp} x dp={m.dp}{f' x cp={m.cp}' if (m.cp or 1) > 1 else ''} "
+            f"x tp={m.tp}) but this job has {world}",
             hint=f"launch {m.world_size} processes, or re-plan for {world} GPUs (autopar plan ... --gpus {world})")
 
 
@@ -93,7 +100,23 @@ def build_mesh(plan: Plan) -> DeviceMesh:
         # (on CPU ranks the tp shards draw from one generator state: still dropout, not one
         # process's masks). docs/lowering.md says so once instead of every rank every run.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    if (m.cp or 1) > 1:
+        return init_device_mesh(device_type(), (m.pp, m.dp, m.cp, m.tp), mesh_dim_names=CP_AXES)
     return init_device_mesh(device_type(), (m.pp, m.dp, m.tp), mesh_dim_names=AXES)
+
+
+_DATA_MESHES: dict = {}
+
+
+def data_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that shard and reduce the same parameters: dp, or under context
+    parallelism dp x cp flattened (cp inner), as torchtitan's dp_shard_cp; kept, since
+    a flattened dim is not to be sliced from the root again. Collective the first time."""
+    if (plan.mesh.cp or 1) == 1:
+        return mesh["dp"]
+    if id(mesh) not in _DATA_MESHES or _DATA_MESHES[id(mesh)][0] is not mesh:
+        _DATA_MESHES[id(mesh)] = (mesh, mesh["dp", "cp"]._flatten("dp_cp"))
+    return _DATA_MESHES[id(mesh)][1]
 
 
 def hsdp_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:

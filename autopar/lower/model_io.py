@@ -281,6 +281,7 @@ class TokenWeighedLoss:
 
     IGNORE_INDEX = -100  # transformers' and F.cross_entropy's default
     shift = False
+    labels_shifted = False  # set while context parallelism hands a shifting loss pre-shifted labels
 
     def __init__(self):
         self.tokens_per_share: float | None = None  # None: the plain per-micro-batch mean
@@ -408,9 +409,11 @@ class HFTokenLoss(TokenWeighedLoss):
 
     def __call__(self, logits, labels):
         if self.fn is not None:  # the model's own ForCausalLMLoss
+            # under context parallelism the labels come shifted over the whole sequence
+            given = {"labels": None, "shift_labels": labels} if self.labels_shifted else {"labels": labels}
             if self.tokens_per_share is None:
-                return self.fn(logits=logits, labels=labels, vocab_size=self.vocab_size)
-            return self.fn(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                return self.fn(logits=logits, vocab_size=self.vocab_size, **given)
+            return self.fn(logits=logits, vocab_size=self.vocab_size, **given,
                            num_items_in_batch=torch.tensor(self.tokens_per_share, device=labels.device))
         flat, target = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device)
         if self.tokens_per_share is None:

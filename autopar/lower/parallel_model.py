@@ -30,11 +30,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (batch_norm, checkpointing, compile_blocks, data_parallel, expert_parallel, float8,
-                           grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict, tensor_parallel,
-                           tied_weights, weight_reads)
+from autopar.lower import (batch_norm, checkpointing, compile_blocks, compression, context_parallel, data_parallel,
+                           expert_parallel, float8, grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict,
+                           tensor_parallel, tied_weights, weight_reads)
 from autopar.lower.materialize import materialize
-from autopar.lower.mesh import build_mesh, init_distributed, local_device
+from autopar.lower.mesh import build_mesh, data_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, resolve_loss_fn
 from autopar.lower.model_layers import ModelLayout, resolve
 from autopar.lower.tp_styles import is_linear
@@ -104,6 +104,7 @@ class ParallelModel:
         self._schedules = {plan.num_micro_batches: schedule} if schedule is not None else {}
         self._build_schedule = None  # n -> the pipeline schedule for n micro-batches (lower sets it)
         self._batch_norms: list[str] = []  # BatchNorm paths: micro-batching refused (lower sets it)
+        self.cp_mesh = mesh["cp"] if (plan.mesh.cp or 1) > 1 else None  # context parallelism's ring
 
     @property
     def module(self) -> nn.Module:
@@ -129,7 +130,7 @@ class ParallelModel:
             self.grad_scaler.begin_step(self.device)
         if isinstance(self.loss_fn, TokenWeighedLoss):
             self._weigh_by_tokens(targets, n)
-        with self._parallel_regions():
+        with self._parallel_regions(), self._sequence_cut(inputs, targets) as (inputs, targets):
             if self.schedule is None:
                 local_loss = self._accumulate(inputs, targets, n)
             else:
@@ -179,7 +180,7 @@ class ParallelModel:
         for s in self.stages:
             s.eval()
         try:
-            with torch.no_grad(), self._parallel_regions():
+            with torch.no_grad(), self._parallel_regions(), self._sequence_cut(inputs, targets) as (inputs, targets):
                 if self.schedule is None:
                     chunks, tchunks = [x.tensor_split(n) for x in inputs], targets.tensor_split(n)
                     local_loss = sum(_plain(self.loss_fn(self.stages[0](*(c[i] for c in chunks)), tchunks[i])).float()
@@ -233,6 +234,13 @@ class ParallelModel:
             stack.enter_context(tensor_parallel.tp_region())
         return stack
 
+    def _sequence_cut(self, inputs, targets):
+        """This rank's share of every sequence under context parallelism, ring attention
+        on (lower/context_parallel.py), or the batch as it is."""
+        if self.cp_mesh is None:
+            return contextlib.nullcontext((inputs, targets))
+        return context_parallel.step_shard(self.stages[0].model, self.cp_mesh, inputs, targets, self.loss_fn)
+
     def _pipeline_loss(self, losses: list) -> torch.Tensor | None:
         """The last stage's mean micro-batch loss (None elsewhere), unscaled (fp16: the
         schedule's loss function scales it by a power of two, so this is exact)."""
@@ -268,7 +276,7 @@ class ParallelModel:
         if self.plan.mesh.dp > 1:
             count = count.to(self.device)
             dist.all_reduce(count, group=self.mesh["dp"].get_group())
-        shares = n * self.plan.mesh.dp
+        shares = n * self.plan.mesh.dp * (self.plan.mesh.cp or 1)  # cp ranks score their own tokens
         self.loss_fn.tokens_per_share = max(float(count.item()), 1.0) / shares
 
     def _accumulate(self, inputs, targets, n: int) -> torch.Tensor:
@@ -281,7 +289,7 @@ class ParallelModel:
         # with sync off it would hold every unit's unsharded gradient until the last backward,
         # memory the plan does not book (Layout.grads_reduced_per_micro_batch, priced m times;
         # benchmarks/memory_lowered.py measured it)
-        once = self._replicated or (self._fsdp and self.plan.mesh.dp == 1)
+        once = self._replicated or (self._fsdp and self.plan.mesh.dp * (self.plan.mesh.cp or 1) == 1)
         for i in range(n):
             if once:
                 stage.set_requires_gradient_sync(i == n - 1)
@@ -298,7 +306,7 @@ class ParallelModel:
         contributes = self.has_last and self.tp_rank == 0 and local_loss is not None
         t = local_loss.reshape(1).clone() if contributes else torch.zeros(1, device=self.device)
         dist.all_reduce(t)
-        return float(t.item() / self.plan.mesh.dp)
+        return float(t.item() / (self.plan.mesh.dp * (self.plan.mesh.cp or 1)))
 
     def _sync_tied_grads(self) -> None:
         tied_weights.sync_grads(self._tied_groups)
@@ -456,6 +464,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pp, tp = plan.mesh.pp, plan.mesh.tp
     n_stages = len(plan.stages)
     preflight.check_plan(model, plan, layout)
+    context_parallel.check_plan(model, plan, example_inputs)
     init_distributed()
     mesh = build_mesh(plan)  # checks the world size before creating any group
     device = local_device()
@@ -570,8 +579,9 @@ def _apply_data_parallel(plan, layout, stages, mesh, tied_local, efsdp_mesh=None
     precision. (fsdp, replicated)."""
     fsdp = replicated = False
     if data_parallel.wraps(plan):
+        compressed = compression.reduce_dtype(plan)  # Plan.grad_reduce_dtype
         if data_parallel.uses_replicate(plan):
-            data_parallel.apply_replicate(stages[0], mesh["dp"])
+            data_parallel.apply_replicate(stages[0], data_mesh(plan, mesh), compressed)
             replicated = True
         else:
             dp_mesh = data_parallel.fsdp_mesh(plan, mesh)  # under HSDP the 2-D (replicate, shard) mesh
@@ -580,7 +590,7 @@ def _apply_data_parallel(plan, layout, stages, mesh, tied_local, efsdp_mesh=None
                     expert_parallel.shard_experts(s, efsdp_mesh, plan, data_parallel.mixed_precision(
                         plan.precision, data_parallel.main_grads(plan)))
                 data_parallel.apply_fsdp(s, layout, s.stage_index, dp_mesh, plan.precision, tied_local,
-                                         data_parallel.main_grads(plan))
+                                         data_parallel.main_grads(plan), compressed)
             fsdp = True
     if not fsdp and plan.precision in LOW_PRECISION:
         for s in stages:
@@ -600,5 +610,5 @@ def _optimizer(stages, optimizer, optimizer_kwargs, no_weight_decay_1d, plan, me
         params = [g for g in ({"params": [p for p in params if p.dim() >= 2]},
                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
     if replicated and any(c.zero == 1 for c in plan.layer_choices):
-        return data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, mesh["dp"])
+        return data_parallel.zero_redundancy_optimizer(params, optimizer, kwargs, data_mesh(plan, mesh))
     return optimizer(params, **kwargs)

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from autopar.compression import problem as compression_problem
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (batch_norm, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel, weight_reads,
+from autopar.lower import (batch_norm, compression, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel,
+                           weight_reads,
                            what_runs)
 from autopar.lower.model_io import forward_kwargs
 from autopar.lower.model_layers import ModelLayout
@@ -42,6 +44,11 @@ def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
     if why:
         raise PlanMismatchError(f"mesh.dp_shard {plan.mesh.dp_shard} (HSDP) cannot run: {why}",
                                 hint="drop dp_shard from the plan (shard over the whole dp), or upgrade torch")
+    why = compression_problem(plan.grad_reduce_dtype, plan.precision, plan.mesh.dp) or compression.refusal(
+        plan, data_parallel.uses_replicate(plan))
+    if why:
+        raise PlanMismatchError(f"grad_reduce_dtype {plan.grad_reduce_dtype!r} cannot run: {why}",
+                                hint="drop grad_reduce_dtype from the plan (gradients reduced as held)")
     why = ep_problem(plan) or expert_parallel.ep_refusal(model, plan.mesh.ep)
     if why:
         raise PlanMismatchError(f"mesh.ep {plan.mesh.ep} cannot run: {why}", hint="drop ep from the plan")

@@ -150,7 +150,7 @@ def hand_checks(plan) -> list[dict]:
 # The solver facts worth a glance, with the words to show them under.
 SOLVER_HEADLINE = {"status": "status", "gap": "optimality gap", "candidates": "candidate layouts",
                    "solved": "solved", "pruned_by_bound": "pruned by bound", "oom": "out of memory",
-                   "search_s": "search time", "hsdp": "HSDP",
+                   "search_s": "search time", "hsdp": "HSDP", "compression": "gradient reduction dtype",
                    "ep": "expert parallelism"}
 
 
@@ -208,7 +208,8 @@ def _critical_rank(plan) -> int | None:
 def build_context(plan, graph=None) -> dict:
     c = plan.cluster
     nodes, gpn = int(c.get("nodes", 1) or 1), int(c.get("gpus_per_node", 8) or 8)
-    pp, dp, tp = plan.mesh.pp, plan.mesh.dp, plan.mesh.tp
+    # cp ranks sit between dp and tp: drawn as the data axis's inner part (dp x cp ranks, cp inner)
+    pp, dp, tp = plan.mesh.pp, plan.mesh.dp * (plan.mesh.cp or 1), plan.mesh.tp
     # The drawing covers the mesh's ranks; a plan using fewer GPUs than the cluster leaves the rest idle.
     mesh_nodes = min(nodes, max(1, -(-plan.mesh.world_size // gpn)))
     detail_ids = mesh.detail_nodes(pp, dp, tp, gpn, mesh_nodes)

@@ -1,6 +1,6 @@
 """What the user pinned: the `constraints` dict of `autopar.plan` and the CLI's
 pinning flags (`--tp --pp --dp --dp-shard --ep --micro-batch --zero --checkpoint
---schedule --sequence-parallel`), parsed once and checked before any search.
+--schedule --sequence-parallel --grad-reduce-dtype`), parsed once and checked before any search.
 
 A pinned value removes every other value of that knob from the search space;
 with everything pinned, the planner only prices the one layout (an estimator
@@ -15,17 +15,19 @@ from dataclasses import asdict, dataclass
 
 from autopar.errors import AutoparError
 
-KNOWN_KEYS = ("tp", "pp", "dp", "dp_shard", "ep", "micro_batch", "zero", "checkpoint", "schedule",
-              "sequence_parallel", "offload", "memory_headroom")
+KNOWN_KEYS = ("tp", "pp", "dp", "dp_shard", "ep", "cp", "micro_batch", "zero", "checkpoint", "schedule",
+              "sequence_parallel", "offload", "memory_headroom", "grad_reduce_dtype")
+# --grad-reduce-dtype: fp32 (never compress), bf16 (compress), auto (the planner keeps bf16 if faster)
+GRAD_REDUCE_CHOICES = ("fp32", "bf16", "auto")
 CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "accumulate")  # accumulate: no pipeline (pp 1)
 
 # CLI spelling of each key, so messages name the flag a person typed.
-FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "dp_shard": "--dp-shard", "ep": "--ep",
+FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "dp_shard": "--dp-shard", "ep": "--ep", "cp": "--cp",
         "micro_batch": "--micro-batch", "zero": "--zero",
         "checkpoint": "--checkpoint", "schedule": "--schedule", "sequence_parallel": "--sequence-parallel",
-        "offload": "--offload", "memory_headroom": "--memory-headroom"}
+        "offload": "--offload", "memory_headroom": "--memory-headroom", "grad_reduce_dtype": "--grad-reduce-dtype"}
 
 
 class ConstraintError(AutoparError):
@@ -39,6 +41,7 @@ class Constraints:
     dp: int | None = None
     dp_shard: int | None = None  # HSDP: ZeRO states sharded over groups of this many dp ranks
     ep: int | None = None  # expert parallelism: MoE experts split over groups of this many dp ranks
+    cp: int | None = None  # context parallelism: every sequence cut over cp ranks (solve/context_parallel.py)
     micro_batch: int | None = None  # samples per micro-batch
     zero: int | None = None
     checkpoint: str | None = None
@@ -50,6 +53,7 @@ class Constraints:
     # a limit on the plan rather than a layout knob, accepted here so that
     # autopar.compile(constraints=...) can pass it on
     memory_headroom: float | None = None
+    grad_reduce_dtype: str | None = None  # GRAD_REDUCE_CHOICES; None: priced, not chosen (solve/compression.py)
 
     def to_dict(self) -> dict:
         """The pinned values only (what a Plan records under `constraints`)."""
@@ -112,7 +116,7 @@ def parse_constraints(raw: dict | Constraints | None) -> Constraints:
         raise ConstraintError(f"unknown constraint(s): {', '.join(unknown)}",
                               hint=f"known keys: {', '.join(KNOWN_KEYS)}")
     out: dict = {}
-    for key in ("tp", "pp", "dp", "dp_shard", "ep", "micro_batch"):
+    for key in ("tp", "pp", "dp", "dp_shard", "ep", "cp", "micro_batch"):
         if raw.get(key) is not None:
             out[key] = _positive_int(key, raw[key])
     if raw.get("zero") is not None:
@@ -140,6 +144,12 @@ def parse_constraints(raw: dict | Constraints | None) -> Constraints:
             raise ConstraintError(f"--memory-headroom must be a fraction of usable memory in [0, 1), got {h!r}",
                                   hint="e.g. 0.1 leaves 10% of each GPU's usable memory free; 0 plans to the limit")
         out["memory_headroom"] = float(h)
+    if raw.get("grad_reduce_dtype") is not None:
+        g = str(raw["grad_reduce_dtype"]).lower()
+        if g not in GRAD_REDUCE_CHOICES:
+            raise ConstraintError(f"--grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_CHOICES)}, "
+                                  f"got {raw['grad_reduce_dtype']!r}")
+        out["grad_reduce_dtype"] = g
     if raw.get("sequence_parallel") is not None:
         sp = raw["sequence_parallel"]
         if not isinstance(sp, bool):
@@ -173,6 +183,13 @@ def _check_contradictions(c: Constraints) -> None:
     if c.ep not in (None, 1) and (c.tp not in (None, 1) or c.dp_shard is not None):
         raise ConstraintError(f"--ep {c.ep} runs beside data and pipeline parallelism only: it contradicts --tp / "
                               f"--dp-shard", hint="drop --ep, or those pins")
+    if c.ep not in (None, 1) and (c.cp or 1) > 1:
+        raise ConstraintError(f"--ep {c.ep} does not run beside context parallelism yet: it contradicts --cp {c.cp}",
+                              hint="drop --ep or --cp")
+    clash = (c.cp or 1) > 1 and ((c.pp or 1) > 1 and f"--pp {c.pp}" or c.dp_shard and f"--dp-shard {c.dp_shard}")
+    if clash:
+        raise ConstraintError(f"--cp {c.cp} contradicts {clash}: context parallelism is lowered at pp 1 without HSDP",
+                              hint="drop --pp / --dp-shard, or drop --cp")
     if c.offload == "params" and c.zero is not None and c.zero != 3:
         raise ConstraintError(f"--offload params needs --zero 3 (parameters are offloaded shard by shard), got --zero {c.zero}")
     if c.offload == "optimizer":
@@ -184,12 +201,13 @@ def _check_contradictions(c: Constraints) -> None:
 
 def check_against_cluster(c: Constraints, world_size: int, global_batch_size: int) -> None:
     """Contradictions between pinned values, the GPU count and the global batch."""
-    pinned = {k: getattr(c, k) for k in ("pp", "dp", "tp") if getattr(c, k) is not None}
+    axes = ("pp", "dp", "cp", "tp") if c.cp is not None else ("pp", "dp", "tp")
+    pinned = {k: getattr(c, k) for k in axes if getattr(c, k) is not None}
     product = 1
     for v in pinned.values():
         product *= v
     desc = " x ".join(f"{FLAG[k]} {v}" for k, v in pinned.items())
-    if len(pinned) == 3 and product != world_size:
+    if len(pinned) == len(axes) and product != world_size:
         raise ConstraintError(f"{desc} = {product} GPUs, but the cluster has {world_size}",
                               hint="pp x dp x tp must equal the GPU count; leave one of them free")
     if pinned and world_size % product:

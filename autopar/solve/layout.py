@@ -31,7 +31,7 @@ def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str],
     `root_held` (per layer, `root_held_layers`): layers FSDP2 runs in its root
     unit, where ZeRO 3 runs as ZeRO 2 (pp = 1: both tied ends in the one stage).
     Another engine being priced (`engine.zero_as_pinned`) runs the levels as given."""
-    if c.dp == 1 or engine.zero_as_pinned:
+    if c.dp * c.cp == 1 or engine.zero_as_pinned:  # cp ranks shard and reduce with dp (dp_shard_cp)
         return list(zeros)
     # HSDP (c.dp_shard) and ep (experts on their own efsdp units) are FSDP2 on every layer: no replicate
     replicate = (c.tp == 1 and c.pp == 1 and not c.dp_shard and not c.ep
@@ -78,17 +78,17 @@ def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = 
         if len(set(layer_zero)) == 1:
             layer_zero = None
     # The cost model names no schedule for pp = 1 (it runs one 1F1B stage whatever it is told).
-    return Layout(layer_zero=layer_zero, tp=c.tp, pp=c.pp, dp=c.dp, dp_shard=c.dp_shard or None, ep=c.ep or 1,
+    return Layout(layer_zero=layer_zero, tp=c.tp, pp=c.pp, dp=c.dp, dp_shard=c.dp_shard or None, ep=c.ep or 1, cp=c.cp,
                   micro_batch_size=c.micro_batch_size,
                   num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
                   virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
                   checkpoint=checkpoint, offload=offload, precision=precision, optimizer=optimizer,
                   # as autopar lowers: FSDP2 mixed precision even on one rank for 16-bit
                   # training; the engine's optimizer, gradient dtype and TP overlap
-                  fsdp_one_rank=c.dp == 1 and precision != "fp32" and engine.is_autopar,
+                  fsdp_one_rank=c.dp * c.cp == 1 and precision != "fp32" and engine.is_autopar,
                   # FSDP2's gradient sync stays on for every micro-batch: ParallelModel._accumulate
                   # at pp = 1, pipeline_parallel.ReducingStage under torch's schedules
-                  grads_reduced_per_micro_batch=engine.is_autopar and c.dp > 1,
+                  grads_reduced_per_micro_batch=engine.is_autopar and c.dp * c.cp > 1,
                   **engine.layout_fields())
 
 
@@ -121,13 +121,15 @@ def layout_of(plan) -> Layout:
     cand = Candidate(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, micro_batch_size=plan.micro_batch_size,
                      num_micro_batches=plan.num_micro_batches, schedule=plan.schedule,
                      virtual_stages=plan.virtual_stages, sequence_parallel=plan.sequence_parallel,
-                     dp_shard=plan.mesh.dp_shard if plan.mesh.hsdp else 0, ep=plan.mesh.ep or 0)
+                     dp_shard=plan.mesh.dp_shard if plan.mesh.hsdp else 0, ep=plan.mesh.ep or 0, cp=plan.mesh.cp or 1)
     optimizer = plan.assumptions.get("optimizer", "adam") if isinstance(plan.assumptions, dict) else "adam"
     engine = plan_engine(plan)
     if not choices:
-        return candidate_layout(cand, precision=plan.precision, optimizer=optimizer, engine=engine)
-    layout = assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
-                               optimizer=optimizer, engine=engine)
-    # which layers run float8 is the plan's (a hand-edited plan is priced as edited)
-    layout.layer_float8 = [bool(c.float8) for c in plan.layer_choices]
+        layout = candidate_layout(cand, precision=plan.precision, optimizer=optimizer, engine=engine)
+    else:
+        layout = assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
+                                   optimizer=optimizer, engine=engine)
+        # which layers run float8 is the plan's (a hand-edited plan is priced as edited)
+        layout.layer_float8 = [bool(c.float8) for c in plan.layer_choices]
+    layout.grad_reduce_dtype = getattr(plan, "grad_reduce_dtype", None)
     return layout

@@ -58,6 +58,7 @@ class Candidate:
     sequence_parallel: bool = False
     dp_shard: int = 0  # HSDP's shard group (dp ranks); 0: the whole dp (an int, so candidates still sort)
     ep: int = 0  # expert parallelism: MoE experts split over groups of ep dp ranks; 0: not split
+    cp: int = 1  # context parallelism: every sequence cut over cp ranks (solve/context_parallel.py)
 
     @property
     def num_stages(self) -> int:
@@ -73,13 +74,14 @@ class Candidate:
         sp = " +SP" if self.sequence_parallel else ""
         dp = f"dp{self.dp}" + (f" ({self.dp // self.dp_shard} replicas x {self.dp_shard} shards)"
                                if self.dp_shard else "") + (f" (ep {self.ep})" if self.ep else "")
+        dp += f" x cp{self.cp}" if self.cp > 1 else ""
         return (f"pp{self.pp} x {dp} x tp{self.tp}{sp}, micro-batch {self.micro_batch_size} x "
                 f"{self.num_micro_batches}, {sched}")
 
 
 def mesh_key(c: Candidate) -> tuple:
     """The mesh a candidate runs on: the search keeps and the Plan lists distinct meshes."""
-    return (c.pp, c.dp, c.tp, c.dp_shard, c.ep)
+    return (c.pp, c.dp, c.tp, c.dp_shard, c.ep, c.cp)
 
 
 def dp_shard_choices(dp: int, tp: int, gpus_per_node: int) -> list[int]:
@@ -208,6 +210,9 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                 continue
             if pp > 1 and whole_batch:
                 report.add(f"a pipeline runs micro-batches and {whole_batch}", mesh)
+                continue
+            if (c.cp or 1) > 1 and dp % c.cp:  # the search of one cp rank's share: dp here is dp x cp
+                report.add(f"dp x cp is not a multiple of cp {c.cp}", mesh)
                 continue
             if global_batch_size % dp:
                 report.add(f"dp does not divide the global batch {global_batch_size}", mesh)

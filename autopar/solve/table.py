@@ -124,7 +124,7 @@ class TableBuilder:
 
     def _layer_rows(self, cand: Candidate) -> list[list[tuple]]:
         key = (cand.tp, cand.dp, cand.micro_batch_size, cand.num_micro_batches, cand.pp, cand.sequence_parallel,
-               cand.dp_shard, cand.ep)
+               cand.dp_shard, cand.ep, cand.cp)
         rows = self._rows.get(key)
         if rows is not None:
             return rows

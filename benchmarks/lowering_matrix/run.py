@@ -88,6 +88,10 @@ LAYOUTS = {
     "ep": (2, dict(dp=2, ep=2, zero=3, micro_batch_size=4)),
     "ep_dp": (4, dict(dp=4, ep=2, zero=3, micro_batch_size=2)),
     "ep_pp": (4, dict(pp=2, dp=2, ep=2, zero=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=2)),
+    # context parallelism (Mesh.cp): every sequence cut over 2 ranks, ring attention; with tp and with dp
+    "cp": (2, dict(cp=2, micro_batch_size=8)),
+    "cp_tp": (4, dict(cp=2, tp=2, micro_batch_size=8)),
+    "cp_dp": (4, dict(cp=2, dp=2, micro_batch_size=4)),
     "planner": (4, None),
     "planner_pp_tp": (4, None),
 }
