@@ -100,7 +100,8 @@ def ep_parts(layer, model, layout, cluster, zero, offload, params_local, fwd_s, 
     b, s1 = layout.micro_batch_size, model.seq_len or 1
     fwd_share = _share(fast(layer.ep_expert_fwd_flops)(b, s1), fast(layer.fwd_flops)(b, s1))
     bwd_share = _share(fast(layer.ep_expert_bwd_flops)(b, s1), fast(layer.bwd_flops)(b, s1))
-    return EpParts(states, traffic, opt_params, dense_local + experts_local / layout.ep, cost.fwd_comm_s + hot * fwd_share * fwd_s,
+    held = dense_local + experts_local / layout.ep
+    return EpParts(states, traffic, opt_params, held, cost.fwd_comm_s + hot * fwd_share * fwd_s,
                    cost.bwd_comm_s + hot * bwd_share * bwd_s, cost.comm_s, 4 * cost.send_bytes,
                    cost.routed_bytes_per_rank, ep_placement(layout.ep, layout.tp, cluster).tier)
 

@@ -94,9 +94,17 @@ def ep_world(rank, world, cases):
         losses = [pm.train_step((x,), y) for x, y in _batches()]
         ref_losses, ref_params = _reference(arch)
         full = pm.full_state_dict()  # every expert whole again (collective over ep)
+        if plan.mesh.ep:  # a snapshot would hold each rank's slice under the whole name: refused
+            try:
+                pm.sharded_state_dict()
+                snapshot = "written"
+            except AutoparError as exc:
+                snapshot = str(exc)
+        else:
+            snapshot = None
         full_rel = max(((full[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
                        for k, v in ref_params.items()) if set(full) == set(ref_params) else float("inf")
-        out[name] = {"losses": losses, "ref": ref_losses, "full_rel": full_rel,
+        out[name] = {"losses": losses, "ref": ref_losses, "full_rel": full_rel, "snapshot": snapshot,
                      "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                      "param_rel": _param_rel(model, ref_params, rank, plan), "expert_rows": _expert_rows(model)}
     return out
@@ -146,6 +154,7 @@ def test_ep_2_on_2_ranks_matches_one_process_and_dbrx_is_refused_everywhere(tmp_
             assert "refused" not in r, (rank, name, r)
             assert r["loss_rel"] < TOL and r["param_rel"] < TOL and r["full_rel"] < TOL, (rank, name, r)
             assert r["expert_rows"] == [2], (name, r)  # 2 of the 4 experts on each rank
+            assert "not written yet" in r["snapshot"], r["snapshot"]
         for name in ("dbrx_ep2", "dbrx_ep2_edited"):
             assert "2-D (experts x ffn, hidden)" in res[name]["refused"], res[name]
         # the edited plan is refused by the lowering's preflight (check_plan: before any

@@ -73,3 +73,19 @@ def test_pinning_ep_on_a_dense_model_is_refused():
                             (torch.zeros(2, 16, dtype=torch.long),))
     with pytest.raises(AutoparError, match="no MoE layer"):
         _plan(graph, {"ep": 2})
+
+
+def test_solver_and_lowering_agree_that_ep_runs_every_layer_as_fsdp2():
+    """Under ep every layer is an FSDP2 unit (the experts on efsdp, the rest on dp): the
+    solver prices ZeRO 0 / 1 as 2 where the lowering runs them as 2, and says so."""
+    from test_plan_fields_run_as_priced import _plan as plan_of
+
+    from autopar.lower import data_parallel
+    from autopar.solve.layout import lowered_zero_levels
+    from autopar.solve.search_space import Candidate
+    cand = Candidate(pp=1, dp=4, tp=1, micro_batch_size=1, num_micro_batches=1, schedule="1f1b", ep=2)
+    assert lowered_zero_levels(cand, [0, 1], ["none", "none"]) == [2, 2]
+    plan = plan_of(1, 4, 1, (0, 1), ("none", "none"))
+    assert data_parallel.uses_replicate(plan)
+    plan.mesh.ep = 2
+    assert not data_parallel.uses_replicate(plan) and "expert parallelism" in data_parallel.zero_substitutions(plan)[0]

@@ -32,8 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import (batch_norm, checkpointing, compile_blocks, compression, context_parallel, data_parallel,
                            expert_parallel, float8, grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict,
-                           tensor_parallel,
-                           tied_weights, weight_reads)
+                           tensor_parallel, tied_weights, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, data_mesh, init_distributed, local_device
 from autopar.lower.model_io import TokenWeighedLoss, default_init_fn, resolve_loss_fn
@@ -321,6 +320,10 @@ class ParallelModel:
         user's names, sharded as this plan holds them (DTensor shards or whole
         tensors): what torch.distributed.checkpoint saves and reshards on load
         under any other plan (autopar.train.snapshot)."""
+        if self.ep_mesh is not None:  # each ep rank's experts are a slice DCP would see as the whole
+            raise AutoparError(f"snapshots under expert parallelism (ep {self.plan.mesh.ep}) are not written yet: "
+                               f"each rank holds experts / ep under the whole tensor's name",
+                               hint="export the weights with full_state_dict(), or train without ep")
         return state_dict.for_dcp({**state_dict.model_tensors(self), **state_dict.optimizer_tensors(self)})[0]
 
     def full_state_dict(self, buffers: bool = False) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ def hsdp_variants(model, cluster, pool: list, *, limit_bytes: float, pinned: boo
         c = r.candidate
         if len(meshes) >= TRIES:
             break
-        if c.dp <= 1 or c.dp_shard or mesh_key(c) in meshes or layout.layer_zero is None:
+        if c.dp <= 1 or c.dp_shard or c.ep or mesh_key(c) in meshes or layout.layer_zero is None:
             continue
         if not any(z >= 1 for z in layout.layer_zero):  # nothing sharded: HSDP has nothing to keep local
             continue
