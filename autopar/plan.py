@@ -134,6 +134,10 @@ class Plan:
     virtual_stages: int = 1
     micro_batch_size: int = 1
     num_micro_batches: int = 1
+    # Communication compression: gradients reduced in this dtype, narrower than they are
+    # held ("bf16"; autopar/compression.py says what it means per precision). None (and
+    # absent from the JSON): reduced as held, as every plan before the field.
+    grad_reduce_dtype: str | None = None
     stages: list[Stage] = field(default_factory=list)
     predicted: Predicted = field(default_factory=Predicted)
     alternatives: list[dict] = field(default_factory=list)  # ranked: layout summary, predicted, why it lost
@@ -192,6 +196,8 @@ class Plan:
             d["mesh"].pop("dp_shard", None)
         if (d["mesh"].get("cp") or 1) == 1:  # no context parallelism: the JSON of every plan before the field
             d["mesh"].pop("cp", None)
+        if d.get("grad_reduce_dtype") is None:  # uncompressed: the JSON of every plan before the field
+            d.pop("grad_reduce_dtype", None)
         return d
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+from autopar.compression import problem as compression_problem
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.plan_schema import (CHECKPOINTS, OFFLOADS, PRECISIONS, SCHEDULES, TP_STYLES, is_number,
@@ -106,7 +107,8 @@ def plan_problem(plan) -> str | None:
                     return f"{where}.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}"
             if not isinstance(c.module_paths, list):
                 return f"{where}.module_paths must be a list of module names"
-    problem = hsdp_problem(plan) or cp_problem(plan)
+    problem = (hsdp_problem(plan) or cp_problem(plan)
+               or compression_problem(plan.grad_reduce_dtype, plan.precision, m.dp * (m.cp or 1)))
     if problem:
         return problem
     num_layers = plan.model.get("num_layers") if isinstance(plan.model, dict) else None

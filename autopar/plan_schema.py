@@ -21,6 +21,9 @@ PRECISIONS = ("bf16", "fp16", "fp32")  # training compute dtype
 CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")  # "params" offloads optimizer state too
 TP_STYLES = ("replicate", "colwise_rowwise", "vocab", "sequence")
+# Plan.grad_reduce_dtype: the dtype gradients cross the wire in when narrower than they
+# are held (communication compression, autopar/compression.py); absent: as held
+GRAD_REDUCE_DTYPES = ("bf16",)
 
 
 def is_positive_int(value) -> bool:
@@ -84,17 +87,17 @@ PLAN_SCHEMA = ("object", {
     "cluster": ("object", {"nodes": "posint", "gpus_per_node": "posint", "device": "str", "name": "str?",
                            "intra_node_link": "str", "inter_node_link": "str", "host_link": "str",
                            "host_memory_gib": "number", "host_memory_bandwidth_gbs": "number",
-                           "world_size": "posint", "devices": "object", "links": "object"}),
+                           "world_size": "posint", "devices": "object", "links": "object", "topology": "object"}),
     "global_batch_size": "posint", "seq_len": "posint?", "precision": "str", "mesh": _MESH,
     "sequence_parallel": "bool", "schedule": "str", "virtual_stages": "posint", "micro_batch_size": "posint",
-    "num_micro_batches": "posint", "stages": ("list", _STAGE), "predicted": _PREDICTED,
+    "num_micro_batches": "posint", "grad_reduce_dtype": "str", "stages": ("list", _STAGE), "predicted": _PREDICTED,
     "alternatives": ("list", _ALTERNATIVE), "baselines": ("list", _BASELINE), "fusions": ("list", "object"),
     "solver": "object",
     "assumptions": "object",
     "constraints": ("object", {"tp": "posint", "pp": "posint", "dp": "posint", "dp_shard": "posint",
                                "cp": "posint", "micro_batch": "posint",
                                "zero": "int", "checkpoint": "str", "offload": "str", "schedule": "str",
-                               "virtual_stages": "posint", "sequence_parallel": "bool"}),
+                               "virtual_stages": "posint", "sequence_parallel": "bool", "grad_reduce_dtype": "str"}),
 })
 
 
@@ -148,5 +151,5 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-__all__ = ["SCHEMA_VERSION", "ACCUMULATE", "SCHEDULES", "PRECISIONS", "CHECKPOINTS", "OFFLOADS", "TP_STYLES",
+__all__ = ["SCHEMA_VERSION", "ACCUMULATE", "SCHEDULES", "PRECISIONS", "CHECKPOINTS", "OFFLOADS", "TP_STYLES", "GRAD_REDUCE_DTYPES",
            "PLAN_SCHEMA", "type_problem"]

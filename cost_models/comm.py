@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from cost_models import nccl
+from cost_models.congestion import network_share
 from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 
@@ -80,7 +82,10 @@ def bus_bandwidth(place: GroupPlacement, cluster: ClusterSpec) -> tuple[float, f
     if place.nodes_spanned <= 1:
         return intra.bus_bandwidth, intra.latency_s
     inter = cluster.inter_link
-    return min(intra.bus_bandwidth, place.ranks_per_node * inter.bus_bandwidth), inter.latency_s
+    # every group of the axis at once: past a leaf, its uplinks' share (cost_models/congestion.py)
+    share = 1.0 if cluster.topology is None else network_share(place.nodes_spanned, cluster.gpus_per_node,
+                                                                 cluster.topology)
+    return min(intra.bus_bandwidth, place.ranks_per_node * inter.bus_bandwidth * share), inter.latency_s
 
 
 def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: ClusterSpec) -> float:
@@ -94,14 +99,20 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
         if measured is not None:
             return measured
     bw, alpha = bus_bandwidth(place, cluster)
+    if place.nodes_spanned > 1 and kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        gpu = _nccl_setup(cluster)
+        if gpu is not None:  # across nodes: NCCL's own model picks ring / tree / PAT and LL / LL128 / Simple
+            return nccl.choose(kind, float(nbytes), n, place.nodes_spanned, bw, *gpu)[0]
     if kind == "all_reduce":
+        # Inside a node NCCL runs rings (or NVLS), not trees: its double binary tree
+        # spans nodes, with a chain inside each. Measured: 8 x H200, torch all_reduce
+        # takes 40 us at 32 KiB and 46 us at 1 MiB (stas00/ml-engineering
+        # network/benchmarks/results/all-reduce-8xH200.md), as the ring's 14 steps of
+        # 3 us give; a tree's 6 steps would say 18 us. NCCL's own model (cost_models/
+        # nccl.py) says 15 us at 32 KiB: it leaves out the launch and torch's dispatch,
+        # which that measurement holds, so inside a node the measured step stays.
         ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
         if place.nodes_spanned <= 1:
-            # Inside a node NCCL runs rings (or NVLS), not trees: its double binary tree
-            # spans nodes, with a chain inside each. Measured: 8 x H200, torch all_reduce
-            # takes 40 us at 32 KiB and 46 us at 1 MiB (stas00/ml-engineering
-            # network/benchmarks/results/all-reduce-8xH200.md), as the ring's 14 steps of
-            # 3 us give; a tree's 6 steps would say 18 us.
             return ring
         tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(n)) * alpha
         return min(ring, tree)
@@ -111,15 +122,15 @@ def collective_time(kind: str, nbytes: float, place: GroupPlacement, cluster: Cl
         if place.nodes_spanned > 1:
             # The share bound for other nodes leaves through this GPU's own NIC.
             r = place.ranks_per_node
-            cross = (n - r) / n * nbytes / cluster.inter_link.bus_bandwidth
+            share = network_share(place.nodes_spanned, cluster.gpus_per_node, cluster.topology)
+            cross = (n - r) / n * nbytes / (cluster.inter_link.bus_bandwidth * share)
             local = (r - 1) / n * nbytes / cluster.intra_link.bus_bandwidth
             return max(cross, local) + (n - 1) * alpha
         return (n - 1) / n * nbytes / bw + (n - 1) * alpha
     if kind == "broadcast":
         return nbytes / bw + (n - 1) * alpha
     if kind == "p2p":
-        link = cluster.intra_link if place.nodes_spanned <= 1 else cluster.inter_link
-        return nbytes / link.bus_bandwidth + link.latency_s
+        return p2p_time(nbytes, place.nodes_spanned <= 1, cluster)
     raise CostModelError(f"unknown collective '{kind}' (known: {', '.join(COLLECTIVES)})")
 
 
@@ -132,7 +143,27 @@ def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
         measured = link.measured.time("p2p", 2, nbytes)
         if measured is not None:
             return measured
+    if not same_node and _nccl_setup(cluster) is not None:
+        # NCCL's LL protocol below its P2P LL threshold (half the link's bandwidth), Simple above
+        proto = nccl.LL if nbytes <= nccl.P2P_LL_THRESHOLD else nccl.SIMPLE
+        bw = link.bus_bandwidth * (.5 if proto == nccl.LL else 1.0)
+        return nbytes / bw + nccl.p2p_us(proto) * 1e-6
     return nbytes / link.bus_bandwidth + link.latency_s
+
+
+def _nccl_setup(cluster: ClusterSpec) -> tuple[str, bool] | None:
+    """(NCCL's intra-node tier, compute capability >= 8.0) for pricing groups across nodes
+    with NCCL's model (cost_models/nccl.py); None on gloo (the cpu profile), which keeps the
+    link's alpha-beta. The tier is tuning.cc's intraHw: NVLink (AMD's xGMI alike) or PCI.
+    Memoised on the cluster by what it depends on (the pricing's hot path)."""
+    key = (cluster.device, cluster.intra_node_link)
+    memo = cluster.__dict__.get("_nccl_memo")
+    if memo is None or memo[0] != key:
+        gpu = cluster.device_profile.vendor != "cpu"
+        tier = "pci" if cluster.intra_node_link.startswith("pcie") else "nvlink"
+        memo = (key, (tier, nccl.generation_at_least_ampere(cluster.device)) if gpu else None)
+        cluster.__dict__["_nccl_memo"] = memo
+    return memo[1]
 
 
 def pp_neighbours_same_node(tp: int, dp: int, cluster: ClusterSpec) -> bool:

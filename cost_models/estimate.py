@@ -27,6 +27,7 @@ from cost_models.context_parallel import cp_view
 from cost_models.errors import CostModelError
 from cost_models.fingerprint import layer_fingerprint  # also importable from here (docs/INTERFACES.md)
 from cost_models.hardware import ClusterSpec
+from cost_models.issue_order import last_backward_exposed
 from cost_models.layer import DTYPE_BYTES, LayerCost, layer_cost  # noqa: F401 - the layer API, importable from here
 from cost_models.layout import Layout
 from cost_models.memory import FRAGMENTATION
@@ -76,16 +77,19 @@ class _Step:
     pp_exposed_s: float  # the critical rank's waits for pipeline sends
     p2p_s: float  # the critical rank's sends per micro-batch
     straggler_s: float
+    dp_tail_s: float = 0.0  # the critical rank's gradient reduction past its last backward (issue_order.py)
 
 
 def _step(pipe: Pipeline, costs: list, layout: Layout, device) -> _Step:
     """Per pp rank: its schedule's finish plus the end-of-step data-parallel exposure and the
     optimizer step; the slowest rank paces the step, and the slowest GPU stretches it."""
     pp, m, sim, p2p = layout.pp, layout.num_micro_batches, pipe.sim, pipe.p2p_s
-    rank_total, rank_opt = [], []
+    rank_total, rank_opt, tails = [], [], []
     for r in range(pp):
         idx = pipe.ranks[r]
         step_exp = sum(costs[j].dp_step_exposed_s for j in idx)
+        tails.append(_issue_order_tail(costs, idx, m))
+        step_exp += tails[-1]
         opt = sum(costs[j].optimizer_s for j in idx)
         if device.measured is not None and idx:  # the optimizer's fixed cost per step (measured)
             opt += device.measured.optimizer_step_constant(layout.optimizer)
@@ -105,10 +109,23 @@ def _step(pipe: Pipeline, costs: list, layout: Layout, device) -> _Step:
     # compute-paced part of the step (compute, recompute, bubble, optimizer) stretches;
     # communication time does not depend on SM clocks.
     comm_exposed = (m * sum(costs[j].tp_comm_s for j in idx) + pp_exposed
-                    + sum(costs[j].dp_comm_exposed_s for j in idx))
+                    + sum(costs[j].dp_comm_exposed_s for j in idx) + tails[crit])
     straggler_s = max(0.0, step - comm_exposed) * (
         slowest_gpu_slowdown(layout.world_size, device.clock_spread) - 1.0)
-    return _Step(step + straggler_s, crit, rank_opt, pp_exposed, p2p_rank, straggler_s)
+    return _Step(step + straggler_s, crit, rank_opt, pp_exposed, p2p_rank, straggler_s, tails[crit])
+
+
+def _issue_order_tail(costs: list, idx: list, m: int) -> float:
+    """What the rank's last backward, run in issue order, exposes beyond the layers' own
+    exposures of it (cost_models/issue_order.py): never negative."""
+    order = idx[::-1]
+    if not any(costs[j].dp_last_reduce_s for j in order):
+        return 0.0
+    queued = last_backward_exposed([costs[j].bwd_s + costs[j].recompute_s + costs[j].tp_comm_s - costs[j].tp_comm_fwd_s
+                                    for j in order], [costs[j].dp_bwd_gather_s for j in order],
+                                   [costs[j].dp_last_reduce_s for j in order])
+    priced = sum(costs[j].dp_step_exposed_s + costs[j].dp_bwd_exposed_s for j in idx)
+    return max(0.0, queued - priced)
 
 
 def _why_not_fit(peaks: list, memory: list, capacity: float, host_per_gpu: float, cluster: ClusterSpec) -> str:
@@ -133,7 +150,7 @@ def _time_breakdown(costs: list, idx: list, st: _Step, pipe: Pipeline, m: int) -
         "tp_comm_s": m * sum(costs[j].tp_comm_s for j in idx),
         "pp_comm_s": st.pp_exposed_s,
         "dp_comm_s": sum(costs[j].dp_comm_s for j in idx),
-        "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx),
+        "dp_comm_exposed_s": sum(costs[j].dp_comm_exposed_s for j in idx) + st.dp_tail_s,
         # part of dp_comm_exposed_s: compute slowed by the SMs hidden DP collectives hold
         "nccl_contention_s": sum(costs[j].nccl_contention_s for j in idx),
         "bubble_s": pipe.sim.bubble_s[st.critical] - st.pp_exposed_s,

@@ -13,7 +13,9 @@ describes their own machines in a YAML or JSON file of the same shape:
       gpus_per_node: 8
       device: my-gpu               # a shipped name or one defined below
       intra_node_link: nvlink4
-      inter_node_link: ib-ndr
+      inter_node_link: ib-ndr      # or fabric: ib-ndr | ib-hdr | roce-400 | efa-v2 | ethernet-100g,
+                                   # or fabric: {bandwidth_gbps: 400, latency_us: 6} per GPU
+      topology: {rail_optimized: true, oversubscription: 2.0}   # optional: congestion.py
       host_memory_gib: 2048
     devices:                       # optional, same fields as devices.yaml
       my-gpu: {peak_tflops: {bf16: 500}, memory_gib: 96, ...}
@@ -32,6 +34,8 @@ from typing import Any
 from cost_models.devices import (GIB, GIGA, PROFILE_DIR, TERA, DeviceProfile, LinkProfile,  # noqa: F401
                                  get_device, get_link, load_devices, load_links, load_profile_file, shipped_clusters,
                                  shipped_devices, shipped_links)
+from cost_models import fabric
+from cost_models.congestion import Topology
 from cost_models.errors import ClusterSizeError, ProfileError
 from cost_models.fields import read_mapping, read_number, read_str
 from cost_models.measured import Profile
@@ -58,6 +62,7 @@ class ClusterSpec:
     devices: dict = field(default_factory=dict)  # name -> DeviceProfile (user-defined)
     links: dict = field(default_factory=dict)  # name -> LinkProfile (user-defined)
     source: str = "<dict>"
+    topology: Any = None  # cost_models.congestion.Topology: leaves, rails, oversubscription (None: non-blocking)
 
     def __post_init__(self):
         self.validate()
@@ -102,7 +107,7 @@ class ClusterSpec:
         custom = repr(sorted(self.devices.items())) + repr(sorted(self.links.items())) if (
             self.devices or self.links) else ""
         return (self.nodes, self.gpus_per_node, self.device, self.intra_node_link, self.inter_node_link,
-                self.host_memory_bytes, self.host_link, self.host_memory_bandwidth, custom)
+                self.host_memory_bytes, self.host_link, self.host_memory_bandwidth, custom, self.topology)
 
     def with_profile(self, profile) -> "ClusterSpec":
         """This cluster priced with a measured profile (`autopar calibrate`'s file,
@@ -133,6 +138,8 @@ class ClusterSpec:
             d["devices"] = {k: v.to_dict() for k, v in sorted(self.devices.items())}
         if self.links:
             d["links"] = {k: v.to_dict() for k, v in sorted(self.links.items())}
+        if self.topology is not None:
+            d["topology"] = self.topology.to_dict()
         return d
 
     @classmethod
@@ -144,10 +151,13 @@ class ClusterSpec:
         body = read_mapping(body, "cluster", file)
         base: dict = {}
         if "preset" in body:  # start from a preset, override what the file gives
-            base = dict(_preset_body(read_str(body, "preset", "cluster", file), file))
-        merged = {**base, **{k: v for k, v in body.items() if k != "preset"}}
+            base = fabric.resolve(dict(_preset_body(read_str(body, "preset", "cluster", file), file)), links, file)
+            if "fabric" in body:
+                base.pop("inter_node_link", None)
+        merged = fabric.resolve({**base, **{k: v for k, v in body.items() if k != "preset"}}, links, file)
         known = {"name", "nodes", "gpus_per_node", "device", "intra_node_link", "inter_node_link",
-                 "host_memory_gib", "host_memory_bytes", "host_link", "host_memory_bandwidth_gbs", "world_size"}
+                 "host_memory_gib", "host_memory_bytes", "host_link", "host_memory_bandwidth_gbs", "world_size",
+                 "topology"}
         unknown = sorted(set(merged) - known - {"devices", "links", "cluster"})
         if unknown:
             raise ProfileError(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})",
@@ -171,6 +181,7 @@ class ClusterSpec:
             devices=devices,
             links=links,
             source=file,
+            topology=Topology.from_dict(merged["topology"], file) if merged.get("topology") is not None else None,
         )
         if "world_size" in merged and merged["world_size"] != spec.world_size:
             raise ProfileError(f"world_size {merged['world_size']} != nodes x gpus_per_node = {spec.world_size}",

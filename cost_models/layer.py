@@ -67,6 +67,8 @@ class LayerCost:
     model_flops: float = 0.0  # per micro-batch per GPU, fwd + bwd, no recomputation
     recompute_flops: float = 0.0  # per micro-batch per GPU
     dp_collectives: tuple = ()  # ((collective, bytes per step, time per step), ...)
+    dp_last_reduce_s: float = 0.0  # the gradient reduction issued after the last backward (issue_order.py)
+    dp_bwd_gather_s: float = 0.0  # the all-gather each backward waits for (FSDP2)
     tier: dict = field(default_factory=dict)  # axis -> 'intra_node' | 'inter_node'
     float8: bool = False  # its nn.Linear GEMMs priced in float8 (cost_models/float8.py)
 
@@ -154,7 +156,8 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
         optimizer_temp_bytes=optimizer_temp_bytes(layout, device, opt_params, offload),
         loss_grad_bytes=loss_grad_bytes(layer, b, s1, byte_scale, tp),
         model_flops=3 * fast(layer.fwd_flops)(b, s1) / tp, recompute_flops=recompute_flops,
-        dp_collectives=tuple(dp.collectives), tier={"tp": tpc.place.tier, "dp": dp.place.tier,
+        dp_collectives=tuple(dp.collectives), dp_last_reduce_s=dp.last_reduce_s, dp_bwd_gather_s=dp.bwd_gather_s,
+        tier={"tp": tpc.place.tier, "dp": dp.place.tier,
                                                       **({"dp_replicate": dp.replica_place.tier}
                                                          if dp.replica_place else {})}, float8=float8,
     )

@@ -6,7 +6,8 @@ how many bytes each moves and how long it takes on its group's links.
 - data parallel, per ZeRO level: DDP's gradient all-reduce, ZeRO-1/2's
   reduce-scatter and all-gather, FSDP's per-micro-batch all-gathers and
   per-step reduce-scatter, with the copies in and out of their buffers;
-  HSDP's all-reduce of the gradient shards across replicas;
+  HSDP's all-reduce of the gradient shards across replicas; every gradient
+  reduction at the compressed width when the layout asks (compression.py);
   FSDP2 on one rank (its casts and hooks); BatchNorm statistics kept global;
   offloaded parameters coming up from the host.
 
@@ -19,6 +20,7 @@ import collections
 from dataclasses import dataclass, field
 
 from cost_models import comm as C
+from cost_models import compression
 from cost_models.compute import fast
 from cost_models.float8 import amax_all_reduces
 from cost_models.overlap import (all_reduce_exposed, fsdp_exposed, gradient_window_share, prefetch_exposed,
@@ -130,17 +132,24 @@ class DpComm:
     step_exposed_s: float = 0.0
     contention_s: float = 0.0
     replica_place: C.GroupPlacement | None = None  # HSDP: the group its gradient shards are all-reduced over
+    # one backward's collectives in issue order (cost_models/issue_order.py): the gradient
+    # reduction issued after the last backward, and the all-gather a backward waits for (FSDP2)
+    last_reduce_s: float = 0.0
+    bwd_gather_s: float = 0.0
 
 
-def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float) -> None:
+def _ddp(dp: DpComm, full_grads: float, layout, cluster, bwd_window: float, bucket_bytes: float) -> None:
+    """`full_grads`: the bytes the all-reduce moves; `bucket_bytes`: the gradients as held
+    (they differ under compression: DDP's buckets hold the gradients' dtype, the hook casts)."""
     device = cluster.device_profile
     ar = C.collective_time("all_reduce", full_grads, dp.place, cluster)
     dp.collectives.append(("all_reduce", 2 * full_grads * (layout.dp - 1) / layout.dp, ar))
+    dp.last_reduce_s = ar
     ar_exp, dp.contention_s = all_reduce_exposed(ar, bwd_window, gradient_window_share(layout), device, dp.place,
                                                  cluster)
     # DDP copies each gradient into its bucket before the all-reduce and back after
     # it (read + write each way), on the compute stream
-    dp.step_exposed_s = ar_exp + dp.contention_s + copy_s(4 * full_grads, device)
+    dp.step_exposed_s = ar_exp + dp.contention_s + copy_s(4 * bucket_bytes, device)
 
 
 def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout, cluster, fwd_s: float,
@@ -155,6 +164,7 @@ def _sharded_optimizer(dp: DpComm, full_params: float, full_grads: float, layout
     dp.collectives += [("reduce_scatter", m * full_grads * frac, m * rs),
                        ("all_gather", gathers * full_params * frac, gathers * ag)]
     device, share = cluster.device_profile, gradient_window_share(layout)
+    dp.last_reduce_s = rs
     if m == 1:
         dp.step_exposed_s, dp.contention_s = sharded_optimizer_exposed(rs, ag, fwd_s, bwd_window, share, device,
                                                                        dp.place, cluster)
@@ -191,6 +201,7 @@ def _fsdp(dp: DpComm, layer: LayerSpec, full_params: float, full_grads: float, l
     frac = (layout.shard_ranks - 1) / layout.shard_ranks
     m = layout.num_micro_batches
     reduces = m if per_micro_batch else 1
+    dp.last_reduce_s, dp.bwd_gather_s = rs, ag
     dp.collectives += [("all_gather", 2 * m * full_params * frac, 2 * m * ag),
                        ("reduce_scatter", reduces * full_grads * frac, reduces * rs)]
     dp.fwd_exposed_s, dp.bwd_exposed_s, dp.step_exposed_s, dp.contention_s = fsdp_exposed(
@@ -251,7 +262,8 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
     dp = DpComm(C.group_placement("dp_shard" if hsdp else "dp", layout.tp, layout.dp, layout.pp, cluster,
                                   layout.dp_shard))
     full_params = params_local * p_bytes
-    full_grads = params_local * g_bytes
+    wire = compression.wire_bytes(g_bytes, layout.grad_reduce_dtype)
+    full_grads = params_local * wire  # what every gradient reduction moves (cost_models/compression.py)
     if layout.dp > 1 and params_local > 0:
         # FSDP2 (zero >= 2) gathers float8 weights in float8; ZeroRedundancyOptimizer (zero 1,
         # beside DDP) all-gathers the parameters as held
@@ -259,13 +271,17 @@ def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_l
         # Layout.grads_reduced_per_micro_batch: FSDP2 units (ZeRO >= 2) reduce every micro-batch
         per_mb = layout.grads_reduced_per_micro_batch and zero >= 2 and layout.num_micro_batches > 1
         if zero == 0:
-            _ddp(dp, full_grads, layout, cluster, bwd_window)
+            _ddp(dp, full_grads, layout, cluster, bwd_window, params_local * g_bytes)
         elif zero in (1, 2):
             _sharded_optimizer(dp, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
         else:
             _fsdp(dp, layer, full_params - saved, full_grads, layout, cluster, fwd_s, bwd_window, per_mb)
         if hsdp:
             _replica_all_reduce(dp, full_grads, layout, cluster, bwd_window)
+        # compression's casts, on the compute stream once per reduction (ZeRO >= 2: FSDP2's buffer)
+        casts = compression.cast_bytes(params_local, g_bytes, wire, zero >= 2, layout.shard_ranks)
+        if casts:
+            dp.step_exposed_s += (layout.num_micro_batches if per_mb else 1) * copy_s(casts, device)
     if layout.fsdp_one_rank and layout.dp == 1 and layer.params > 0:
         _fsdp_one_rank(dp, layer, params_local, device)
     if offload == "params":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from cost_models import compression
 from cost_models.errors import CostModelError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -85,6 +86,9 @@ class Layout:
     # every op but attention runs on seq / cp tokens, the ZeRO states are sharded and the
     # gradients reduced over dp x cp (torchtitan's dp_shard_cp). 1: no cut.
     cp: int = 1
+    # Communication compression (cost_models/compression.py): gradients reduced in this
+    # narrower dtype ("bf16"), cast back after; None: reduced as held
+    grad_reduce_dtype: str | None = None
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -127,6 +131,7 @@ class Layout:
         for key, allowed in checks:
             if getattr(self, key) not in allowed:
                 raise CostModelError(f"layout.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        compression.check(self.grad_reduce_dtype)
         if self.zero not in (0, 1, 2, 3):
             raise CostModelError(f"layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.schedule != "interleaved" and self.virtual_stages != 1:

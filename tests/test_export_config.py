@@ -24,6 +24,7 @@ import os
 import shlex
 
 import pytest
+import torch
 import yaml
 
 from autopar.export_config import TARGETS, export
@@ -74,7 +75,14 @@ def _hsdp():
     return plan
 
 
-VARIANTS = {"mutated": _mutated, "pipelined_fp16": _pipelined_fp16, "hsdp": _hsdp}
+def _compressed():
+    """Llama 3 8B's plan with its gradients reduced in bf16 (Plan.grad_reduce_dtype)."""
+    plan = _load("llama3_8b_64xh100")
+    plan.grad_reduce_dtype = "bf16"
+    return plan
+
+
+VARIANTS = {"mutated": _mutated, "pipelined_fp16": _pipelined_fp16, "hsdp": _hsdp, "compressed": _compressed}
 
 
 @pytest.fixture(scope="module", params=PLANS + tuple(VARIANTS))
@@ -107,6 +115,7 @@ def test_deepspeed_config_parser_reads_every_export(plan, monkeypatch):
     assert cfg.float16_config.enabled == (plan.precision == "fp16")
     if plan.precision == "fp16":
         assert cfg.float16_config.loss_scale == 0  # dynamic loss scaling
+    assert cfg.communication_data_type == ({"bf16": torch.bfloat16}.get(plan.grad_reduce_dtype))
     offload = max((c.offload for c in plan.layer_choices), key=("none", "optimizer", "params").index)
     assert (cfg.zero_config.offload_optimizer is not None) == (offload != "none")
     assert cfg.tensor_parallel_config.autotp_size == (plan.mesh.tp if plan.mesh.tp > 1 else 0)
@@ -281,6 +290,26 @@ def test_hsdp_reaches_each_target_or_is_said():
     mg = export(plan, "megatron")
     assert not mg.nearest.mesh.hsdp and any("HSDP (dp 64 = 8 replicas x 8 shards): not expressible" in n
                                             for n in mg.notes)
+
+
+def test_compression_reaches_each_target_or_is_said():
+    plan = _compressed()
+    ds = export(plan, "deepspeed")
+    assert json.loads(ds.text)["communication_data_type"] == "bf16" and ds.nearest.grad_reduce_dtype == "bf16"
+    assert any("zero_quantized_gradients" in n for n in json.loads(ds.text)["_autopar_notes"])
+    assert "communication_data_type" not in json.loads(export(_load("llama3_8b_64xh100"), "deepspeed").text)
+    acc = export(plan, "accelerate")
+    assert "torch.bfloat16" in acc.text and acc.nearest.grad_reduce_dtype == "bf16"
+    mg = export(plan, "megatron")
+    assert 'grad_reduce_in_fp32: false' in mg.text and mg.nearest.grad_reduce_dtype == "bf16"
+    for target, why in (("torchtitan", "mixed_precision_reduce accepts float32 only"),
+                        ("hf", "fsdp_mixed_precision reduces in fp32")):
+        result = export(plan, target)
+        assert result.nearest.grad_reduce_dtype is None and any(why in n for n in result.notes), result.notes
+    fp32 = copy.deepcopy(plan)
+    fp32.precision = "fp32"
+    mg32 = export(fp32, "megatron")
+    assert mg32.nearest.grad_reduce_dtype is None and any("grad_reduce_in_fp32 only" in n for n in mg32.notes)
 
 
 # -- what cannot be expressed, and the command ---------------------------------------------------

@@ -65,6 +65,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     pin.add_argument("--schedule", default=None, metavar="NAME", help="gpipe, 1f1b, interleaved or interleaved:V")
     pin.add_argument("--sequence-parallel", dest="sequence_parallel", action=argparse.BooleanOptionalAction,
                      default=None, help="pin sequence parallelism on or off")
+    pin.add_argument("--grad-reduce-dtype", dest="grad_reduce_dtype", default=None, choices=("fp32", "bf16", "auto"),
+                     help="gradient reduction dtype (FSDP2 reduce_dtype, DeepSpeed communication_data_type): bf16 "
+                          "compresses fp32 gradients; auto keeps bf16 where it is faster (default: reduce as held, "
+                          "the gain said in the plan)")
     if engine:
         add_engine_arguments(parser)
     parser.add_argument("--fusion", dest="fusion", action=argparse.BooleanOptionalAction, default=True,
@@ -144,7 +148,7 @@ def engine_from_args(args):
 # Options that only matter when planning (None = not given): meaningless next to a saved --plan.
 PLANNING_OPTIONS = ("gpus", "gpus_per_node", "device", "cluster", "batch_size", "seq_len", "tp", "pp", "dp",
                     "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "offload", "schedule",
-                    "sequence_parallel", "memory_headroom", *ENGINE_OPTIONS)
+                    "sequence_parallel", "memory_headroom", "grad_reduce_dtype", *ENGINE_OPTIONS)
 
 
 def planning_options_given(args, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -166,7 +170,7 @@ def check_report_path(path: str, flag: str) -> None:
 
 def constraints_from_args(args) -> dict:
     keys = ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "schedule", "sequence_parallel",
-            "offload")
+            "offload", "grad_reduce_dtype")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

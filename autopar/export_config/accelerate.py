@@ -64,6 +64,21 @@ def config(near) -> dict:
     return cfg
 
 
+def _compression(near, cfg: dict) -> list[str]:
+    """Gradients reduced in bf16 (Plan.grad_reduce_dtype): set in the script, as accelerate's
+    config file has no reduce dtype (FSDP2's mixed_precision_policy and DDP's comm_hook are
+    FullyShardedDataParallelPlugin / DistributedDataParallelKwargs arguments)."""
+    if not near.grad_reduce_dtype:
+        return []
+    if cfg["distributed_type"] == "FSDP":
+        param = "torch.float32" if near.precision == "fp32" else "torch.bfloat16"
+        return ["gradients reduced in bf16: Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, "
+                f"mixed_precision_policy={{'param_dtype': {param}, 'reduce_dtype': torch.bfloat16, "
+                f"'output_dtype': {param}}}))"]
+    return ["gradients reduced in bf16: Accelerator(kwargs_handlers=[DistributedDataParallelKwargs("
+            "comm_hook=DDPCommunicationHookType.BF16)]) (DDP's bf16_compress_hook)"]
+
+
 def export(plan, clip: float = common.DEFAULT_CLIP, checkpoint: str | None = None) -> common.Export:
     notes: list[str] = []
     near = nearest(plan, notes, checkpoint)
@@ -73,7 +88,7 @@ def export(plan, clip: float = common.DEFAULT_CLIP, checkpoint: str | None = Non
         "accelerator.clip_grad_norm_(model.parameters(), %s); global batch %d"
         % (near.micro_batch_size, near.num_micro_batches, clip, near.global_batch_size),
         "launch on each node: accelerate launch --config_file THIS --machine_rank N --main_process_ip HOST "
-        "train.py"]
+        "train.py"] + _compression(near, cfg)
     text = "\n".join(f"# {line}" for line in comments) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
     summary = (f"{cfg['distributed_type']}" + (f", tp {near.mesh.tp}" if near.mesh.tp > 1 else "")
                + f", {near.mesh.world_size} processes on {cfg['num_machines']} machines")

@@ -196,6 +196,14 @@ def no_hsdp(plan: Plan, notes: list[str], why: str) -> None:
     plan.mesh = Mesh(pp=m.pp, dp=m.dp, tp=m.tp)
 
 
+def no_compression(plan: Plan, notes: list[str], why: str) -> None:
+    """The target cannot reduce these gradients in bf16 (Plan.grad_reduce_dtype): reduced as held."""
+    if plan.grad_reduce_dtype is None:
+        return
+    notes.append(f"gradients reduced in {plan.grad_reduce_dtype} (communication compression): {why}; reduced as held")
+    plan.grad_reduce_dtype = None
+
+
 def no_sequence_parallel(plan: Plan, notes: list[str], target: str) -> None:
     if plan.sequence_parallel:
         notes.append(f"sequence parallelism (Megatron-style, with tp {plan.mesh.tp}): not in {target}; off")

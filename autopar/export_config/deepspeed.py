@@ -10,7 +10,12 @@ ZeRO++'s hpZ (`zero_hpz_partition_size`: ZeRO 3's parameter all-gathers inside g
 of that many ranks, from a secondary copy), whose gradients and optimizer states stay
 sharded over the whole dp: the nearest layout is priced as whole-dp ZeRO 3. DeepSpeed's parser
 ignores top-level keys it does not know, so the notes ride in `_autopar_notes` and
-the PipelineModule call in `_autopar_pipeline_module`.
+the PipelineModule call in `_autopar_pipeline_module`. A plan whose gradients are
+reduced in bf16 (Plan.grad_reduce_dtype) writes `"communication_data_type": "bf16"`
+(DeepSpeedConfig.communication_data_type: the dtype of its gradient all-reduce /
+reduce-scatter, cast back after); ZeRO++'s `zero_quantized_gradients` (qgZ: int4
+gradient all-to-all) and `zero_quantized_weights` (qwZ: int8 parameter gathers) are
+narrower than anything autopar runs, so they are left off and said in the notes.
 """
 from __future__ import annotations
 
@@ -81,6 +86,8 @@ def config(plan, near, notes: list[str], clip: float) -> dict:
         "activation_checkpointing": {"partition_activations": ckpt != "none" and near.mesh.tp > 1,
                                      "cpu_checkpointing": False, "contiguous_memory_optimization": False},
     }
+    if near.grad_reduce_dtype:  # autopar's bf16 reduction; ZeRO++'s qgZ / qwZ (8/4-bit) stay off (_compression)
+        cfg["communication_data_type"] = near.grad_reduce_dtype
     if near.mesh.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": near.mesh.tp}
     if near.mesh.pp > 1:
@@ -91,7 +98,8 @@ def config(plan, near, notes: list[str], clip: float) -> dict:
             f"num_stages={near.mesh.pp}, partition_method='uniform', "
             f"activation_checkpoint_interval={1 if ckpt != 'none' else 0})  # stages of "
             f"{'/'.join(map(str, common.stage_sizes(near)))} layers")
-    cfg["_autopar_notes"] = common.header(plan, TARGET) + common.notes_lines(notes, near) + _usage(near, ckpt)
+    cfg["_autopar_notes"] = (common.header(plan, TARGET) + common.notes_lines(notes, near) + _usage(near, ckpt)
+                             + _compression(near))
     return cfg
 
 
@@ -104,6 +112,14 @@ def _usage(near, ckpt: str) -> list[str]:
         lines.append("activation checkpointing runs where the model calls deepspeed.checkpointing.checkpoint "
                      "(around each transformer block); this section configures it")
     return lines
+
+
+def _compression(near) -> list[str]:
+    if not near.grad_reduce_dtype:
+        return []
+    return [f"communication_data_type {near.grad_reduce_dtype}: gradients reduced in {near.grad_reduce_dtype} and cast "
+            "back, as autopar's plan runs them; ZeRO++ zero_quantized_gradients / zero_quantized_weights (int4 / "
+            "int8 quantized communication) are left off: autopar neither runs nor prices them"]
 
 
 def _fp16(enabled: bool) -> dict:

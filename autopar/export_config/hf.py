@@ -31,6 +31,8 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
         common.single_schedule(near, notes, "1f1b", TARGET)
     common.no_sequence_parallel(near, notes, TARGET)
     common.no_float8(near, notes, TARGET)
+    common.no_compression(near, notes, "DistributedConfig's fsdp_mixed_precision reduces in fp32 "
+                                       "(transformers.distributed.fsdp), and it has no reduce dtype")
     return near
 
 

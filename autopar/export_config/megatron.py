@@ -57,6 +57,9 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
     if common.has_float8(near):
         notes.append("float8 on the plan's chosen Linears only: Megatron's fp8 converts every Transformer Engine "
                      "Linear of the transformer layers; priced here with the plan's own float8 Linears")
+    if near.precision == "fp32":  # its DDP reduces in the gradients' dtype or fp32, never narrower
+        common.no_compression(near, notes, "Megatron-Core reduces fp32 training's gradients in fp32 "
+                                           "(DistributedDataParallelConfig has grad_reduce_in_fp32 only)")
     return near
 
 
@@ -104,6 +107,8 @@ def sections(near, clip: float) -> dict:
     fsdp = zero >= 2
     ddp = {"use_distributed_optimizer": zero == 1, "use_megatron_fsdp": fsdp,
            "data_parallel_sharding_strategy": SHARDING[zero] if fsdp else "no_shard"}
+    if near.grad_reduce_dtype:  # bf16 reduction of bf16 training: Megatron's own default, said explicitly
+        ddp["grad_reduce_in_fp32"] = False
     offload = common.offload_mode(near) != "none"
     optimizer = {"optimizer": "adam", "bf16": near.precision == "bf16", "fp16": near.precision == "fp16",
                  "use_distributed_optimizer": zero >= 1, "clip_grad": float(clip),

@@ -49,6 +49,8 @@ def nearest(plan, notes: list[str], checkpoint: str | None = None):
     if not near.sequence_parallel and m.tp > 1:
         notes.append("tensor parallelism without sequence parallelism: kept (--parallelism."
                      "no-enable-sequence-parallel)")
+    common.no_compression(near, notes, "torchtitan's training.mixed_precision_reduce accepts float32 only "
+                                       "(torchtitan.config.configs.Training)")
     return near
 
 

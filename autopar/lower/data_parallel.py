@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from autopar.lower import compression
 from autopar.lower.mesh import data_mesh, hsdp_mesh
 from autopar.lower.model_layers import ModelLayout
 from autopar.precision import DTYPES as _DTYPES
@@ -66,13 +67,16 @@ def main_grads(plan) -> str:
     return a.get("main_grads") or cost.get("main_grads") or "fp32"
 
 
-def mixed_precision(precision: str, grads: str = "fp32") -> MixedPrecisionPolicy | None:
+def mixed_precision(precision: str, grads: str = "fp32", compressed: torch.dtype | None = None
+                    ) -> MixedPrecisionPolicy | None:
+    """`compressed`: the plan's narrower reduction dtype (lower/compression.py), which
+    wins over `grads`; under fp32 training it is the policy's only change."""
     if precision == "fp32":
-        return None
+        return None if compressed is None else MixedPrecisionPolicy(reduce_dtype=compressed)
     # Compute in low precision; reduce gradients in fp32 unless the plan priced
     # reductions in the training dtype (main_grads "same": half the bytes).
     reduce = None if grads == "same" else torch.float32  # None: FSDP2 reduces in param_dtype
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=reduce)
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=compressed or reduce)
 
 
 def zero_substitutions(plan) -> list[str]:
@@ -144,9 +148,12 @@ def zero_redundancy_optimizer(params, optimizer_cls, kwargs, dp_mesh):
                                    **kwargs)
 
 
-def apply_replicate(module: nn.Module, dp_mesh) -> nn.Module:
+def apply_replicate(module: nn.Module, dp_mesh, compressed: torch.dtype | None = None) -> nn.Module:
     from torch.distributed._composable.replicate import replicate
-    return replicate(module, device_mesh=dp_mesh)
+    module = replicate(module, device_mesh=dp_mesh)
+    if compressed is not None:  # the plan's bf16 reduction: DDP's own compression hook
+        compression.register_hook(module, dp_mesh)
+    return module
 
 
 def fp32_modules(model: nn.Module, keep: list[str] | None = None) -> dict[str, bool]:
@@ -179,9 +186,10 @@ def _callable_modules(modules) -> list[nn.Module]:
 
 
 def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh, precision: str,
-               tied_local: set[str], grads: str = "fp32") -> None:
-    """Shard one stage module: one FSDP unit per layer, the stage as root unit."""
-    mp = mixed_precision(precision, grads)
+               tied_local: set[str], grads: str = "fp32", compressed: torch.dtype | None = None) -> None:
+    """Shard one stage module: one FSDP unit per layer, the stage as root unit. `compressed`:
+    the plan's narrower gradient reduction dtype (lower/compression.py)."""
+    mp = mixed_precision(precision, grads, compressed)
     kwargs = {"mesh": dp_mesh}
     if mp is not None:
         kwargs["mp_policy"] = mp
@@ -191,14 +199,15 @@ def apply_fsdp(stage: nn.Module, layout: ModelLayout, stage_index: int, dp_mesh,
     # the units that stay gathered from forward to backward (ZeRO-2, fp32 islands): a
     # pipeline keeps them gathered across micro-batches too (pipeline_parallel.ReducingStage)
     stage.kept_gathered = []
-    if mp is not None:  # innermost first: these units keep fp32 parameters inside bf16 / fp16 layers
+    if precision != "fp32":  # innermost first: these units keep fp32 parameters inside bf16 / fp16 layers
         keep = getattr(model, "_keep_in_fp32_modules", None)
         for path in (p for l in mine for p in l.paths):
             layer = model.get_submodule(path)
             for sub, cast in fp32_modules(layer, keep).items():
                 unit = layer.get_submodule(sub) if sub else layer
                 fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False,
-                            mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                            mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                           reduce_dtype=compressed or torch.float32,
                                                            cast_forward_inputs=cast))
                 stage.kept_gathered.append(unit)
                 own_units.add(f"{path}.{sub}" if sub else path)

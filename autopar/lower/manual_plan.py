@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from autopar.compression import problem as compression_problem
 from autopar.errors import PlanMismatchError
 from autopar.lower.model_layers import block_stacks, model_signature
 from autopar.lower.pipeline_parallel import check_schedule
@@ -122,7 +123,8 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
                    micro_batch_size: int = 1, num_micro_batches: int = 1, sequence_parallel: bool = False,
                    stage_layers: list[int] | None = None, precision: str = "fp32", offload: str = "none",
                    main_grads: str = "fp32", seq_len: int | None = None, name: str | None = None,
-                   example_inputs=None, graph=None, dp_shard: int | None = None, cp: int | None = None) -> Plan:
+                   example_inputs=None, graph=None, dp_shard: int | None = None,
+                   grad_reduce_dtype: str | None = None, cp: int | None = None) -> Plan:
     """A Plan with this fixed layout for `model`.
 
     `example_inputs` (a tuple for one micro-batch, or batch_size -> tuple) is
@@ -131,8 +133,9 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
     cost_models.layout) says in which dtype gradients are reduced when
     precision is bf16/fp16. `graph`: the model's ModelGraph when it was
     captured already (its layers are used instead of a new trace). `dp_shard`: HSDP, the
-    ZeRO states sharded over groups of dp_shard dp ranks (None: over the whole dp). `cp`:
-    context parallelism, every sequence (of `seq_len`) cut over cp ranks."""
+    ZeRO states sharded over groups of dp_shard dp ranks (None: over the whole dp).
+    `grad_reduce_dtype`: gradients reduced in this narrower dtype (autopar/compression.py).
+    `cp`: context parallelism, every sequence (of `seq_len`) cut over cp ranks."""
     if schedule not in SCHEDULES:
         raise PlanMismatchError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     if checkpoint not in CHECKPOINTS:
@@ -181,9 +184,10 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
                 sequence_parallel=sequence_parallel,
                 schedule=schedule, virtual_stages=virtual_stages if schedule == "interleaved" else 1,
                 micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, stages=stages,
-                solver={"status": "manual"}, assumptions={"main_grads": main_grads})
+                grad_reduce_dtype=grad_reduce_dtype, solver={"status": "manual"}, assumptions={"main_grads": main_grads})
     check_schedule(plan)  # the same check lowering makes: a hand plan that cannot run fails here
-    problem = hsdp_problem(plan) or cp_problem(plan)
+    problem = (hsdp_problem(plan) or cp_problem(plan)
+               or compression_problem(grad_reduce_dtype, precision, dp * (cp or 1)))
     if problem:
         raise PlanMismatchError(problem)
     return plan

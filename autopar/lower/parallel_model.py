@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (batch_norm, checkpointing, compile_blocks, context_parallel, data_parallel, float8,
-                           grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict, tensor_parallel,
+from autopar.lower import (batch_norm, checkpointing, compile_blocks, compression, context_parallel, data_parallel,
+                           float8, grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict, tensor_parallel,
                            tied_weights, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, data_mesh, init_distributed, local_device
@@ -568,14 +568,15 @@ def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, 
     mixed precision on one rank); else autocast for low precision. (fsdp, replicated)."""
     fsdp = replicated = False
     if data_parallel.wraps(plan):
+        compressed = compression.reduce_dtype(plan)  # Plan.grad_reduce_dtype
         if data_parallel.uses_replicate(plan):
-            data_parallel.apply_replicate(stages[0], data_mesh(plan, mesh))
+            data_parallel.apply_replicate(stages[0], data_mesh(plan, mesh), compressed)
             replicated = True
         else:
             dp_mesh = data_parallel.fsdp_mesh(plan, mesh)  # under HSDP the 2-D (replicate, shard) mesh
             for s in stages:
                 data_parallel.apply_fsdp(s, layout, s.stage_index, dp_mesh, plan.precision, tied_local,
-                                         data_parallel.main_grads(plan))
+                                         data_parallel.main_grads(plan), compressed)
             fsdp = True
     if not fsdp and plan.precision in LOW_PRECISION:
         for s in stages:

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from autopar.compression import problem as compression_problem
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import batch_norm, data_parallel, pipeline_parallel, tensor_parallel, weight_reads, what_runs
+from autopar.lower import (batch_norm, compression, data_parallel, pipeline_parallel, tensor_parallel, weight_reads,
+                           what_runs)
 from autopar.lower.model_io import forward_kwargs
 from autopar.lower.model_layers import ModelLayout
 from autopar.plan import Plan
@@ -40,6 +42,11 @@ def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
     if why:
         raise PlanMismatchError(f"mesh.dp_shard {plan.mesh.dp_shard} (HSDP) cannot run: {why}",
                                 hint="drop dp_shard from the plan (shard over the whole dp), or upgrade torch")
+    why = compression_problem(plan.grad_reduce_dtype, plan.precision, plan.mesh.dp) or compression.refusal(
+        plan, data_parallel.uses_replicate(plan))
+    if why:
+        raise PlanMismatchError(f"grad_reduce_dtype {plan.grad_reduce_dtype!r} cannot run: {why}",
+                                hint="drop grad_reduce_dtype from the plan (gradients reduced as held)")
     optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
     if optimizer_only:
         raise PlanMismatchError(

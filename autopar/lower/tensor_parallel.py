@@ -32,7 +32,7 @@ block (`BlockPlan.colwise` / `rowwise`) and each column Linear's input is made
 whole where it is read, once per tensor (`tp_styles.SharedInput`).
 
 Layer styles (`LayerChoice.tp_style`):
-  vocab            embeddings split over the vocabulary (RowwiseParallel on
+  vocab            embeddings split over the vocabulary (tp_styles.VocabParallelEmbedding on
                    nn.Embedding), the head's Linear column-parallel with a
                    replicated output;
   colwise_rowwise  attention heads / MLP hidden split as above;
@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import PlanMismatchError
 from autopar.lower.tp_styles import (ModuleInputs, ModuleOutputs, PiecewiseColwiseParallel, SharedInput,
-                                     TransposedColwiseParallel, TransposedRowwiseParallel, is_linear,
-                                     replicate_parameters)
+                                     TransposedColwiseParallel, TransposedRowwiseParallel, VocabParallelEmbedding,
+                                     is_linear, replicate_parameters)
 
 _SDPA_REGISTERED = False
 
@@ -473,7 +473,7 @@ def parallelize_vocab(module: nn.Module, tp_mesh, *, position: str, loss_paralle
         if id(m) in whole:
             continue
         if position == "pre" and isinstance(m, nn.Embedding):
-            parallelize_module(m, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+            parallelize_module(m, tp_mesh, VocabParallelEmbedding())
         elif position == "post" and is_linear(m):  # nn.Linear, or a transposed Conv1D head
             out = Shard(-1) if loss_parallel else Replicate()
             parallelize_module(m, tp_mesh, TransposedColwiseParallel(input_layouts=Replicate(), output_layouts=out,

@@ -10,6 +10,14 @@ in the wild need two more things:
   bias on dim 0), row-parallel shards W on dim 0 (bias replicated): the
   same maths as torch's styles with the weight's dims swapped, so the
   parameters keep the user's names and shapes (checkpoints still load).
+* Embeddings whose backward stays split. `RowwiseParallel` on an
+  `nn.Embedding` looks the ids up through DTensor's MaskPartial, but torch
+  2.13 has no vocabulary-sharded strategy for `embedding_dense_backward`:
+  every tp rank builds the whole vocab x hidden gradient, then keeps its
+  rows (Llama 3 405B at tp 8: 4.2 GB of bf16 and its memset on every rank,
+  which the cost model, pricing the split, never books).
+  `VocabParallelEmbedding` looks up on the local rows, as Megatron's
+  VocabParallelEmbedding does, so autograd's gradient is the local rows'.
 * Keyword and nested arguments. Hugging Face attention is called as
   `self_attn(hidden_states=x, position_embeddings=(cos, sin), ...)`: every
   tensor reaching a TP region, positional or keyword, alone or in a tuple,
@@ -17,9 +25,12 @@ in the wild need two more things:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_map_only
@@ -110,6 +121,45 @@ class TransposedRowwiseParallel(RowwiseParallel):
             lambda m, inputs, mesh: self._prepare_input_fn(self.input_layouts, desired, m, inputs, mesh),
             lambda m, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output,
                                                              m, outputs, mesh))
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """nn.Embedding split over the vocabulary (weight Shard(0)), ids and output
+    replicated: each tp rank looks the ids up in its own rows (the others read
+    row 0 and are zeroed), and the ranks' outputs are summed (one all-reduce,
+    what RowwiseParallel issues too). The backward of the local lookup is the
+    gradient of the local rows only (see the module docstring). An embedding
+    this cannot run alike (max_norm renormalises rows in place, scale_grad_by_freq
+    counts ids per rank, sparse gradients, a vocabulary tp does not divide) is
+    split by RowwiseParallel instead."""
+
+    def __init__(self):
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+
+    def _apply(self, module, device_mesh):
+        if not local_lookup_runs(module, device_mesh.size()):
+            return super()._apply(module, device_mesh)
+        _shard_params(module, device_mesh, {"weight": [Shard(0)]})
+        module.forward = functools.partial(_vocab_parallel_lookup, module, device_mesh)
+        return module
+
+
+def local_lookup_runs(module: nn.Module, tp: int) -> bool:
+    return (type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq
+            and not module.sparse and module.num_embeddings % tp == 0)
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, mesh, ids: torch.Tensor) -> torch.Tensor:
+    ids = ids.to_local() if isinstance(ids, DTensor) else ids  # replicated: every rank has them all
+    rows = module.weight.to_local()
+    start = mesh.get_local_rank() * rows.shape[0]
+    outside = (ids < start) | (ids >= start + rows.shape[0])
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + rows.shape[0] else None
+    out = F.embedding((ids - start).masked_fill(outside, 0), rows, pad)
+    out = out.masked_fill(outside.unsqueeze(-1), 0)
+    # the sum over ranks; its backward hands every rank the whole (replicated) output gradient
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 def _as_dtensor(t: torch.Tensor, mesh, layout, desired):

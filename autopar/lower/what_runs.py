@@ -27,6 +27,7 @@ with the reason for each layout it rules out:
      "tp_checked": [the tp degrees tried: those the planner's cluster can use],
      "runs_whole": {embedding / head layer: why tp leaves it whole},
      "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal),
+     "compression": reason, only where this torch cannot reduce in bf16 (compression.refusal),
      "cp": why context parallelism cannot cut this model's sequences, only where it
            cannot (context_parallel.model_refusal; cp runs at pp 1 without HSDP)}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
@@ -462,6 +463,9 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     from autopar.lower.data_parallel import hsdp_refusal
     if why_not_hsdp := hsdp_refusal():  # HSDP (Mesh.dp_shard) is model-independent: only this torch can refuse it
         out["hsdp"] = why_not_hsdp
+    from autopar.lower.compression import refusal as compression_refusal
+    if why_not_compressed := compression_refusal():  # Plan.grad_reduce_dtype: likewise
+        out["compression"] = why_not_compressed
     from autopar.lower.context_parallel import model_refusal
     seq_len = getattr(graph, "seq_len", None)  # no sequence (images): nothing to cut, nothing to say
     if seq_len and (why_not_cp := model_refusal(model, seq_len, n_inputs=len(args), graph=graph)):
@@ -502,6 +506,7 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     except PlanMismatchError as exc:
         out["pipeline"] = exc.message
     out["tp_checked"] = degrees  # others (advice for another GPU count) are checked when lowered
+    runs = _split_runs(model, blocks, args, plans, inputs, layout, degrees, refused=set(out["tp"]))
     for tp in degrees:
         for sp, key in ((False, "tp"), (True, "sequence_parallel")):
             if out["tp"].get(str(tp)):
@@ -509,9 +514,7 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
             if sp and (why := _sequence_split_refusal(layout, plans, tp)):
                 out[key][str(tp)] = why
                 continue
-            issued: dict = {}
-            failures, undecided = block_failures(model, blocks, args, forward_kwargs(model), tp, sp,
-                                                 recorded=(plans, inputs), collectives=issued)
+            failures, undecided, issued = runs[tp, sp]
             _keep_collectives(out, str(tp), "sp" if sp else "plain", issued, plans, inputs, layout)
             what = f"tp={tp}{' with sequence parallelism' if sp else ''}"
             if failures:
@@ -523,6 +526,29 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
                 out["unverified"] += [f"{what}: {u}" for u in undecided]
                 out[key][str(tp)] = f"cannot be shown to run split over {what} on fake tensors: {undecided[0]}"
     return out
+
+
+def _split_runs(model, blocks, args, plans, inputs, layout, degrees, refused: set) -> dict:
+    """{(tp, sequence_parallel): (failures, undecided, collectives issued)} of
+    block_failures for every degree not refused before any run, the runs split
+    over two processes (two_processes.py: they are independent; about half the
+    wall time on two cores). A degree whose plain split fails is also run with
+    sequence parallelism here, an answer `_limits` then does not read: the
+    same answers as one process running them in turn."""
+    from autopar.lower.model_io import forward_kwargs
+    from autopar.two_processes import map_split
+
+    jobs = [(tp, sp) for tp in degrees if str(tp) not in refused for sp in (False, True)
+            if not (sp and _sequence_split_refusal(layout, plans, tp))]
+
+    def run(job):
+        tp, sp = job
+        issued: dict = {}
+        failures, undecided = block_failures(model, blocks, args, forward_kwargs(model), tp, sp,
+                                             recorded=(plans, inputs), collectives=issued)
+        return failures, undecided, issued
+    # under sequence parallelism a block runs twice (first/last of a stack, and inside it)
+    return dict(zip(jobs, map_split(run, jobs, weights=[2.0 if sp else 1.0 for _, sp in jobs])))
 
 
 def _runs_whole(model, layout, args) -> dict:

@@ -1,6 +1,6 @@
 """What the user pinned: the `constraints` dict of `autopar.plan` and the CLI's
 pinning flags (`--tp --pp --dp --dp-shard --micro-batch --zero --checkpoint
---schedule --sequence-parallel`), parsed once and checked before any search.
+--schedule --sequence-parallel --grad-reduce-dtype`), parsed once and checked before any search.
 
 A pinned value removes every other value of that knob from the search space;
 with everything pinned, the planner only prices the one layout (an estimator
@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 from autopar.errors import AutoparError
 
 KNOWN_KEYS = ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "schedule",
-              "sequence_parallel", "offload", "memory_headroom")
+              "sequence_parallel", "offload", "memory_headroom", "grad_reduce_dtype")
+# --grad-reduce-dtype: fp32 (never compress), bf16 (compress), auto (the planner keeps bf16 if faster)
+GRAD_REDUCE_CHOICES = ("fp32", "bf16", "auto")
 CHECKPOINTS = ("none", "selective", "full")
 OFFLOADS = ("none", "optimizer", "params")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "accumulate")  # accumulate: no pipeline (pp 1)
@@ -24,7 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "accumulate")  # accumulate: no pip
 # CLI spelling of each key, so messages name the flag a person typed.
 FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "dp_shard": "--dp-shard", "cp": "--cp", "micro_batch": "--micro-batch", "zero": "--zero",
         "checkpoint": "--checkpoint", "schedule": "--schedule", "sequence_parallel": "--sequence-parallel",
-        "offload": "--offload", "memory_headroom": "--memory-headroom"}
+        "offload": "--offload", "memory_headroom": "--memory-headroom", "grad_reduce_dtype": "--grad-reduce-dtype"}
 
 
 class ConstraintError(AutoparError):
@@ -49,6 +51,7 @@ class Constraints:
     # a limit on the plan rather than a layout knob, accepted here so that
     # autopar.compile(constraints=...) can pass it on
     memory_headroom: float | None = None
+    grad_reduce_dtype: str | None = None  # GRAD_REDUCE_CHOICES; None: priced, not chosen (solve/compression.py)
 
     def to_dict(self) -> dict:
         """The pinned values only (what a Plan records under `constraints`)."""
@@ -139,6 +142,12 @@ def parse_constraints(raw: dict | Constraints | None) -> Constraints:
             raise ConstraintError(f"--memory-headroom must be a fraction of usable memory in [0, 1), got {h!r}",
                                   hint="e.g. 0.1 leaves 10% of each GPU's usable memory free; 0 plans to the limit")
         out["memory_headroom"] = float(h)
+    if raw.get("grad_reduce_dtype") is not None:
+        g = str(raw["grad_reduce_dtype"]).lower()
+        if g not in GRAD_REDUCE_CHOICES:
+            raise ConstraintError(f"--grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_CHOICES)}, "
+                                  f"got {raw['grad_reduce_dtype']!r}")
+        out["grad_reduce_dtype"] = g
     if raw.get("sequence_parallel") is not None:
         sp = raw["sequence_parallel"]
         if not isinstance(sp, bool):

@@ -128,7 +128,8 @@ def search(req, base, search_and_price, choose):
         except InfeasibleError as exc:
             tried.append(f"cp {cp}: {exc.message.split(';')[0]}")
             continue
-        got = _in_cp_terms(req, found_cp, choose(share, found_cp), cp) if found_cp.fitting else None
+        choice = choose(share, found_cp)  # None when nothing of the share fits
+        got = _in_cp_terms(req, found_cp, choice, cp) if choice is not None else None
         if got is None:
             tried.append(f"cp {cp}: does not fit")
             continue

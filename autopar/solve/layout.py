@@ -125,9 +125,11 @@ def layout_of(plan) -> Layout:
     optimizer = plan.assumptions.get("optimizer", "adam") if isinstance(plan.assumptions, dict) else "adam"
     engine = plan_engine(plan)
     if not choices:
-        return candidate_layout(cand, precision=plan.precision, optimizer=optimizer, engine=engine)
-    layout = assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
-                               optimizer=optimizer, engine=engine)
-    # which layers run float8 is the plan's (a hand-edited plan is priced as edited)
-    layout.layer_float8 = [bool(c.float8) for c in plan.layer_choices]
+        layout = candidate_layout(cand, precision=plan.precision, optimizer=optimizer, engine=engine)
+    else:
+        layout = assignment_layout(cand, [len(s.layers) for s in plan.stages], choices, precision=plan.precision,
+                                   optimizer=optimizer, engine=engine)
+        # which layers run float8 is the plan's (a hand-edited plan is priced as edited)
+        layout.layer_float8 = [bool(c.float8) for c in plan.layer_choices]
+    layout.grad_reduce_dtype = getattr(plan, "grad_reduce_dtype", None)
     return layout

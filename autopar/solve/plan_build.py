@@ -66,7 +66,7 @@ def build_plan(spec, cluster, pins, gbs, precision, optimizer, winner, result, s
         cluster=cluster.to_dict(), global_batch_size=gbs, seq_len=spec.seq_len, precision=precision,
         mesh=Mesh(pp=c.pp, dp=c.dp, tp=c.tp, dp_shard=c.dp_shard or None, cp=c.cp if c.cp > 1 else None), sequence_parallel=c.sequence_parallel, schedule=c.schedule,
         virtual_stages=c.virtual_stages, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
-        stages=stages, predicted=predicted,
+        stages=stages, predicted=predicted, grad_reduce_dtype=layout.grad_reduce_dtype,
         solver=_solver_info(result, r, selection),
         assumptions=_assumptions(cluster, est, precision, optimizer),
         constraints=pins.to_dict())

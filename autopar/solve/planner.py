@@ -23,8 +23,8 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
+from autopar.solve import compression, float8_choice, hsdp
 from autopar.solve import context_parallel as cp_search
-from autopar.solve import float8_choice, hsdp
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
 from autopar.solve.constraints import ConstraintError, Constraints, check_against_cluster, parse_constraints
@@ -34,11 +34,12 @@ from autopar.solve.fusion_costs import charge_compiled_blocks, charge_fusions, p
 from autopar.solve.lowering_costs import charge_tp_collectives, keep_whole
 from autopar.solve.plan_build import TP_KINDS, build_plan, tp_style  # noqa: F401  (tp_style: planner.tp_style)
 from autopar.solve.problem import KIB, memory_floor, to_mem_units
-from autopar.solve.refine import fits, polish, tidy, uniform_layouts
+from autopar.solve.refine import UNIFORM_ESTIMATES, fits, polish, tidy, uniform_layouts, uniform_pricings
 from autopar.solve.search import CandidateResult, SearchResult, search
 from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.capacity import check_capacity
+from autopar.two_processes import Beside
 from autopar.solve.what_fits import checking_a_fix, doubled_clusters, hint_text, tried_text, what_would_fit
 
 GB = 1e9
@@ -191,7 +192,10 @@ def _with_repairs(spec, cluster, priced, precision, optimizer, time_limit_s, lim
 
 
 def _run_search(model, cluster, constraints, global_batch_size, precision, optimizer, keep, time_limit_s,
-                progress=None, offload=False, limit_bytes=None):
+                progress=None, offload=False, limit_bytes=None, uniform_ahead=False):
+    """Search the candidates of this space. `uniform_ahead`: the uniform-layout check's
+    first estimates are priced meanwhile by a second process (two_processes.Beside),
+    left in result.stats["uniform_ahead"] for `_choose` (who must stop it)."""
     world = cluster.world_size
     cands, space = enumerate_candidates(world, global_batch_size, len(model.layers), tp_degrees(model), constraints,
                                        seq_len=getattr(model, "seq_len", None),
@@ -209,9 +213,20 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
     # First pass: 6 work units, not search's 15. Candidates it does not reach are still
     # ranked by their warm start; on GPT-3 175B / 64 GPUs (the slowest benchmark case)
     # the other 9 units changed no plan and cost 35 s.
-    result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s, progress=progress,
-                    distinct=mesh_key, sweep=lambda c: int(c.schedule == "interleaved"), first_pass_budget=6.0)
-    result.stats["candidate_list"] = cands  # the space the uniform-layout check walks (not in the Plan)
+    ahead = Beside(lambda: uniform_pricings(model, cluster, cands, builder.options, bound_problem=builder.bound_problem,
+                                            precision=precision, optimizer=optimizer,
+                                            limit=3 * UNIFORM_ESTIMATES)) if uniform_ahead else None
+    try:
+        result = search(cands, builder, bound=builder.bound, keep=keep, time_limit_s=time_limit_s,
+                        progress=progress, distinct=mesh_key, sweep=lambda c: int(c.schedule == "interleaved"),
+                        first_pass_budget=6.0)
+    except BaseException:
+        if ahead is not None:
+            ahead.stop()
+        raise
+    # neither is in the Plan: the space the uniform-layout check walks, and its estimates priced ahead
+    result.stats["candidate_list"] = cands
+    result.stats["uniform_ahead"] = ahead
     return result, builder
 
 
@@ -309,8 +324,12 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                    # would loosen the pruning cutoff and multiply the solves for little insight.
                    keep=3 if top_k > 0 else 1, progress=progress)
     found = _search_and_price(req) if (pins.cp or 1) == 1 else None  # a pinned cp searches only its share
-    base = _choose(req, found) if found is not None and found.fitting else None
-    cut = cp_search.search(req, base, _search_and_price, _choose)  # solve/context_parallel.py
+    try:
+        base = _choose(req, found) if found is not None and found.fitting else None
+    finally:
+        if found is not None:
+            _stop(found.result.stats.get("uniform_ahead"))
+    cut = cp_search.search(req, base, _search_and_price, _choose_share)  # solve/context_parallel.py
     if cut is None or cut[0] == "tried":
         if base is None:
             _refuse(req, found)
@@ -353,15 +372,24 @@ def _priced_graph(spec, cluster, pins, *, torch_module, check_lowering, engine, 
     `torch_module`: the nn.Module behind it (None for an analytic spec).
     -> (spec, the same before fusion, lowering_limits, fusions, why none were fused)."""
     lowering_limits = getattr(spec, "lowering_limits", None)  # a graph checked before (what_fits re-plans)
+    captured = spec  # the fusion pass reads its layers' names and modules, which the lowered graph keeps
+    # the fusion pass traces the blocks while the lowering's checks run (no input of one is the other's)
+    fusing = Beside(lambda: [("fusions", plan_fusions(torch_module, captured))]) \
+        if fusion and check_lowering is not None and torch_module is not None else None
     if check_lowering is not None and torch_module is not None:
         # only the tp degrees this cluster could use (each is one fake-tensor run per block kind)
         world_tp = [t for t in tp_degrees(spec) if t > 1 and cluster.world_size % t == 0
                     and (pins.tp is None or t == pins.tp)]
-        lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
+        try:
+            lowering_limits = check_lowering(torch_module, spec, example_inputs, tp_degrees=world_tp)
+        except BaseException:
+            _stop(fusing)
+            raise
     spec = lowered_graph(spec, lowering_limits, engine)
     fusions, no_fusion_why = [], "turned off (fusion=False)"
     if fusion:
-        fusions, no_fusion_why = plan_fusions(torch_module, spec)
+        ready = fusing.finish(timeout_s=30.0) if fusing is not None else {}
+        fusions, no_fusion_why = ready["fusions"] if "fusions" in ready else plan_fusions(torch_module, captured)
         found = len(fusions)
         fusions = [f for f in fusions if engine.runs_fused(f["pattern"])]  # another engine fuses its own
         if found and not fusions:
@@ -419,9 +447,10 @@ class _Request:
     keep: int  # distinct meshes the search keeps exact
     progress: object = None
 
-    def search(self, offload: bool = False):
+    def search(self, offload: bool = False, uniform_ahead: bool = False):
         return _run_search(self.spec, self.cluster, self.pins, self.global_batch_size, self.precision, self.optimizer,
-                           self.keep, self.time_limit_s, self.progress, offload=offload, limit_bytes=self.limit)
+                           self.keep, self.time_limit_s, self.progress, offload=offload, limit_bytes=self.limit,
+                           uniform_ahead=uniform_ahead)
 
     def price(self, result: SearchResult) -> list:
         return [(r, *_price(self.spec, self.cluster, r, self.precision, self.optimizer))
@@ -448,7 +477,33 @@ class _Found:
 def _search_and_price(req: _Request) -> _Found:
     """Search, then price the best few with the full estimate; with CPU offload allowed
     when nothing fits without it."""
-    result, builder = req.search()
+    result, builder = req.search(uniform_ahead=True)
+    ahead = result.stats["uniform_ahead"]
+    try:
+        found = _price_found(req, result, builder)
+    except BaseException:
+        _stop(ahead)
+        raise
+    if found.result.stats.get("uniform_ahead") is not ahead:
+        _stop(ahead)  # a second search replaced the first: the estimates priced ahead serve no check
+    return found
+
+
+def _choose_share(req: _Request, found: _Found):
+    """`_choose` on a cp share's search (solve/context_parallel.py), None when nothing of it
+    fits; its uniform layouts priced ahead are ended either way."""
+    try:
+        return _choose(req, found) if found.fitting else None
+    finally:
+        _stop(found.result.stats.get("uniform_ahead"))
+
+
+def _stop(ahead) -> dict | None:
+    """The uniform layouts priced ahead (`_run_search`), their process ended."""
+    return ahead.stop() if ahead is not None else None
+
+
+def _price_found(req: _Request, result, builder) -> _Found:
     if result.best is None and req.pins.offload is None:
         # Second pass: nothing fits without CPU offload; let layers offload.
         result, builder = req.search(offload=True)
@@ -511,7 +566,7 @@ def _choose(req: _Request, found: _Found):
     uniform, uniform_priced = uniform_layouts(
         req.spec, req.cluster, found.result.stats.get("candidate_list", []), found.builder.options,
         bound_problem=found.builder.bound_problem, precision=req.precision, optimizer=req.optimizer,
-        limit_bytes=req.limit, best_s=solver_pick[2].step_time_s)
+        limit_bytes=req.limit, best_s=solver_pick[2].step_time_s, known=_stop(found.result.stats.get("uniform_ahead")))
     uniform = [(CandidateResult(c, None, None, status="uniform"), layout, est) for c, _, layout, est in uniform]
     order = lambda x: (x[2].step_time_s, x[0].status == "uniform", x[0].candidate)  # noqa: E731
     pool = sorted(found.fitting + uniform[:req.keep], key=order)
@@ -525,6 +580,11 @@ def _choose(req: _Request, found: _Found):
     why = hsdp.account(winner, pool, tried)
     if why:
         selection["hsdp"] = why
+    winner, why = compression.choose(req.spec, req.cluster, winner, req.pins.grad_reduce_dtype, req.limit)
+    if why:
+        selection["compression"] = why
+        if winner[1].grad_reduce_dtype:  # the solver's optimum was over uncompressed prices
+            selection["proven_optimal"] = False
     return chosen, winner, selection, uniform[:req.keep] + variants
 
 

@@ -40,6 +40,9 @@ from autopar.solve.layout import candidate_layout, checkpoints_that_run, root_he
 from autopar.solve.problem import NS, StageProblem, StageSolution, evaluate, layer_classes
 from autopar.solve.warm_start import RankMemory
 
+# Estimates the uniform-layout check may spend (a large space's likeliest winners first)
+UNIFORM_ESTIMATES = 200
+
 
 def fits(est, limit_bytes: float) -> bool:
     """The estimate fits (GPU and host memory) and every pp rank stays under the limit."""
@@ -177,19 +180,11 @@ def price_uniform(model, cluster, cand, option: tuple, *, precision: str, optimi
         return layout, None
 
 
-def uniform_layouts(model, cluster, candidates, options, *, bound_problem, precision, optimizer, limit_bytes,
-                    best_s: float = float("inf"), max_estimates: int = 200):
-    """The fastest fitting uniform layouts: (candidate, option, layout, estimate), fastest first.
-
-    candidates: the search space; options: the (zero, checkpoint, offload) triples
-    the solver could choose; bound_problem(candidate) -> a StageProblem whose
-    option times under-estimate the real ones (TableBuilder.bound_problem).
-    A (candidate, option) pair is skipped when a valid lower bound of its
-    simulated step (`_option_bounds`: busy time, no bubble) reaches the best
-    found (or `best_s`, the solver's pick). Pairs are visited in the order of
-    that bound stretched by the textbook bubble, (1 + (pp - 1) / (V m)), so that
-    when a large space exceeds `max_estimates` estimates the likeliest winners
-    were priced; within the cap the check is exhaustive."""
+def uniform_order(candidates, options, *, bound_problem) -> list[tuple]:
+    """Every uniform layout of the space that may fit, as (stretched bound, bound,
+    candidate, option), in the order `uniform_layouts` visits them: by a valid lower
+    bound of its simulated step (`_option_bounds`: busy time, no bubble) stretched by
+    the textbook bubble, (1 + (pp - 1) / (V m)), so the likeliest winners come first."""
     scored = []
     for cand in candidates:
         problem = bound_problem(cand)
@@ -200,19 +195,45 @@ def uniform_layouts(model, cluster, candidates, options, *, bound_problem, preci
         scored += [(bound * stretch, bound, cand, labels[k]) for bound, k in _option_bounds(problem)
                    if labels[k] in options]
     scored.sort(key=lambda x: (x[0], x[2], x[3]))
+    return scored
+
+
+def uniform_pricings(model, cluster, candidates, options, *, bound_problem, precision, optimizer, limit: int):
+    """((candidate, option), price_uniform's answer) for the first `limit` layouts of
+    `uniform_order`: what `uniform_layouts` will price, priced ahead by a second
+    process while the search runs (autopar/two_processes.Beside; planner.py)."""
+    for _, _, cand, option in uniform_order(candidates, options, bound_problem=bound_problem)[:limit]:
+        yield (cand, option), price_uniform(model, cluster, cand, option, precision=precision, optimizer=optimizer)
+
+
+def uniform_layouts(model, cluster, candidates, options, *, bound_problem, precision, optimizer, limit_bytes,
+                    best_s: float = float("inf"), max_estimates: int = UNIFORM_ESTIMATES, known: dict | None = None):
+    """The fastest fitting uniform layouts: (candidate, option, layout, estimate), fastest first.
+
+    candidates: the search space; options: the (zero, checkpoint, offload) triples
+    the solver could choose; bound_problem(candidate) -> a StageProblem whose
+    option times under-estimate the real ones (TableBuilder.bound_problem).
+    A (candidate, option) pair is skipped when a valid lower bound of its
+    simulated step reaches the best found (or `best_s`, the solver's pick).
+    Pairs are visited in `uniform_order`, so that when a large space exceeds
+    `max_estimates` estimates the likeliest winners were priced; within the cap
+    the check is exhaustive. `known`: {(candidate, option): price_uniform's
+    answer} already priced (`uniform_pricings`), read instead of pricing again."""
     found, priced = [], 0
     best = best_s
-    for _, bound, cand, (zero, ckpt, off) in scored:
+    for _, bound, cand, option in uniform_order(candidates, options, bound_problem=bound_problem):
         if priced >= max_estimates:
             break
         if bound >= best:
             continue
-        layout, est = price_uniform(model, cluster, cand, (zero, ckpt, off), precision=precision, optimizer=optimizer)
+        hit = known.get((cand, option)) if known else None
+        layout, est = hit if hit is not None else price_uniform(model, cluster, cand, option, precision=precision,
+                                                                optimizer=optimizer)
         if est is None:
             continue
         priced += 1
         if fits(est, limit_bytes):
-            found.append((cand, (zero, ckpt, off), _balanced(layout, est), est))
+            found.append((cand, option, _balanced(layout, est), est))
             best = min(best, est.step_time_s)
     found.sort(key=lambda x: (x[3].step_time_s, x[0], x[1]))
     return found, priced
@@ -259,4 +280,4 @@ def assignment_of(layout) -> list[tuple]:
     return list(zip(layout.layer_zero, layout.layer_checkpoint, layout.layer_offload))
 
 
-__all__ = ["fits", "tidy", "price_uniform", "uniform_layouts", "polish", "assignment_of"]
+__all__ = ["fits", "tidy", "price_uniform", "uniform_order", "uniform_pricings", "uniform_layouts", "polish", "assignment_of"]
