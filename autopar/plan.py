@@ -45,6 +45,11 @@ class Mesh:
     # gradient shards all-reduced across the dp / dp_shard replicas. None (and absent
     # from the JSON): one shard group of the whole dp, as every plan before the field.
     dp_shard: int | None = None
+    # Expert parallelism: each MoE layer's experts split over groups of `ep` data-parallel
+    # ranks (neighbours), sharded by FSDP2 over the other fold_ranks / ep ("efsdp"), as
+    # torchtitan folds it (dp_shard x cp = efsdp x ep). World size is unchanged. None
+    # (and absent from the JSON): every rank holds every expert, as every plan before it.
+    ep: int | None = None
     # Context parallelism: every sequence cut over cp ranks (ring attention), between dp
     # and tp in rank order as torchtitan orders it (pp, dp, cp, tp); parameters sharded and
     # gradients reduced over dp x cp. None (and absent from the JSON): no cut, cp 1.
@@ -53,6 +58,16 @@ class Mesh:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * (self.cp or 1) * self.tp
+
+    @property
+    def ep_fold_ranks(self) -> int:
+        """The ranks ep divides: dp (x cp once a cp axis exists). The one place that says so."""
+        return self.dp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks an expert's weights are FSDP-sharded over: fold_ranks / ep."""
+        return self.ep_fold_ranks // (self.ep or 1) if self.ep_fold_ranks % (self.ep or 1) == 0 else 1
 
     @property
     def shard_ranks(self) -> int:
@@ -68,11 +83,12 @@ class Mesh:
         return self.dp_shard is not None and self.dp_shard < self.dp
 
     def dp_text(self) -> str:
-        """'dp 8' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report); then
+        """'dp 8', 'dp 8 (ep 4)' or, under HSDP, 'dp 8 = 2 replicas x 4 shards' (terminal, report); then
         ' x cp 16' under context parallelism."""
+        ep = f" (ep {self.ep})" if (self.ep or 1) > 1 else ""
         cp = f" x cp {self.cp}" if (self.cp or 1) > 1 else ""
         if not self.hsdp:
-            return f"dp {self.dp}{cp}"
+            return f"dp {self.dp}{ep}{cp}"
         return f"dp {self.dp} = {self.replicas} replicas x {self.dp_shard} shards{cp}"
 
 
@@ -192,8 +208,9 @@ class Plan:
     # -- JSON ------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["mesh"].get("dp_shard") is None:  # not HSDP: the JSON of every plan before the field
-            d["mesh"].pop("dp_shard", None)
+        for key in ("dp_shard", "ep"):  # unset (no HSDP, no ep): the JSON of every plan before the field
+            if d["mesh"].get(key) is None:
+                d["mesh"].pop(key, None)
         if (d["mesh"].get("cp") or 1) == 1:  # no context parallelism: the JSON of every plan before the field
             d["mesh"].pop("cp", None)
         if d.get("grad_reduce_dtype") is None:  # uncompressed: the JSON of every plan before the field

@@ -107,8 +107,8 @@ def plan_problem(plan) -> str | None:
                     return f"{where}.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}"
             if not isinstance(c.module_paths, list):
                 return f"{where}.module_paths must be a list of module names"
-    problem = (hsdp_problem(plan) or cp_problem(plan)
-               or compression_problem(plan.grad_reduce_dtype, plan.precision, m.dp * (m.cp or 1)))
+    problem = (hsdp_problem(plan) or compression_problem(plan.grad_reduce_dtype, plan.precision, m.dp * (m.cp or 1))
+               or ep_problem(plan) or cp_problem(plan))
     if problem:
         return problem
     num_layers = plan.model.get("num_layers") if isinstance(plan.model, dict) else None
@@ -132,6 +132,23 @@ def hsdp_problem(plan) -> str | None:
         return (f"mesh.dp_shard {m.dp_shard} (HSDP) shards ZeRO states, but layer {zero0[0]!r}"
                 + (f" and {len(zero0) - 1} more" if len(zero0) > 1 else "")
                 + " have zero 0; set their zero to 1, 2 or 3, or drop dp_shard")
+    return None
+
+
+def ep_problem(plan) -> str | None:
+    """mesh.ep must divide the ranks it folds into (dp), and runs, as lowered today, beside
+    data and pipeline parallelism (not tp, not HSDP): one line saying which."""
+    m = plan.mesh
+    if m.ep is None or m.ep == 1:
+        return None
+    if not is_positive_int(m.ep) or m.ep_fold_ranks % m.ep:
+        return (f"mesh.ep {m.ep!r} must divide mesh.dp {m.dp} (expert parallelism folds into data "
+                f"parallelism: dp = efsdp x ep); pick a divisor of {m.dp} or drop ep")
+    if m.tp > 1 or m.hsdp:
+        return (f"mesh.ep {m.ep} runs beside data and pipeline parallelism only (tp 1, no dp_shard), this plan "
+                f"has tp {m.tp}{', dp_shard ' + str(m.dp_shard) if m.hsdp else ''}; drop ep or those axes")
+    if (m.cp or 1) > 1:
+        return (f"mesh.ep {m.ep} does not run beside context parallelism yet (cp {m.cp}); drop ep or cp")
     return None
 
 

@@ -51,7 +51,8 @@ _KINDS = {
     "strlist": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "any": ("anything", lambda v: True),
 }
-_MESH = ("object", {"pp": "posint", "dp": "posint", "tp": "posint", "dp_shard": "posint", "cp": "posint"}, "closed")
+_MESH = ("object", {"pp": "posint", "dp": "posint", "tp": "posint", "dp_shard": "posint", "ep": "posint",
+                   "cp": "posint"}, "closed")
 _NUMBERS = ("object", "number")  # every value a number
 _COMM = ("object", {"axis": "str", "collective": "str", "tier": "str", "bytes": "number", "time_s": "number",
                     "exposed_s": "number"})
@@ -94,7 +95,7 @@ PLAN_SCHEMA = ("object", {
     "alternatives": ("list", _ALTERNATIVE), "baselines": ("list", _BASELINE), "fusions": ("list", "object"),
     "solver": "object",
     "assumptions": "object",
-    "constraints": ("object", {"tp": "posint", "pp": "posint", "dp": "posint", "dp_shard": "posint",
+    "constraints": ("object", {"tp": "posint", "pp": "posint", "dp": "posint", "dp_shard": "posint", "ep": "posint",
                                "cp": "posint", "micro_batch": "posint",
                                "zero": "int", "checkpoint": "str", "offload": "str", "schedule": "str",
                                "virtual_stages": "posint", "sequence_parallel": "bool", "grad_reduce_dtype": "str"}),

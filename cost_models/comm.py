@@ -143,25 +143,28 @@ def p2p_time(nbytes: float, same_node: bool, cluster: ClusterSpec) -> float:
         measured = link.measured.time("p2p", 2, nbytes)
         if measured is not None:
             return measured
-    if not same_node and _nccl_setup(cluster) is not None:
+    gpu = None if same_node else _nccl_setup(cluster)
+    if gpu is not None:
         # NCCL's LL protocol below its P2P LL threshold (half the link's bandwidth), Simple above
         proto = nccl.LL if nbytes <= nccl.P2P_LL_THRESHOLD else nccl.SIMPLE
         bw = link.bus_bandwidth * (.5 if proto == nccl.LL else 1.0)
-        return nbytes / bw + nccl.p2p_us(proto) * 1e-6
+        return nbytes / bw + nccl.p2p_us(proto, gpu[2]) * 1e-6
     return nbytes / link.bus_bandwidth + link.latency_s
 
 
-def _nccl_setup(cluster: ClusterSpec) -> tuple[str, bool] | None:
-    """(NCCL's intra-node tier, compute capability >= 8.0) for pricing groups across nodes
+def _nccl_setup(cluster: ClusterSpec) -> tuple[str, bool, float] | None:
+    """(NCCL's intra-node tier, compute capability >= 8.0, the fabric's latency beyond
+    InfiniBand's in us) for pricing groups across nodes
     with NCCL's model (cost_models/nccl.py); None on gloo (the cpu profile), which keeps the
     link's alpha-beta. The tier is tuning.cc's intraHw: NVLink (AMD's xGMI alike) or PCI.
     Memoised on the cluster by what it depends on (the pricing's hot path)."""
-    key = (cluster.device, cluster.intra_node_link)
+    key = (cluster.device, cluster.intra_node_link, cluster.inter_node_link, len(cluster.links))
     memo = cluster.__dict__.get("_nccl_memo")
     if memo is None or memo[0] != key:
         gpu = cluster.device_profile.vendor != "cpu"
         tier = "pci" if cluster.intra_node_link.startswith("pcie") else "nvlink"
-        memo = (key, (tier, nccl.generation_at_least_ampere(cluster.device)) if gpu else None)
+        memo = (key, (tier, nccl.generation_at_least_ampere(cluster.device),
+                      nccl.fabric_extra_us(cluster.inter_link.latency_s)) if gpu else None)
         cluster.__dict__["_nccl_memo"] = memo
     return memo[1]
 

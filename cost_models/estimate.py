@@ -108,7 +108,7 @@ def _step(pipe: Pipeline, costs: list, layout: Layout, device) -> _Step:
     # The slowest GPU of the job paces every synchronous step (stragglers.py): the
     # compute-paced part of the step (compute, recompute, bubble, optimizer) stretches;
     # communication time does not depend on SM clocks.
-    comm_exposed = (m * sum(costs[j].tp_comm_s for j in idx) + pp_exposed
+    comm_exposed = (m * sum(costs[j].tp_comm_s + costs[j].ep_comm_s for j in idx) + pp_exposed
                     + sum(costs[j].dp_comm_exposed_s for j in idx) + tails[crit])
     straggler_s = max(0.0, step - comm_exposed) * (
         slowest_gpu_slowdown(layout.world_size, device.clock_spread) - 1.0)
@@ -144,8 +144,10 @@ def _why_not_fit(peaks: list, memory: list, capacity: float, host_per_gpu: float
 
 
 def _time_breakdown(costs: list, idx: list, st: _Step, pipe: Pipeline, m: int) -> dict:
-    return {
-        "compute_s": m * sum(costs[j].fwd_s + costs[j].bwd_s for j in idx),
+    ep = m * sum(costs[j].ep_comm_s for j in idx)
+    return ({"ep_comm_s": ep} if ep else {}) | {
+        # ep's all-to-alls block the compute stream: booked in fwd_s / bwd_s, shown apart
+        "compute_s": m * sum(costs[j].fwd_s + costs[j].bwd_s - costs[j].ep_comm_s for j in idx),
         "recompute_s": m * sum(costs[j].recompute_s for j in idx),
         "tp_comm_s": m * sum(costs[j].tp_comm_s for j in idx),
         "pp_comm_s": st.pp_exposed_s,
@@ -179,6 +181,12 @@ def _comm_rows(model: ModelSpec, layout: Layout, cluster: ClusterSpec, costs: li
                      "tier": tp_place.tier})
     if layout.dp > 1:
         comm += _dp_rows(layout, cluster, costs, idx, dp_exposed_s)
+    if layout.ep > 1:
+        t = m * sum(costs[j].ep_comm_s for j in idx)
+        calls = 4 * m * sum(1 for j in idx if costs[j].ep_comm_s)
+        tier = next((costs[j].tier["ep"] for j in idx if "ep" in costs[j].tier), "intra_node")
+        comm.append({"axis": "ep", "collective": f"all_to_all x{calls:,}", "time_s": t, "exposed_s": t,
+                     "bytes": m * sum(costs[j].ep_comm_bytes for j in idx), "tier": tier})
     if pp > 1:
         b, s1, bounds = layout.micro_batch_size, model.seq_len or 1, pipe.bounds
         nbytes = 2 * m * sum(fast(layers[bounds[i + 1] - 1].output_bytes)(b, s1) * byte_scale
@@ -218,6 +226,7 @@ def _per_stage(layers: list, costs: list, pipe: Pipeline, pp: int, peaks: list) 
             "index": i, "pp_rank": i % pp, "layers": [layers[j].name for j in range(bounds[i], bounds[i + 1])],
             "fwd_s": sum(c.fwd_s for c in cs), "bwd_s": sum(c.bwd_s for c in cs),
             "recompute_s": sum(c.recompute_s for c in cs), "tp_comm_s": sum(c.tp_comm_s for c in cs),
+            **({"ep_comm_s": sum(c.ep_comm_s for c in cs)} if any(c.ep_comm_s for c in cs) else {}),
             "p2p_s": pipe.p2p_s[i], "sim_fwd_s": pipe.fwd_s[i], "sim_bwd_s": pipe.bwd_s[i],
             "memory_bytes": peaks[i % pp], "activation_bytes_per_micro_batch": pipe.activation_bytes[i],
         })

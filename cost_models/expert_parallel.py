@@ -34,7 +34,8 @@ Where the group lies: ep ranks sit just outside tp, the innermost part of dp
 (torchtitan borrows ep from dp_shard x cp: `dp_shard x cp = efsdp x ep`), so
 an ep group strides tp ranks, as a dp group of size ep does.
 
-Not yet searched by the planner: solve/ and Layout have no ep axis yet.
+Layout.ep prices it in every MoE layer's cost (cost_models/layer_ep.py), which the
+planner's tables and `estimate` both read.
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ from cost_models.errors import CostModelError
 from cost_models.hardware import ClusterSpec
 
 ALL_TO_ALLS_PER_DIRECTION = 2  # dispatch and combine
+# Busiest rank's rows / the mean when a layout does not say: the top of the capacity
+# factors Switch Transformer trains with (Fedus et al. 2021, arXiv:2101.03961, section 2.2
+# and Table 1: 1.0-1.25, its load-balancing loss keeping routing within them). An
+# assumption, not a measurement of any run this project prices.
+DEFAULT_IMBALANCE = 1.25
 
 
 @dataclass(frozen=True)

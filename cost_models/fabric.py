@@ -1,7 +1,7 @@
 """A cluster file's `fabric`: the network between nodes, by name or by its figures.
 
     fabric: ib-ndr          # a shipped link: ib-ndr, ib-hdr, ib-edr, roce-400, roce-200,
-                            # efa-v2, efa-v1, ethernet-100g (= ethernet)
+                            # efa-v2, efa-v1, ethernet-100g (one 100 GbE NIC per 8-GPU node)
     fabric: {bandwidth_gbps: 400, latency_us: 6, bus_efficiency: 0.85}   # per GPU
 
 `fabric` names what `inter_node_link` names (one of the two, or both equal).
@@ -17,7 +17,7 @@ from cost_models.devices import LinkProfile
 from cost_models.errors import ProfileError
 
 # names people write for a shipped link
-ALIASES = {"ethernet-100g": "ethernet", "ndr": "ib-ndr", "hdr": "ib-hdr", "efa": "efa-v2"}
+ALIASES = {"ndr": "ib-ndr", "hdr": "ib-hdr", "efa": "efa-v2"}
 CUSTOM = "fabric"  # the link a fabric given by its figures is stored as
 
 

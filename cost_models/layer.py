@@ -20,6 +20,7 @@ from cost_models.fingerprint import layer_cost_key
 from cost_models.float8 import converted_ops, device_runs_float8, weight_elements
 from cost_models.hardware import ClusterSpec
 from cost_models.layer_comm import dp_comm, tp_comm
+from cost_models.layer_ep import ep_parts, moe_layer
 from cost_models.layer_compute import layer_times, optimizer_step_s, recompute, tp_for
 from cost_models.layout import Layout
 from cost_models.memory import (activation_bytes, layer_states, loss_grad_bytes, optimizer_temp_bytes,
@@ -71,6 +72,10 @@ class LayerCost:
     dp_bwd_gather_s: float = 0.0  # the all-gather each backward waits for (FSDP2)
     tier: dict = field(default_factory=dict)  # axis -> 'intra_node' | 'inter_node'
     float8: bool = False  # its nn.Linear GEMMs priced in float8 (cost_models/float8.py)
+    # expert parallelism (layer_ep.py), per micro-batch: the four all-to-alls (inside fwd_s /
+    # bwd_s, which they block) and what this rank sends in them
+    ep_comm_s: float = 0.0
+    ep_comm_bytes: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -141,6 +146,15 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
     dp = dp_comm(layer, layout, cluster, zero, offload, params_local, state_bytes, fwd_s, bwd_s + recompute_s,
                  float8_params)
     opt_params = params_local / (layout.shard_ranks if zero >= 1 else 1)
+    ep = ep_parts(layer, model, layout, cluster, zero, offload, params_local, fwd_s, bwd_s, bwd_s + recompute_s,
+                  byte_scale) if layout.ep > 1 and moe_layer(layer) else None
+    if ep is not None:  # experts / ep on this rank, sharded over efsdp; four all-to-alls
+        states, dp, opt_params, params_local = ep.states, ep.dp, ep.opt_params, ep.held_params
+        fwd_s, bwd_s = fwd_s + ep.fwd_extra_s, bwd_s + ep.bwd_extra_s
+        if checkpoint == "full":  # the block's forward runs again in backward, its all-to-alls too
+            recompute_s += ep.fwd_extra_s
+        else:  # the received rows are the expert GEMMs' saved input
+            act += ep.activation_bytes
     m = layout.num_micro_batches
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_s=tpc.fwd_s + tpc.bwd_s,
@@ -159,5 +173,7 @@ def _layer_cost(layer, model, layout, cluster, zero, checkpoint, offload, float8
         dp_collectives=tuple(dp.collectives), dp_last_reduce_s=dp.last_reduce_s, dp_bwd_gather_s=dp.bwd_gather_s,
         tier={"tp": tpc.place.tier, "dp": dp.place.tier,
                                                       **({"dp_replicate": dp.replica_place.tier}
-                                                         if dp.replica_place else {})}, float8=float8,
+                                                         if dp.replica_place else {}),
+                                                      **({"ep": ep.tier} if ep else {})}, float8=float8,
+        ep_comm_s=ep.comm_s if ep else 0.0, ep_comm_bytes=ep.comm_bytes if ep else 0.0,
     )

@@ -249,18 +249,20 @@ def _fsdp_one_rank(dp: DpComm, layer: LayerSpec, params_local: float, device) ->
 
 
 def dp_comm(layer: LayerSpec, layout, cluster, zero: int, offload: str, params_local: float, state_bytes: tuple,
-            fwd_s: float, bwd_window: float, float8_params: float = 0.0) -> DpComm:
+            fwd_s: float, bwd_window: float, float8_params: float = 0.0,
+            place: C.GroupPlacement | None = None) -> DpComm:
     """The layer's data-parallel traffic under ZeRO level `zero` (nccl-tests sizes: the
     full, unsharded buffer), with what stays exposed. `state_bytes`: (param, gradient,
     optimizer) bytes per parameter as held; `bwd_window`: backward plus recomputation;
     `float8_params`: elements of float8 Linears' weights, which FSDP2 (ZeRO >= 2) all-gathers
-    in float8, one byte each (cost_models/float8.py)."""
+    in float8, one byte each (cost_models/float8.py). `place`: the group, when it is not
+    the layout's dp (an MoE layer's experts shard over the efsdp group: layer_ep.py)."""
     device = cluster.device_profile
     p_bytes, g_bytes, _ = state_bytes
     # ZeRO >= 1 under HSDP shards (gathers, reduce-scatters) inside the dp_shard group only
     hsdp = layout.hsdp and zero >= 1
-    dp = DpComm(C.group_placement("dp_shard" if hsdp else "dp", layout.tp, layout.dp, layout.pp, cluster,
-                                  layout.dp_shard))
+    dp = DpComm(place or C.group_placement("dp_shard" if hsdp else "dp", layout.tp, layout.dp, layout.pp, cluster,
+                                           layout.dp_shard))
     full_params = params_local * p_bytes
     wire = compression.wire_bytes(g_bytes, layout.grad_reduce_dtype)
     full_grads = params_local * wire  # what every gradient reduction moves (cost_models/compression.py)

@@ -81,14 +81,19 @@ class Layout:
     # gradient shards all-reduced across the dp / dp_shard replicas. None: one shard group
     # of the whole dp (plain FSDP / ZeRO), which is what every layout before it meant.
     dp_shard: int | None = None
+    # Communication compression (cost_models/compression.py): gradients reduced in this
+    # narrower dtype ("bf16"), cast back after; None: reduced as held
+    grad_reduce_dtype: str | None = None
+    # Expert parallelism (cost_models/expert_parallel.py): an MoE layer's experts split over
+    # groups of `ep` neighbouring dp ranks, their states sharded over the other
+    # ep_fold_ranks / ep ("efsdp", torchtitan's dp_shard x cp = efsdp x ep); dense layers,
+    # routers and shared experts as without it. 1: every rank holds every expert.
+    ep: int = 1
     # Context parallelism (cost_models/context_parallel.py): every sequence cut over cp ranks,
     # placed between dp and tp (tp, cp, dp, pp from the innermost, as torchtitan orders them);
     # every op but attention runs on seq / cp tokens, the ZeRO states are sharded and the
     # gradients reduced over dp x cp (torchtitan's dp_shard_cp). 1: no cut.
     cp: int = 1
-    # Communication compression (cost_models/compression.py): gradients reduced in this
-    # narrower dtype ("bf16"), cast back after; None: reduced as held
-    grad_reduce_dtype: str | None = None
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a published layout came from)
 
     @property
@@ -114,6 +119,16 @@ class Layout:
         return self.shard_ranks < self.dp
 
     @property
+    def ep_fold_ranks(self) -> int:
+        """The ranks ep divides: dp (x cp once the layout has a cp axis). The one place that says so."""
+        return self.dp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks an expert's states are sharded over: ep_fold_ranks / ep."""
+        return self.ep_fold_ranks // self.ep
+
+    @property
     def num_stages(self) -> int:
         return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
 
@@ -126,6 +141,10 @@ class Layout:
         if self.dp_shard is not None and (isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int)
                                           or self.dp_shard < 1 or self.dp % self.dp_shard):
             raise CostModelError(f"layout.dp_shard must be a positive divisor of dp {self.dp}, got {self.dp_shard!r}")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.ep_fold_ranks % self.ep:
+            raise CostModelError(f"layout.ep must be a positive divisor of dp {self.dp}, got {self.ep!r}")
+        if self.ep > 1 and self.hsdp:
+            raise CostModelError("layout.ep with dp_shard (HSDP) is not priced: experts shard over efsdp = dp / ep")
         checks = (("schedule", SCHEDULES), ("checkpoint", CHECKPOINTS), ("offload", OFFLOADS),
                   ("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("main_grads", MAIN_GRADS))
         for key, allowed in checks:

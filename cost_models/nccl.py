@@ -73,11 +73,14 @@ def bus_bandwidths(kind: str, algo: str, bus_bw: float, nodes: int) -> tuple[flo
     return 0.0, 0.0, bus_bw * .75  # pat: Simple only
 
 
-def latency_us(kind: str, algo: str, proto: int, n: int, nodes: int, intra_tier: str) -> float:
-    """NCCL's latency of one collective: the base plus every hop's (tuning.cc)."""
+def latency_us(kind: str, algo: str, proto: int, n: int, nodes: int, intra_tier: str, fabric_us: float = 0.0
+               ) -> float:
+    """NCCL's latency of one collective: the base plus every hop's (tuning.cc). `fabric_us`:
+    the network's own latency beyond what NCCL's hop latencies hold (tuning.cc's latencyInter,
+    added to every network hop, twice with Simple for its flush)."""
     ppn = n // nodes
     # with one GPU per node latencies are fully exposed: NCCL takes the tree's network latency
-    inter = HW_LAT_US["net"]["tree" if ppn == 1 else algo][proto]
+    inter = HW_LAT_US["net"]["tree" if ppn == 1 else algo][proto] + fabric_us * (2 if proto == SIMPLE else 1)
     lat = BASE_LAT_US[algo][proto]
     if algo == "pat":  # one GPU per node: log latency plus its linear part
         return lat + _log2i(nodes) * (inter / 3.5) + n * 2.8
@@ -99,8 +102,8 @@ def algorithms(kind: str, n: int, nodes: int) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=65536)
-def choose(kind: str, nbytes: float, n: int, nodes: int, bus_bw: float, intra_tier: str, ampere_or_later: bool
-           ) -> tuple[float, str, int]:
+def choose(kind: str, nbytes: float, n: int, nodes: int, bus_bw: float, intra_tier: str, ampere_or_later: bool,
+           fabric_us: float = 0.0) -> tuple[float, str, int]:
     """(seconds, algorithm, protocol) of the fastest (algorithm, protocol) NCCL would pick
     for one `kind` of `nbytes` over n ranks on `nodes` nodes (n / nodes per node)."""
     best = (math.inf, "ring", SIMPLE)
@@ -113,7 +116,7 @@ def choose(kind: str, nbytes: float, n: int, nodes: int, bus_bw: float, intra_ti
             # bus -> algorithm bandwidth: ring n / steps; tree 1/2; PAT as is (no conversion
             # for non-ring all-gather / reduce-scatter)
             alg_bw = bus * (n / steps if algo == "ring" else .5 if algo == "tree" else 1.0)
-            lat = latency_us(kind, algo, proto, n, nodes, intra_tier)
+            lat = latency_us(kind, algo, proto, n, nodes, intra_tier, fabric_us)
             if algo == "tree" and 0 <= log_size < 23:
                 alg_bw *= TREE_CORRECTION[proto][log_size]
             if algo == "ring" and proto == SIMPLE and kind == "all_reduce" and nbytes / (n * 2) >= 64:
@@ -124,13 +127,24 @@ def choose(kind: str, nbytes: float, n: int, nodes: int, bus_bw: float, intra_ti
     return best
 
 
-def p2p_us(proto: int) -> float:
+def p2p_us(proto: int, fabric_us: float = 0.0) -> float:
     """One send across nodes: a ring's base latency plus one network hop (NCCL's p2p
     runs the ring's primitives; its LL protocol below NCCL_P2P_LL_THRESHOLD, 16 KiB)."""
-    return BASE_LAT_US["ring"][proto] + HW_LAT_US["net"]["ring"][proto]
+    return BASE_LAT_US["ring"][proto] + HW_LAT_US["net"]["ring"][proto] + fabric_us
 
 
 P2P_LL_THRESHOLD = 16384  # bytes: NCCL_P2P_LL_THRESHOLD's default (NCCL docs, env.html)
+
+
+# NCCL's network hop latencies were set on InfiniBand, whose transport reports no latency of its
+# own (net_ib/init.cc: props->latency = 0). A fabric slower per message than InfiniBand adds the
+# difference of the links' per-hop latencies (links.yaml latency_us: InfiniBand 6 us, RoCE and
+# EFA 8, Ethernet over TCP sockets 25) to every network hop, as tuning.cc adds latencyInter.
+INFINIBAND_LATENCY_US = 6.0
+
+
+def fabric_extra_us(link_latency_s: float) -> float:
+    return max(0.0, link_latency_s * 1e6 - INFINIBAND_LATENCY_US)
 
 
 def generation_at_least_ampere(device_name: str) -> bool:

@@ -8,12 +8,15 @@ from cost_models.hardware import ClusterSpec
 
 def test_named_fabrics_set_the_network_tier():
     for name, link in (("ib-ndr", "ib-ndr"), ("ib-hdr", "ib-hdr"), ("roce-400", "roce-400"), ("efa-v2", "efa-v2"),
-                       ("ethernet-100g", "ethernet")):
+                       ("ethernet-100g", "ethernet-100g")):
         c = ClusterSpec.from_dict({"device": "h100-sxm", "nodes": 2, "fabric": name})
         assert c.inter_node_link == link
     # AWS p5: 3200 Gb/s EFAv2 per instance of 8 GPUs = 50 GB/s per GPU; p4d: 400 Gb/s = 6.25 GB/s
     assert ClusterSpec.preset("p5-h100").inter_link.bandwidth == pytest.approx(50e9)
     assert ClusterSpec.preset("p4d-a100").inter_link.bandwidth == pytest.approx(6.25e9)
+    # one 100 GbE NIC per node of 8 GPUs: 12.5 Gb/s = 1.5625 GB/s per GPU
+    assert ClusterSpec.from_dict({"device": "a100-80g", "fabric": "ethernet-100g"}).inter_link.bandwidth == \
+        pytest.approx(1.5625e9)
 
 
 def test_fabric_by_its_figures_prices_the_groups_that_cross_nodes():

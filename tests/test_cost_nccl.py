@@ -115,13 +115,30 @@ def test_ll_bandwidth_is_capped_past_two_nodes():
 
 
 def test_pcie_nodes_pay_ncclS_pci_hops():
-    """Two nodes of 8 PCIe H100s (intra-node tier PCI in NCCL's table): 8 bytes take the tree
-    with LL, 6.8 + 2 x (7 PCI hops of 1.0 us + 1 network hop of 5.0 us) = 30.8 us; 4 GiB take
-    the ring with Simple, whose 28 steps inside nodes cost PCI's 5.7 us (x 1.4, the plateau)
-    beside 2 network steps of 14 us, and whose bytes go at PCIe 5's 48 GB/s bus bandwidth."""
+    """Two nodes of 8 PCIe H100s on RoCE (intra-node tier PCI in NCCL's table; RoCE's 8 us a hop
+    is 2 us over InfiniBand's, added to each network hop, twice with Simple): 8 bytes take the
+    tree with LL, 6.8 + 2 x (7 PCI hops of 1.0 us + 1 network hop of 5.0 + 2 us) = 34.8 us;
+    4 GiB take the ring with Simple, whose 28 steps inside nodes cost PCI's 5.7 us (x 1.4, the
+    plateau) beside 2 network steps of 14 + 4 us, and whose bytes go at PCIe 5's 48 GB/s."""
     c = ClusterSpec.preset("h100-pcie-node", nodes=2)
     place = C.group_placement("dp", 1, 16, 1, c)
-    assert C.collective_time("all_reduce", 8, place, c) == pytest.approx(30.8 * US, rel=0.01)
+    assert C.collective_time("all_reduce", 8, place, c) == pytest.approx(34.8 * US, rel=0.01)
     S = 4.0 * 2**30
     t = C.collective_time("all_reduce", S, place, c)
-    assert t - 2 * 15 / 16 * S / 48e9 == pytest.approx((8.4 + 28 * 5.7 + 2 * 14.0) * 1.4 * US, rel=1e-3)
+    assert t - 2 * 15 / 16 * S / 48e9 == pytest.approx((8.4 + 28 * 5.7 + 2 * 18.0) * 1.4 * US, rel=1e-3)
+
+
+def test_a_slower_fabric_adds_its_latency_to_every_network_hop():
+    """NCCL's hop latencies were set on InfiniBand (its transport reports no latency of its own).
+    Ethernet over TCP sockets (links.yaml: 25 us a hop against InfiniBand's 6) adds 19 us to each
+    network hop, as tuning.cc adds latencyInter: the tree's 8 B all-reduce over 128 nodes pays
+    7 network hops twice, 2 x 7 x 19 us more than on InfiniBand; a small send pays it once."""
+    ib = ClusterSpec.preset("dgx-a100", nodes=128)
+    eth = ClusterSpec.from_dict({"preset": "dgx-a100", "nodes": 128, "inter_node_link": "ethernet"})
+    place = C.group_placement("dp", 1, 1024, 1, ib)
+    assert nccl.fabric_extra_us(ib.inter_link.latency_s) == 0.0
+    extra = C.collective_time("all_reduce", 8, place, eth) - C.collective_time("all_reduce", 8, place, ib)
+    assert extra == pytest.approx(2 * 7 * 19.0 * US, rel=0.01)
+    send_extra = C.p2p_time(1024, False, eth) - C.p2p_time(1024, False, ib)
+    assert send_extra - 1024 / (0.5 * eth.inter_link.bus_bandwidth) + 1024 / (0.5 * ib.inter_link.bus_bandwidth) \
+        == pytest.approx(19.0 * US, rel=0.01)

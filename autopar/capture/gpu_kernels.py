@@ -74,6 +74,12 @@ def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attn_mask, float("-inf"))
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
+    dv = value.shape[-1]
+    if dv != query.shape[-1]:
+        # v narrower than q / k (DeepSeek's MLA: 128 against 192): the CPU flash kernel's
+        # meta output takes q's width, so v is padded and the output sliced back, as
+        # transformers feeds flash attention 2 these heads (modeling_deepseek_v3.py)
+        value = F.pad(value, (0, query.shape[-1] - dv))
     if attn_mask is not None and attn_mask.requires_grad:
         # A learned additive bias (T5's relative positions): the flash kernel
         # takes no bias gradient; on GPUs SDPA runs the memory-efficient kernel,
@@ -86,6 +92,7 @@ def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         out = _GroupedQueryFlash.apply(query, key, value, attn_mask, dropout_p, is_causal, scale)
     else:
         out, _ = _flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    out = out[..., :dv] if out.shape[-1] != dv else out
     return out.squeeze(0) if squeeze else out
 
 

@@ -54,6 +54,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, model_required: bool 
     pin.add_argument("--dp-shard", dest="dp_shard", type=int, default=None, metavar="N",
                      help="HSDP: shard ZeRO states over groups of N dp ranks, replicated across dp / N groups "
                           "(default: the planner prices whole-dp sharding and node-sized groups)")
+    pin.add_argument("--ep", type=int, default=None, metavar="N",
+                     help="expert parallelism: split each MoE layer's experts over groups of N dp ranks "
+                          "(default: the planner tries the divisors of dp that divide the experts; 1: none)")
     pin.add_argument("--cp", type=int, default=None, metavar="N",
                      help="context parallelism: cut every sequence over N ranks (ring attention; default: the "
                           "planner tries it where one sequence's activations do not fit, or cp pays)")
@@ -147,7 +150,7 @@ def engine_from_args(args):
 
 # Options that only matter when planning (None = not given): meaningless next to a saved --plan.
 PLANNING_OPTIONS = ("gpus", "gpus_per_node", "device", "cluster", "batch_size", "seq_len", "tp", "pp", "dp",
-                    "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "offload", "schedule",
+                    "dp_shard", "ep", "cp", "micro_batch", "zero", "checkpoint", "offload", "schedule",
                     "sequence_parallel", "memory_headroom", "grad_reduce_dtype", *ENGINE_OPTIONS)
 
 
@@ -169,8 +172,8 @@ def check_report_path(path: str, flag: str) -> None:
 
 
 def constraints_from_args(args) -> dict:
-    keys = ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "schedule", "sequence_parallel",
-            "offload", "grad_reduce_dtype")
+    keys = ("tp", "pp", "dp", "dp_shard", "ep", "cp", "micro_batch", "zero", "checkpoint", "schedule",
+            "sequence_parallel", "offload", "grad_reduce_dtype")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

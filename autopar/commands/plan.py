@@ -214,7 +214,7 @@ def _print_layout(plan, console) -> None:
     mesh.add_row(str(plan.mesh.pp), dp, str(plan.mesh.tp), "on" if plan.sequence_parallel else "off",
                  sched, str(plan.micro_batch_size), str(plan.num_micro_batches))
     console.print(mesh)
-    for key in ("hsdp", "cp", "compression"):  # why the dp split, the sequence cut, the gradient reduction's dtype
+    for key in ("ep", "hsdp", "cp", "compression"):  # why the plan splits experts / shards / cuts sequences as it does, the reduction dtype
         why = (plan.solver or {}).get(key) if isinstance(plan.solver, dict) else None
         if why:
             console.print(why, markup=False)

@@ -22,6 +22,7 @@ TARGET = "accelerate"
 
 def nearest(plan, notes: list[str], checkpoint: str | None = None):
     near = common.copy_plan(plan)
+    common.no_ep(near, notes)
     common.fold_pipeline(near, notes, TARGET)
     m = near.mesh
     if m.dp > 1:

@@ -204,6 +204,17 @@ def no_compression(plan: Plan, notes: list[str], why: str) -> None:
     plan.grad_reduce_dtype = None
 
 
+def no_ep(plan: Plan, notes: list[str]) -> None:
+    """Expert parallelism is not exported yet: the nearest layout holds every expert on every
+    dp rank (sharded by its ZeRO level), said in the notes, never dropped silently."""
+    m = plan.mesh
+    if (m.ep or 1) == 1:
+        return
+    notes.append(f"expert parallelism (ep {m.ep}): not exported yet; the nearest layout keeps every expert on "
+                 f"every dp rank, sharded by its ZeRO level")
+    m.ep = None
+
+
 def no_sequence_parallel(plan: Plan, notes: list[str], target: str) -> None:
     if plan.sequence_parallel:
         notes.append(f"sequence parallelism (Megatron-style, with tp {plan.mesh.tp}): not in {target}; off")

@@ -28,6 +28,7 @@ TARGET = "DeepSpeed"
 
 def nearest(plan, notes: list[str], checkpoint: str | None = None):
     near = common.copy_plan(plan)
+    common.no_ep(near, notes)
     pipeline = near.mesh.pp > 1
     zero = common.zero_level(near)
     if pipeline and zero > 1:

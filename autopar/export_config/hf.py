@@ -20,6 +20,7 @@ TARGET = "Hugging Face transformers"
 
 def nearest(plan, notes: list[str], checkpoint: str | None = None):
     near = common.copy_plan(plan)
+    common.no_ep(near, notes)
     if near.mesh.dp > 1 and near.mesh.pp > 1:
         common.fold_pipeline(near, notes, "DistributedConfig with FSDP")
     if near.mesh.dp > 1:

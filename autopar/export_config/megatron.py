@@ -32,6 +32,7 @@ SHARDING = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"
 
 def nearest(plan, notes: list[str], checkpoint: str | None = None):
     near = common.copy_plan(plan)
+    common.no_ep(near, notes)
     common.no_hsdp(near, notes, "not expressible in Megatron-Core, whose distributed optimizer and Megatron-FSDP "
                                 "shard over the whole data-parallel group")
     if near.mesh.dp > 1:

@@ -29,6 +29,7 @@ AC = {"none": "activation-checkpoint:none", "selective": "activation-checkpoint:
 
 def nearest(plan, notes: list[str], checkpoint: str | None = None):
     near = common.copy_plan(plan)
+    common.no_ep(near, notes)
     m = near.mesh
     if m.dp > 1:
         zero = common.zero_level(near)

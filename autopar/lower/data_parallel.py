@@ -96,6 +96,7 @@ def zero_substitutions(plan) -> list[str]:
         if names:
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             why = ("HSDP (FSDP2 on the dp_replicate x dp_shard mesh)" if hsdp else
+                   f"expert parallelism (ep {plan.mesh.ep}: FSDP2 on every layer)" if (plan.mesh.ep or 1) > 1 else
                    "tensor/pipeline parallelism" if plan.mesh.tp > 1 or plan.mesh.pp > 1 else
                    "other layers' FSDP2 sharding (zero 2/3 or offload)")
             out.append(f"zero {level} lowered as zero 2 for layer(s) {shown}: under {why} data parallelism is "
@@ -119,7 +120,9 @@ def wraps(plan) -> bool:
 
 
 def uses_replicate(plan) -> bool:
+    # HSDP and ep (experts sharded over their own efsdp mesh) are FSDP2 on every layer
     return (plan.mesh.dp * (plan.mesh.cp or 1) > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and not plan.mesh.hsdp
+            and (plan.mesh.ep or 1) == 1
             and all(c.zero <= 1 and c.offload == "none" for c in plan.layer_choices))
 
 

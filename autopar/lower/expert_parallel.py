@@ -175,18 +175,32 @@ def _gather_router_logits(router: nn.Module, mesh: DeviceMesh, where: str) -> No
     router.forward = gathered
 
 
-def _split_fused(moe: nn.Module, experts: nn.Module, mesh: DeviceMesh, where: str) -> None:
+def _router(moe: nn.Module):
+    return next((getattr(moe, n) for n in _ROUTER_NAMES if isinstance(getattr(moe, n, None), nn.Module)), None)
+
+
+def _fused_refusal(moe: nn.Module, experts: nn.Module, where: str) -> ExpertParallelError | None:
+    """Why a fused experts module cannot split (None: it can)."""
     num = getattr(experts, "num_experts", None)
     params = _expert_params(experts, num) if num else {}
     if not params or len(params) != len(list(experts.parameters())):
-        raise ExpertParallelError(
+        return ExpertParallelError(
             f"{where}: {type(experts).__name__} keeps no 3-D (experts, ...) weights (DBRX stores its experts "
             f"as 2-D (experts x ffn, hidden) weights viewed per expert, and routes on its router's logits)",
             hint="run this model with ep=1 (its experts replicated, or split by tp)")
-    router = next((getattr(moe, n) for n in _ROUTER_NAMES if isinstance(getattr(moe, n, None), nn.Module)), None)
-    if router is None:
-        raise ExpertParallelError(f"{where}: no router module (`gate` or `router`) beside the experts",
-                                  hint="name the router module `gate` or `router`, as transformers does")
+    if _router(moe) is None:
+        return ExpertParallelError(f"{where}: no router module (`gate` or `router`) beside the experts",
+                                   hint="name the router module `gate` or `router`, as transformers does")
+    return None
+
+
+def _split_fused(moe: nn.Module, experts: nn.Module, mesh: DeviceMesh, where: str) -> None:
+    refused = _fused_refusal(moe, experts, where)
+    if refused is not None:
+        raise refused
+    num = experts.num_experts
+    params = _expert_params(experts, num)
+    router = _router(moe)
     lo, hi = _local_range(num, mesh, where)
     for name, p in params.items():
         setattr(experts, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
@@ -242,3 +256,110 @@ def reduce_gradients(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         if p not in local:
             dist.all_reduce(p.grad, group=group)
         p.grad.div_(ep)
+
+
+# -- the Plan's ep (Plan.mesh.ep), as lower() applies it ---------------------------------
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module holding `experts` beside a router: the MoE layers
+    as transformers and hand-written models hold them."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "experts", None), nn.Module) and _router(m) is not None
+            and not isinstance(m.experts, (ExpertParallelExperts,))]
+
+
+def ep_refusal(model: nn.Module, ep: int | None) -> str | None:
+    """Why `model`'s experts cannot split over `ep` ranks as lowered (one line), or None.
+    Asked before any process group, on every rank alike."""
+    if not ep or ep == 1:
+        return None
+    blocks = moe_blocks(model)
+    if not blocks:
+        return (f"ep {ep}: {type(model).__name__} has no MoE layer (a module holding `experts` beside a "
+                f"`gate` / `router`); drop ep")
+    refused = moe_refusal(model)
+    if refused:
+        return refused
+    for path, moe in blocks:
+        experts = moe.experts
+        count = len(experts) if isinstance(experts, nn.ModuleList) else experts.num_experts
+        if count % ep:
+            return f"ep {ep}: {path} has {count} experts, which do not split over {ep} ranks"
+    return None
+
+
+def moe_refusal(model: nn.Module) -> str | None:
+    """Why the MoE layers of `model` cannot split their experts at any ep (DBRX's 2-D
+    experts, no router module), or None (also for a model without MoE layers)."""
+    for path, moe in moe_blocks(model):
+        if not isinstance(moe.experts, nn.ModuleList):
+            refused = _fused_refusal(moe, moe.experts, path)
+            if refused is not None:
+                return str(refused)
+    return None
+
+
+EP_AXES = ("efsdp", "ep")
+
+
+def ep_meshes(plan, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """(efsdp, ep) 1-D meshes unflattened from the plan's dp axis, ep inner (neighbouring dp
+    ranks), as torchtitan's ParallelDims unflattens dp_shard x cp into efsdp x ep
+    (DeviceMesh._unflatten, as autopar's HSDP mesh is made). Collective: every rank calls it."""
+    m = plan.mesh
+    both = mesh._unflatten("dp", (m.efsdp, m.ep), EP_AXES)
+    return both["efsdp"], both["ep"]
+
+
+def split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Every MoE layer of `model` with its experts split over `ep_mesh`."""
+    for path, moe in moe_blocks(model):
+        parallelize_experts(moe, ep_mesh, where=path)
+
+
+def local_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding this rank's experts (each one FSDP2 unit over efsdp)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, ExpertParallelExperts):
+            out.append(m.local)
+        elif isinstance(m, _ExpertProxy) and m.expert is not None:
+            out.append(m.expert)
+    return out
+
+
+def shard_experts(stage: nn.Module, efsdp_mesh: DeviceMesh, plan, mp_policy) -> None:
+    """This rank's experts in `stage`, one FSDP2 unit each over efsdp (torchtitan's
+    moe_sharding: fully_shard(experts, mesh=efsdp) inside the block's unit over dp). Their
+    gradient already sums the ep group's tokens (the all-to-all's backward); FSDP2 sums it
+    over efsdp and divides by dp, not efsdp, so it is the mean over the global batch, as
+    every dense gradient averaged over dp is (torchtitan sets the same divide factor)."""
+    from torch.distributed.fsdp import fully_shard
+    reshard = any(c.zero >= 3 for c in plan.layer_choices)
+    for module in local_expert_modules(stage):
+        unit = fully_shard(module, mesh=efsdp_mesh, reshard_after_forward=reshard,
+                           **({"mp_policy": mp_policy} if mp_policy is not None else {}))
+        unit.set_gradient_divide_factor(float(plan.mesh.ep_fold_ranks))
+        # gloo has no PREMUL_SUM: sum, then divide. Not on one rank: torch 2.13's foreach_reduce
+        # divides a one-rank group's gradient by the factor twice there (_fsdp_collectives.py 627, 686)
+        if efsdp_mesh.device_type == "cpu" and efsdp_mesh.size() > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def whole_experts(state: dict, holders: dict, model: nn.Module, ep_mesh: DeviceMesh) -> dict:
+    """`state` (name -> this rank's unsharded tensor) with the ep-split experts whole again:
+    a fused weight's slices concatenated over the ep ranks in order, a ModuleList's experts
+    collected from their owners. Collective over ep (a checkpoint or export under ep holds
+    every expert, as one process's would)."""
+    owned = {id(m) for e in local_expert_modules(model) for m in e.modules()}
+    fused = {id(m.local) for m in model.modules() if isinstance(m, ExpertParallelExperts)}
+    mine = {n: state[n] for n in state if any(id(mod) in owned for mod, _ in holders.get(n, ()))}
+    parts = [None] * ep_mesh.size()
+    dist.all_gather_object(parts, mine, group=ep_mesh.get_group())
+    out = dict(state)
+    for name in sorted({n for p in parts for n in p}):
+        pieces = [p[name] for p in parts if name in p]
+        is_fused = any(id(mod) in fused for mod, _ in holders.get(name, ()))
+        out[name] = torch.cat(pieces, 0) if is_fused and len(pieces) > 1 else pieces[0]
+    return dict(sorted(out.items()))

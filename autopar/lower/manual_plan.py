@@ -18,10 +18,11 @@ import torch.nn as nn
 
 from autopar.compression import problem as compression_problem
 from autopar.errors import PlanMismatchError
+from autopar.lower.expert_parallel import ep_refusal
 from autopar.lower.model_layers import block_stacks, model_signature
 from autopar.lower.pipeline_parallel import check_schedule
 from autopar.plan import CHECKPOINTS, SCHEDULES, LayerChoice, Mesh, Plan, Stage
-from autopar.plan_file import cp_problem, hsdp_problem
+from autopar.plan_file import cp_problem, ep_problem, hsdp_problem
 
 MAIN_GRADS = ("same", "fp32", "fp32-unfused")  # cost_models.layout's values
 _DEFAULT_SEQ = 8  # token-id models without example inputs: short enough for any position table
@@ -124,7 +125,7 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
                    stage_layers: list[int] | None = None, precision: str = "fp32", offload: str = "none",
                    main_grads: str = "fp32", seq_len: int | None = None, name: str | None = None,
                    example_inputs=None, graph=None, dp_shard: int | None = None,
-                   grad_reduce_dtype: str | None = None, cp: int | None = None) -> Plan:
+                   grad_reduce_dtype: str | None = None, ep: int | None = None, cp: int | None = None) -> Plan:
     """A Plan with this fixed layout for `model`.
 
     `example_inputs` (a tuple for one micro-batch, or batch_size -> tuple) is
@@ -134,8 +135,9 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
     precision is bf16/fp16. `graph`: the model's ModelGraph when it was
     captured already (its layers are used instead of a new trace). `dp_shard`: HSDP, the
     ZeRO states sharded over groups of dp_shard dp ranks (None: over the whole dp).
-    `grad_reduce_dtype`: gradients reduced in this narrower dtype (autopar/compression.py).
-    `cp`: context parallelism, every sequence (of `seq_len`) cut over cp ranks."""
+    `grad_reduce_dtype`: gradients reduced in this narrower dtype (autopar/compression.py). `ep`: expert
+    parallelism, each MoE layer's experts split over groups of ep dp ranks (None: not split). `cp`:
+    context parallelism, every sequence (of `seq_len`) cut over cp ranks."""
     if schedule not in SCHEDULES:
         raise PlanMismatchError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     if checkpoint not in CHECKPOINTS:
@@ -180,14 +182,14 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
     model_info = {"name": name or type(model).__name__, **model_signature(model),
                   "num_layers": len(layers)}
     plan = Plan(model=model_info, global_batch_size=dp * micro_batch_size * num_micro_batches, seq_len=seq_len,
-                precision=precision, mesh=Mesh(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard, cp=cp),
+                precision=precision, mesh=Mesh(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard, ep=ep, cp=cp),
                 sequence_parallel=sequence_parallel,
                 schedule=schedule, virtual_stages=virtual_stages if schedule == "interleaved" else 1,
                 micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, stages=stages,
                 grad_reduce_dtype=grad_reduce_dtype, solver={"status": "manual"}, assumptions={"main_grads": main_grads})
     check_schedule(plan)  # the same check lowering makes: a hand plan that cannot run fails here
-    problem = (hsdp_problem(plan) or cp_problem(plan)
-               or compression_problem(grad_reduce_dtype, precision, dp * (cp or 1)))
+    problem = (hsdp_problem(plan) or compression_problem(grad_reduce_dtype, precision, dp * (cp or 1)) or ep_problem(plan)
+               or ep_refusal(model, ep) or cp_problem(plan))
     if problem:
         raise PlanMismatchError(problem)
     return plan

@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.lower import (batch_norm, checkpointing, compile_blocks, compression, context_parallel, data_parallel,
-                           float8, grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict, tensor_parallel,
+                           expert_parallel, float8, grad_norm, loss_scaling, pipeline_parallel, preflight, state_dict,
+                           tensor_parallel,
                            tied_weights, weight_reads)
 from autopar.lower.materialize import materialize
 from autopar.lower.mesh import build_mesh, data_mesh, init_distributed, local_device
@@ -94,6 +95,7 @@ class ParallelModel:
         self.last_step_skipped = False
         self.notes: list[str] = []
         self.compiled_blocks: compile_blocks.CompiledBlocks | None = None
+        self.ep_mesh = None  # expert parallelism's 1-D mesh (lower() sets it under Plan.mesh.ep)
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
@@ -338,6 +340,8 @@ class ParallelModel:
                 mine[name] = t.detach().to("cpu", copy=True)
         finally:
             quiet.setLevel(level)
+        if self.ep_mesh is not None:  # every expert whole, not this rank's experts / ep
+            mine = expert_parallel.whole_experts(mine, self._holders, self.module, self.ep_mesh)
         if self.plan.mesh.pp == 1:
             return mine
         gathered = [None] * self.plan.mesh.pp
@@ -480,6 +484,12 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     if plan.mesh.dp > 1:
         batch_norm.synchronise(model, mesh["dp"].get_group(), device)
 
+    # 0b. expert parallelism: each MoE layer's experts split over the ep mesh (from dp)
+    efsdp_mesh = ep_mesh = None
+    if (plan.mesh.ep or 1) > 1:
+        efsdp_mesh, ep_mesh = expert_parallel.ep_meshes(plan, mesh)
+        expert_parallel.split_experts(model, ep_mesh)
+
     # 1. pipeline stage modules (views over the model)
     dummy = _dummy_inputs_fn(example_inputs, device)
     returns = {i: bp.returns for i, bp in found.block_plans.items()}
@@ -506,7 +516,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
         compiled = compile_blocks.CompiledBlocks(torch_compile_backend, torch_compile_mode,
                                                  own_cache=tp > 1 and plan.mesh.dp * pp > 1)
         compiled.apply(stages, layout)
-    fsdp, replicated = _apply_data_parallel(plan, layout, stages, mesh, tied_local | found.read_outside)
+    fsdp, replicated = _apply_data_parallel(plan, layout, stages, mesh, tied_local | found.read_outside, efsdp_mesh)
 
     # 5. weights
     was_meta = materialize(stages, device, init_fn, model=model)
@@ -533,6 +543,7 @@ def lower(model: nn.Module, plan: Plan, *, example_inputs, loss_fn, optimizer=to
     pm.notes = (data_parallel.zero_substitutions(plan) + checkpointing.not_recomputed(layout) + unverified
                 + compile_blocks.priced_otherwise(plan, compiling))
     pm.compiled_blocks = compiled
+    pm.ep_mesh = ep_mesh
     pm._build_schedule, pm._batch_norms = build_schedule, batch_norm.batch_norms(model)
     pm.tied_aliases = aliases
     if float8.gathers_in_float8(plan):
@@ -563,9 +574,10 @@ def _apply_tp(model, plan, layout, tp_layers, found, tp_mesh, loss_fn, example_i
     return use_loss_parallel
 
 
-def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, bool]:
+def _apply_data_parallel(plan, layout, stages, mesh, tied_local, efsdp_mesh=None) -> tuple[bool, bool]:
     """DDP-style replication or FSDP2 over the dp mesh (also for ZeRO, offload or
-    mixed precision on one rank); else autocast for low precision. (fsdp, replicated)."""
+    mixed precision on one rank), the experts over efsdp under ep; else autocast for low
+    precision. (fsdp, replicated)."""
     fsdp = replicated = False
     if data_parallel.wraps(plan):
         compressed = compression.reduce_dtype(plan)  # Plan.grad_reduce_dtype
@@ -575,6 +587,9 @@ def _apply_data_parallel(plan, layout, stages, mesh, tied_local) -> tuple[bool, 
         else:
             dp_mesh = data_parallel.fsdp_mesh(plan, mesh)  # under HSDP the 2-D (replicate, shard) mesh
             for s in stages:
+                if efsdp_mesh is not None:  # ep: the experts' own units first (innermost)
+                    expert_parallel.shard_experts(s, efsdp_mesh, plan, data_parallel.mixed_precision(
+                        plan.precision, data_parallel.main_grads(plan)))
                 data_parallel.apply_fsdp(s, layout, s.stage_index, dp_mesh, plan.precision, tied_local,
                                          data_parallel.main_grads(plan), compressed)
             fsdp = True

@@ -12,11 +12,13 @@ import torch.nn as nn
 
 from autopar.compression import problem as compression_problem
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.lower import (batch_norm, compression, data_parallel, pipeline_parallel, tensor_parallel, weight_reads,
+from autopar.lower import (batch_norm, compression, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel,
+                           weight_reads,
                            what_runs)
 from autopar.lower.model_io import forward_kwargs
 from autopar.lower.model_layers import ModelLayout
 from autopar.plan import Plan
+from autopar.plan_file import ep_problem
 
 
 def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
@@ -47,6 +49,9 @@ def check_plan(model: nn.Module, plan: Plan, layout: ModelLayout) -> None:
     if why:
         raise PlanMismatchError(f"grad_reduce_dtype {plan.grad_reduce_dtype!r} cannot run: {why}",
                                 hint="drop grad_reduce_dtype from the plan (gradients reduced as held)")
+    why = ep_problem(plan) or expert_parallel.ep_refusal(model, plan.mesh.ep)
+    if why:
+        raise PlanMismatchError(f"mesh.ep {plan.mesh.ep} cannot run: {why}", hint="drop ep from the plan")
     optimizer_only = [c.name for c in plan.layer_choices if c.offload == "optimizer"]
     if optimizer_only:
         raise PlanMismatchError(

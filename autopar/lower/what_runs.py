@@ -28,6 +28,8 @@ with the reason for each layout it rules out:
      "runs_whole": {embedding / head layer: why tp leaves it whole},
      "hsdp": reason, only where this torch cannot run HSDP (data_parallel.hsdp_refusal),
      "compression": reason, only where this torch cannot reduce in bf16 (compression.refusal),
+     "ep": reason, only where the model's MoE layers cannot split their experts (DBRX:
+           expert_parallel.moe_refusal),
      "cp": why context parallelism cannot cut this model's sequences, only where it
            cannot (context_parallel.model_refusal; cp runs at pp 1 without HSDP)}
 Fake tensors have no values, so a step that reads one (`.item()`) cannot
@@ -466,6 +468,9 @@ def _limits(model, graph, example_inputs, tp_degrees=None) -> dict:
     from autopar.lower.compression import refusal as compression_refusal
     if why_not_compressed := compression_refusal():  # Plan.grad_reduce_dtype: likewise
         out["compression"] = why_not_compressed
+    from autopar.lower.expert_parallel import moe_refusal
+    if why_not_ep := moe_refusal(model):  # the experts' form, whatever the ep degree (DBRX)
+        out["ep"] = why_not_ep
     from autopar.lower.context_parallel import model_refusal
     seq_len = getattr(graph, "seq_len", None)  # no sequence (images): nothing to cut, nothing to say
     if seq_len and (why_not_cp := model_refusal(model, seq_len, n_inputs=len(args), graph=graph)):

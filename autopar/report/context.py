@@ -150,7 +150,8 @@ def hand_checks(plan) -> list[dict]:
 # The solver facts worth a glance, with the words to show them under.
 SOLVER_HEADLINE = {"status": "status", "gap": "optimality gap", "candidates": "candidate layouts",
                    "solved": "solved", "pruned_by_bound": "pruned by bound", "oom": "out of memory",
-                   "search_s": "search time", "hsdp": "HSDP", "compression": "gradient reduction dtype"}
+                   "search_s": "search time", "hsdp": "HSDP", "compression": "gradient reduction dtype",
+                   "ep": "expert parallelism"}
 
 
 def _solver_value(key, value) -> str:

@@ -49,12 +49,12 @@ def how_chosen(result: SearchResult, solver_pick, chosen, winner, uniform, unifo
 def mesh_dict(c: Candidate) -> dict:
     """A candidate's mesh as the Plan's JSON writes it (dp_shard only under HSDP)."""
     return {"pp": c.pp, "dp": c.dp, "tp": c.tp, **({"dp_shard": c.dp_shard} if c.dp_shard else {}),
-            **({"cp": c.cp} if c.cp > 1 else {})}
+            **({"ep": c.ep} if c.ep else {}), **({"cp": c.cp} if c.cp > 1 else {})}
 
 
 def mesh_text(mesh: dict) -> str:
     dp = f"dp{mesh['dp']}" + (f" ({mesh['dp'] // mesh['dp_shard']} replicas x {mesh['dp_shard']} shards)"
-                              if mesh.get("dp_shard") else "")
+                              if mesh.get("dp_shard") else "") + (f" (ep {mesh['ep']})" if mesh.get("ep") else "")
     cp = f" x cp{mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
     return f"pp{mesh['pp']} x {dp}{cp} x tp{mesh['tp']}"
 
@@ -69,6 +69,7 @@ def layout_summary(c: Candidate, choices) -> dict:
 
 
 _TIME_WORDS = {"compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
+               "ep_comm_s": "expert-parallel all-to-alls",
                "pp_comm_s": "pipeline communication", "dp_comm_exposed_s": "exposed data-parallel communication",
                "bubble_s": "pipeline bubble", "optimizer_s": "optimizer step"}
 

@@ -1,5 +1,5 @@
 """What the user pinned: the `constraints` dict of `autopar.plan` and the CLI's
-pinning flags (`--tp --pp --dp --dp-shard --micro-batch --zero --checkpoint
+pinning flags (`--tp --pp --dp --dp-shard --ep --micro-batch --zero --checkpoint
 --schedule --sequence-parallel --grad-reduce-dtype`), parsed once and checked before any search.
 
 A pinned value removes every other value of that knob from the search space;
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from autopar.errors import AutoparError
 
-KNOWN_KEYS = ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch", "zero", "checkpoint", "schedule",
+KNOWN_KEYS = ("tp", "pp", "dp", "dp_shard", "ep", "cp", "micro_batch", "zero", "checkpoint", "schedule",
               "sequence_parallel", "offload", "memory_headroom", "grad_reduce_dtype")
 # --grad-reduce-dtype: fp32 (never compress), bf16 (compress), auto (the planner keeps bf16 if faster)
 GRAD_REDUCE_CHOICES = ("fp32", "bf16", "auto")
@@ -24,7 +24,8 @@ OFFLOADS = ("none", "optimizer", "params")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "accumulate")  # accumulate: no pipeline (pp 1)
 
 # CLI spelling of each key, so messages name the flag a person typed.
-FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "dp_shard": "--dp-shard", "cp": "--cp", "micro_batch": "--micro-batch", "zero": "--zero",
+FLAG = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "dp_shard": "--dp-shard", "ep": "--ep", "cp": "--cp",
+        "micro_batch": "--micro-batch", "zero": "--zero",
         "checkpoint": "--checkpoint", "schedule": "--schedule", "sequence_parallel": "--sequence-parallel",
         "offload": "--offload", "memory_headroom": "--memory-headroom", "grad_reduce_dtype": "--grad-reduce-dtype"}
 
@@ -39,6 +40,7 @@ class Constraints:
     pp: int | None = None
     dp: int | None = None
     dp_shard: int | None = None  # HSDP: ZeRO states sharded over groups of this many dp ranks
+    ep: int | None = None  # expert parallelism: MoE experts split over groups of this many dp ranks
     cp: int | None = None  # context parallelism: every sequence cut over cp ranks (solve/context_parallel.py)
     micro_batch: int | None = None  # samples per micro-batch
     zero: int | None = None
@@ -114,7 +116,7 @@ def parse_constraints(raw: dict | Constraints | None) -> Constraints:
         raise ConstraintError(f"unknown constraint(s): {', '.join(unknown)}",
                               hint=f"known keys: {', '.join(KNOWN_KEYS)}")
     out: dict = {}
-    for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch"):
+    for key in ("tp", "pp", "dp", "dp_shard", "ep", "cp", "micro_batch"):
         if raw.get(key) is not None:
             out[key] = _positive_int(key, raw[key])
     if raw.get("zero") is not None:
@@ -175,6 +177,15 @@ def _check_contradictions(c: Constraints) -> None:
     if c.dp_shard is not None and c.dp is not None and c.dp % c.dp_shard:
         raise ConstraintError(f"--dp-shard {c.dp_shard} does not divide --dp {c.dp}",
                               hint="dp = replicas x dp-shard: pin a divisor of --dp")
+    if c.ep not in (None, 1) and c.dp is not None and c.dp % c.ep:
+        raise ConstraintError(f"--ep {c.ep} does not divide --dp {c.dp}",
+                              hint="expert parallelism folds into dp (dp = efsdp x ep): pin a divisor of --dp")
+    if c.ep not in (None, 1) and (c.tp not in (None, 1) or c.dp_shard is not None):
+        raise ConstraintError(f"--ep {c.ep} runs beside data and pipeline parallelism only: it contradicts --tp / "
+                              f"--dp-shard", hint="drop --ep, or those pins")
+    if c.ep not in (None, 1) and (c.cp or 1) > 1:
+        raise ConstraintError(f"--ep {c.ep} does not run beside context parallelism yet: it contradicts --cp {c.cp}",
+                              hint="drop --ep or --cp")
     clash = (c.cp or 1) > 1 and ((c.pp or 1) > 1 and f"--pp {c.pp}" or c.dp_shard and f"--dp-shard {c.dp_shard}")
     if clash:
         raise ConstraintError(f"--cp {c.cp} contradicts {clash}: context parallelism is lowered at pp 1 without HSDP",

@@ -72,6 +72,8 @@ def sizes_to_try(spec, cluster, pins, global_batch_size: int, best) -> list[int]
     """The cp sizes to search, in order (see the module docstring). `best`: the cp-1 winner, or None."""
     if pins.cp is not None:
         return [pins.cp] if pins.cp > 1 else []
+    if (pins.ep or 1) > 1:  # expert parallelism does not run beside cp yet (plan_file.ep_problem)
+        return []
     seq = spec.seq_len
     if seq < LONG_SEQUENCE or best is not None and not pays_to_try(best):
         return []
@@ -96,7 +98,8 @@ def share_request(req, cp: int):
     why = "context parallelism is lowered at pp 1 without HSDP (lower/context_parallel.plan_refusal)"
     spec.lowering_limits = {"checked": True, **(getattr(req.spec, "lowering_limits", None) or {}),
                             "pipeline": why, "hsdp": why}
-    pins = dataclasses.replace(req.pins, cp=cp, dp=req.pins.dp * cp if req.pins.dp else None)
+    # ep 1: expert parallelism does not run beside cp yet (plan_file.ep_problem)
+    pins = dataclasses.replace(req.pins, cp=cp, ep=1, dp=req.pins.dp * cp if req.pins.dp else None)
     return dataclasses.replace(req, spec=spec, pins=pins, global_batch_size=req.global_batch_size * cp)
 
 
@@ -128,8 +131,7 @@ def search(req, base, search_and_price, choose):
         except InfeasibleError as exc:
             tried.append(f"cp {cp}: {exc.message.split(';')[0]}")
             continue
-        choice = choose(share, found_cp)  # None when nothing of the share fits
-        got = _in_cp_terms(req, found_cp, choice, cp) if choice is not None else None
+        got = _in_cp_terms(req, found_cp, choose(share, found_cp), cp) if found_cp.fitting else None
         if got is None:
             tried.append(f"cp {cp}: does not fit")
             continue

@@ -33,8 +33,8 @@ def lowered_zero_levels(c: Candidate, zeros: list[int], offloads: list[str],
     Another engine being priced (`engine.zero_as_pinned`) runs the levels as given."""
     if c.dp * c.cp == 1 or engine.zero_as_pinned:  # cp ranks shard and reduce with dp (dp_shard_cp)
         return list(zeros)
-    # HSDP (c.dp_shard) is FSDP2 on every layer: no replicate
-    replicate = (c.tp == 1 and c.pp == 1 and not c.dp_shard
+    # HSDP (c.dp_shard) and ep (experts on their own efsdp units) are FSDP2 on every layer: no replicate
+    replicate = (c.tp == 1 and c.pp == 1 and not c.dp_shard and not c.ep
                  and all(z <= 1 and o == "none" for z, o in zip(zeros, offloads)))
     levels = list(zeros) if replicate else [2 if z <= 1 and o == "none" else z for z, o in zip(zeros, offloads)]
     if root_held and c.pp == 1:
@@ -78,7 +78,7 @@ def candidate_layout(c: Candidate, *, precision: str = "bf16", optimizer: str = 
         if len(set(layer_zero)) == 1:
             layer_zero = None
     # The cost model names no schedule for pp = 1 (it runs one 1F1B stage whatever it is told).
-    return Layout(layer_zero=layer_zero, tp=c.tp, pp=c.pp, dp=c.dp, dp_shard=c.dp_shard or None, cp=c.cp,
+    return Layout(layer_zero=layer_zero, tp=c.tp, pp=c.pp, dp=c.dp, dp_shard=c.dp_shard or None, ep=c.ep or 1, cp=c.cp,
                   micro_batch_size=c.micro_batch_size,
                   num_micro_batches=c.num_micro_batches, schedule="1f1b" if c.schedule == ACCUMULATE else c.schedule,
                   virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel, zero=zero,
@@ -121,7 +121,7 @@ def layout_of(plan) -> Layout:
     cand = Candidate(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, micro_batch_size=plan.micro_batch_size,
                      num_micro_batches=plan.num_micro_batches, schedule=plan.schedule,
                      virtual_stages=plan.virtual_stages, sequence_parallel=plan.sequence_parallel,
-                     dp_shard=plan.mesh.dp_shard if plan.mesh.hsdp else 0, cp=plan.mesh.cp or 1)
+                     dp_shard=plan.mesh.dp_shard if plan.mesh.hsdp else 0, ep=plan.mesh.ep or 0, cp=plan.mesh.cp or 1)
     optimizer = plan.assumptions.get("optimizer", "adam") if isinstance(plan.assumptions, dict) else "adam"
     engine = plan_engine(plan)
     if not choices:

@@ -23,7 +23,7 @@ from cost_models.hardware import ClusterSpec
 from autopar.engine import AUTOPAR, Engine, engine_of, with_engine
 from autopar.errors import ClusterSpecError, InfeasibleError
 from autopar.plan import Plan
-from autopar.solve import compression, float8_choice, hsdp
+from autopar.solve import compression, expert_parallel, float8_choice, hsdp
 from autopar.solve import context_parallel as cp_search
 from autopar.solve.alternatives import how_chosen, list_alternatives
 from autopar.solve.baselines import price_baselines
@@ -36,7 +36,7 @@ from autopar.solve.plan_build import TP_KINDS, build_plan, tp_style  # noqa: F40
 from autopar.solve.problem import KIB, memory_floor, to_mem_units
 from autopar.solve.refine import UNIFORM_ESTIMATES, fits, polish, tidy, uniform_layouts, uniform_pricings
 from autopar.solve.search import CandidateResult, SearchResult, search
-from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, whole_batch_reason
+from autopar.solve.search_space import divisors, enumerate_candidates, mesh_key, moe_experts, whole_batch_reason
 from autopar.solve.table import TableBuilder
 from autopar.solve.capacity import check_capacity
 from autopar.two_processes import Beside
@@ -201,7 +201,8 @@ def _run_search(model, cluster, constraints, global_batch_size, precision, optim
                                        seq_len=getattr(model, "seq_len", None),
                                        lowering_limits=getattr(model, "lowering_limits", None),
                                        whole_batch=whole_batch_reason(model.layers),
-                                       tp_why=tp_refusals(model, divisors(world)))
+                                       tp_why=tp_refusals(model, divisors(world)),
+                                       experts=moe_experts(model.layers) if engine_of(model).is_autopar else 0)
     if not cands:
         raise InfeasibleError(
             f"no valid mesh for {world} GPUs, global batch {global_batch_size} and {len(model.layers)} layers"
@@ -323,21 +324,21 @@ def plan(model, cluster_spec, example_inputs=None, global_batch_size: int | None
                    # Distinct meshes kept exact by the search (the winner and two runners-up): more
                    # would loosen the pruning cutoff and multiply the solves for little insight.
                    keep=3 if top_k > 0 else 1, progress=progress)
-    found = _search_and_price(req) if (pins.cp or 1) == 1 else None  # a pinned cp searches only its share
     try:
+        found = _search_and_price(req) if (pins.cp or 1) == 1 else None  # a pinned cp searches only its share
         base = _choose(req, found) if found is not None and found.fitting else None
-    finally:
-        if found is not None:
-            _stop(found.result.stats.get("uniform_ahead"))
-    cut = cp_search.search(req, base, _search_and_price, _choose_share)  # solve/context_parallel.py
-    if cut is None or cut[0] == "tried":
-        if base is None:
-            _refuse(req, found)
-        chosen, winner, selection, others = base
-        if cut:
-            selection["cp"] = cut[1]
-    else:
-        found, chosen, winner, selection, others = cut
+        cut = cp_search.search(req, base, _search_and_price, _choose)  # solve/context_parallel.py
+        if cut is None or cut[0] == "tried":
+            if base is None:
+                _refuse(req, found)
+            chosen, winner, selection, others = base
+            if cut:
+                selection["cp"] = cut[1]
+        else:
+            found, chosen, winner, selection, others = cut
+    finally:  # every search's uniform layouts priced ahead (_search_and_price): their processes end
+        for ahead in req.aheads:
+            _stop(ahead)
     plan_obj = build_plan(spec, cluster, pins, global_batch_size, precision, optimizer, winner, found.result,
                           selection)
     plan_obj.model["source"] = source or plan_obj.model.get("source")
@@ -446,6 +447,7 @@ class _Request:
     limit: float  # bytes every pp rank's predicted peak must stay within
     keep: int  # distinct meshes the search keeps exact
     progress: object = None
+    aheads: list = dataclasses.field(default_factory=list)  # the searches' uniform layouts priced ahead
 
     def search(self, offload: bool = False, uniform_ahead: bool = False):
         return _run_search(self.spec, self.cluster, self.pins, self.global_batch_size, self.precision, self.optimizer,
@@ -479,6 +481,7 @@ def _search_and_price(req: _Request) -> _Found:
     when nothing fits without it."""
     result, builder = req.search(uniform_ahead=True)
     ahead = result.stats["uniform_ahead"]
+    req.aheads.append(ahead)  # plan() ends it on every path
     try:
         found = _price_found(req, result, builder)
     except BaseException:
@@ -487,15 +490,6 @@ def _search_and_price(req: _Request) -> _Found:
     if found.result.stats.get("uniform_ahead") is not ahead:
         _stop(ahead)  # a second search replaced the first: the estimates priced ahead serve no check
     return found
-
-
-def _choose_share(req: _Request, found: _Found):
-    """`_choose` on a cp share's search (solve/context_parallel.py), None when nothing of it
-    fits; its uniform layouts priced ahead are ended either way."""
-    try:
-        return _choose(req, found) if found.fitting else None
-    finally:
-        _stop(found.result.stats.get("uniform_ahead"))
 
 
 def _stop(ahead) -> dict | None:
@@ -580,6 +574,9 @@ def _choose(req: _Request, found: _Found):
     why = hsdp.account(winner, pool, tried)
     if why:
         selection["hsdp"] = why
+    why = expert_parallel.account(winner, pool, moe_experts(req.spec.layers))
+    if why:
+        selection["ep"] = why
     winner, why = compression.choose(req.spec, req.cluster, winner, req.pins.grad_reduce_dtype, req.limit)
     if why:
         selection["compression"] = why

@@ -37,6 +37,7 @@ left to the stage solver (`cpsat.py`). Enumeration rules, and why:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from autopar.plan import ACCUMULATE
@@ -56,6 +57,7 @@ class Candidate:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     dp_shard: int = 0  # HSDP's shard group (dp ranks); 0: the whole dp (an int, so candidates still sort)
+    ep: int = 0  # expert parallelism: MoE experts split over groups of ep dp ranks; 0: not split
     cp: int = 1  # context parallelism: every sequence cut over cp ranks (solve/context_parallel.py)
 
     @property
@@ -71,7 +73,7 @@ class Candidate:
             sched = "no pipeline"
         sp = " +SP" if self.sequence_parallel else ""
         dp = f"dp{self.dp}" + (f" ({self.dp // self.dp_shard} replicas x {self.dp_shard} shards)"
-                               if self.dp_shard else "")
+                               if self.dp_shard else "") + (f" (ep {self.ep})" if self.ep else "")
         dp += f" x cp{self.cp}" if self.cp > 1 else ""
         return (f"pp{self.pp} x {dp} x tp{self.tp}{sp}, micro-batch {self.micro_batch_size} x "
                 f"{self.num_micro_batches}, {sched}")
@@ -79,7 +81,7 @@ class Candidate:
 
 def mesh_key(c: Candidate) -> tuple:
     """The mesh a candidate runs on: the search keeps and the Plan lists distinct meshes."""
-    return (c.pp, c.dp, c.tp, c.dp_shard, c.cp)
+    return (c.pp, c.dp, c.tp, c.dp_shard, c.ep, c.cp)
 
 
 def dp_shard_choices(dp: int, tp: int, gpus_per_node: int) -> list[int]:
@@ -110,6 +112,28 @@ def _dp_shard_of(dp: int, c: Constraints, report: SpaceReport, mesh: str, cannot
     return c.dp_shard
 
 
+def ep_choices(pp: int, dp: int, tp: int, experts: int, c: Constraints, report: SpaceReport, mesh: str,
+               cannot_run: str | None) -> list[int]:
+    """The ep degrees (0: none) a mesh is searched with: for a model with MoE layers, on a
+    mesh without tp or HSDP (what the lowering runs: dp, and pp), every divisor of dp
+    above 1 that divides the experts; a pinned --ep only. Empty: the pin cannot run on
+    this mesh (said in the report)."""
+    pinned = c.ep if c.ep not in (None, 1) else None
+    runs = experts and tp == 1 and not c.dp_shard and not cannot_run
+    if not runs or (pinned and (dp % pinned or experts % pinned)):
+        if pinned:
+            why = (f"lowering cannot run ep ({cannot_run})" if cannot_run else
+                   "the model has no MoE layer" if not experts else
+                   "--ep runs beside dp and pp only (tp 1)" if tp > 1 else
+                   f"--ep {pinned} does not divide dp or the {experts} experts")
+            report.add(why, mesh)
+            return []
+        return [0]
+    if pinned:
+        return [pinned]
+    return [0] + [e for e in divisors(dp) if e > 1 and experts % e == 0] if c.ep is None else [0]
+
+
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -136,7 +160,7 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                          constraints: Constraints | None = None, *, max_micro_batch: int | None = None,
                          interleave_choices=INTERLEAVE_CHOICES, seq_len: int | None = None,
                          lowering_limits: dict | None = None, whole_batch: str | None = None,
-                         tp_why: dict | None = None) -> tuple[list[Candidate], SpaceReport]:
+                         tp_why: dict | None = None, experts: int = 0) -> tuple[list[Candidate], SpaceReport]:
     """All candidates allowed by the cluster, the model and the pins, in a fixed order.
 
     `seq_len` (the training sequence length) rules out sequence parallelism
@@ -146,7 +170,8 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
     this model: pipelines, tp degrees, sequence parallelism, with reasons.
     `whole_batch` (see `whole_batch_reason`): why each replica's batch must
     run as one forward; micro-batching and pipelines are then not offered.
-    `tp_why`: {tp: why} for tp degrees outside `tp_degrees` (which layer refuses)."""
+    `tp_why`: {tp: why} for tp degrees outside `tp_degrees` (which layer refuses).
+    `experts`: the expert count every MoE layer's divides (0: no MoE layer), for ep."""
     c = constraints or Constraints()
     report = SpaceReport({})
     limits = lowering_limits if (lowering_limits or {}).get("checked") else {}
@@ -195,8 +220,11 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
             dp_shard = _dp_shard_of(dp, c, report, mesh, limits.get("hsdp"))
             if dp_shard is None:
                 continue
+            eps = ep_choices(pp, dp, tp, experts, c, report, mesh, limits.get("ep"))
+            if not eps:
+                continue
             per_replica = global_batch_size // dp
-            for mbs in divisors(per_replica):
+            for mbs, ep in ((mbs, ep) for mbs in divisors(per_replica) for ep in eps):
                 if c.micro_batch is not None and mbs != c.micro_batch:
                     continue
                 if max_micro_batch is not None and c.micro_batch is None and mbs > max_micro_batch:
@@ -210,8 +238,15 @@ def enumerate_candidates(world_size: int, global_batch_size: int, num_layers: in
                     for sp in _sequence_parallel(tp, c, seq_len, report, mesh, no_sp.get(str(tp))):
                         out.append(Candidate(pp=pp, dp=dp, tp=tp, micro_batch_size=mbs, num_micro_batches=m,
                                              schedule=schedule, virtual_stages=v, sequence_parallel=sp,
-                                             dp_shard=dp_shard))
+                                             dp_shard=dp_shard, ep=ep))
     return out, report
+
+
+def moe_experts(layers) -> int:
+    """The expert count every MoE layer's divides (their gcd; capture's `experts`), 0 when
+    the model has no MoE layer: ep is searched only then."""
+    counts = [(l.attrs or {}).get("experts", 0) for l in layers if l.ep_routed_tokens]
+    return math.gcd(*counts) if counts else 0
 
 
 def whole_batch_reason(layers) -> str | None:

@@ -16,6 +16,8 @@ which the stage problem accounts for itself.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from cost_models import comm as C
 from cost_models.estimate import DTYPE_BYTES, layer_cost
 from cost_models.memory import FRAGMENTATION, model_state_bytes, state_bytes_per_param
@@ -122,14 +124,12 @@ class TableBuilder:
 
     def _layer_rows(self, cand: Candidate) -> list[list[tuple]]:
         key = (cand.tp, cand.dp, cand.micro_batch_size, cand.num_micro_batches, cand.pp, cand.sequence_parallel,
-               cand.dp_shard)
+               cand.dp_shard, cand.ep, cand.cp)
         rows = self._rows.get(key)
         if rows is not None:
             return rows
         layout = candidate_layout(cand if cand.schedule != "interleaved" else
-                                  Candidate(cand.pp, cand.dp, cand.tp, cand.micro_batch_size,
-                                            cand.num_micro_batches, "1f1b", 1, cand.sequence_parallel,
-                                            cand.dp_shard),
+                                  dataclasses.replace(cand, schedule="1f1b", virtual_stages=1),
                                   precision=self.precision, optimizer=self.optimizer, engine=self.engine)
         rows = []
         held = root_held_layers(self.model)

@@ -83,6 +83,11 @@ LAYOUTS = {
     "pp_tp": (4, dict(pp=2, tp=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=4)),
     # HSDP: ZeRO 3 over 2 shards, 2 replicas (Mesh.dp_shard), the replica all-reduce after 2 micro-batches
     "hsdp": (4, dict(dp=4, dp_shard=2, zero=3, num_micro_batches=2, micro_batch_size=1)),
+    # expert parallelism (Mesh.ep): MoE experts over 2 ranks; over 2 of dp 4 (efsdp 2); beside a pipeline.
+    # Dense architectures are refused before running (no MoE layer)
+    "ep": (2, dict(dp=2, ep=2, zero=3, micro_batch_size=4)),
+    "ep_dp": (4, dict(dp=4, ep=2, zero=3, micro_batch_size=2)),
+    "ep_pp": (4, dict(pp=2, dp=2, ep=2, zero=2, schedule="1f1b", num_micro_batches=2, micro_batch_size=2)),
     # context parallelism (Mesh.cp): every sequence cut over 2 ranks, ring attention; with tp and with dp
     "cp": (2, dict(cp=2, micro_batch_size=8)),
     "cp_tp": (4, dict(cp=2, tp=2, micro_batch_size=8)),
