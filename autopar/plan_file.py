@@ -107,7 +107,7 @@ def plan_problem(plan) -> str | None:
                     return f"{where}.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}"
             if not isinstance(c.module_paths, list):
                 return f"{where}.module_paths must be a list of module names"
-    problem = (hsdp_problem(plan) or compression_problem(plan.grad_reduce_dtype, plan.precision, m.dp)
+    problem = (hsdp_problem(plan) or compression_problem(plan.grad_reduce_dtype, plan.precision, m.dp * (m.cp or 1))
                or ep_problem(plan) or cp_problem(plan))
     if problem:
         return problem

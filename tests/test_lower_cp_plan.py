@@ -97,6 +97,9 @@ def test_refused_before_any_group():
     with pytest.raises(PlanMismatchError, match="2 x cp = 4 equal chunks"):
         plan_for_model(model, example_inputs=example, cp=2, seq_len=18)
     plan = plan_for_model(model, example_inputs=example, cp=2, seq_len=SEQ)
+    # the gradients of dp 1 x cp 2 are reduced over the 2 cp ranks: compressing them is no contradiction
+    assert plan_for_model(model, example_inputs=example, cp=2, seq_len=SEQ, precision="bf16",
+                          grad_reduce_dtype="bf16").grad_reduce_dtype == "bf16"
     masked = (torch.zeros(2, SEQ, dtype=torch.long), torch.ones(2, SEQ, dtype=torch.long))
     with pytest.raises(PlanMismatchError, match="mesh.cp 2 cannot run: .*attention mask"):
         cp.check_plan(model, plan, masked)

@@ -101,7 +101,8 @@ def run(args) -> int:
                            hint="pass a folder name, e.g. -o build/")
     files = write_build(args.output, plan, args.model, getattr(args, "gpus_per_node", None))
     m = plan.mesh
-    dp = f"dp={m.dp}" + (f" ({m.replicas} replicas x {m.dp_shard} shards)" if m.hsdp else "")
+    dp = (f"dp={m.dp}" + (f" ({m.replicas} replicas x {m.dp_shard} shards)" if m.hsdp else "")
+          + (f" x cp={m.cp}" if (m.cp or 1) > 1 else ""))
     print(f"autopar compile: pp={m.pp} x {dp} x tp={m.tp}, schedule {plan.schedule}, "
           f"{plan.num_micro_batches} x {plan.micro_batch_size} per dp rank, global batch {plan.global_batch_size}",
           file=sys.stderr)

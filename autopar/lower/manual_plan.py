@@ -188,7 +188,7 @@ def plan_for_model(model: nn.Module, *, pp: int = 1, dp: int = 1, tp: int = 1, z
                 micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, stages=stages,
                 grad_reduce_dtype=grad_reduce_dtype, solver={"status": "manual"}, assumptions={"main_grads": main_grads})
     check_schedule(plan)  # the same check lowering makes: a hand plan that cannot run fails here
-    problem = (hsdp_problem(plan) or compression_problem(grad_reduce_dtype, precision, dp) or ep_problem(plan)
+    problem = (hsdp_problem(plan) or compression_problem(grad_reduce_dtype, precision, dp * (cp or 1)) or ep_problem(plan)
                or ep_refusal(model, ep) or cp_problem(plan))
     if problem:
         raise PlanMismatchError(problem)
