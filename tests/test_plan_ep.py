@@ -29,6 +29,7 @@ def test_ep_is_absent_from_the_json_unless_set_and_round_trips():
     (dict(dp=4, ep=3), "mesh.ep 3 must divide mesh.dp 4"),
     (dict(dp=4, tp=2, ep=2), "runs beside data and pipeline parallelism only"),
     (dict(dp=4, dp_shard=2, ep=2), "runs beside data and pipeline parallelism only"),
+    (dict(dp=4, cp=2, ep=2), "does not run beside context parallelism"),
 ])
 def test_a_hand_mesh_ep_that_cannot_run_is_refused(mesh, words):
     problem = ep_problem(_plan(**mesh))
@@ -55,3 +56,20 @@ def test_plan_for_model_refuses_ep_without_moe_layers_or_with_experts_it_cannot_
         plan_for_model(build("mixtral"), dp=2, ep=4, example_inputs=_example)
     plan = plan_for_model(build("mixtral"), dp=4, ep=2, zero=3, example_inputs=_example)
     assert plan.mesh.ep == 2
+
+
+def test_ep_and_cp_pins_contradict_and_the_cp_search_keeps_ep_1():
+    """ep beside cp is not lowered (plan_file.ep_problem): pinning both is refused in one
+    line, a pinned ep keeps cp out of the search, and the cp search's share pins ep 1."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from autopar.solve import context_parallel as cp_search
+    from autopar.solve.constraints import ConstraintError, parse_constraints
+    with pytest.raises(ConstraintError, match="--ep 2 does not run beside context parallelism"):
+        parse_constraints({"ep": 2, "cp": 2})
+    spec = SimpleNamespace(seq_len=131072, tokens_per_sample=131072, lowering_limits=None)
+    assert cp_search.sizes_to_try(spec, None, parse_constraints({"ep": 2}), 8, None) == []
+    request = dataclasses.make_dataclass("Request", ["spec", "pins", "global_batch_size"])  # planner._Request's fields read
+    share = cp_search.share_request(request(spec, parse_constraints(None), 8), 4)
+    assert share.pins.ep == 1 and share.pins.cp == 4 and share.spec.seq_len == 32768
