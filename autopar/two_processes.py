@@ -19,7 +19,7 @@ that differ only make a repeated computation faster).
 Forking is safe only where nothing else can be inside a lock the child
 needs: not inside a process group (NCCL / gloo threads), and only where
 fork is the platform's way (Linux); it pays only where a core is idle (not
-on one core, nor when the load average, this process included, leaves none). AUTOPAR_FORK=0 turns
+on one core, nor when the processes running now, this one included, leave none). AUTOPAR_FORK=0 turns
 it off, AUTOPAR_FORK=1 forks wherever it is safe (the tests). The answers are the same either way. The child writes nothing to stdout / stderr
 (a spinner thread of the parent's may hold their locks at the fork) and ends
 with os._exit (no atexit handler, no second flush of the parent's buffers).
@@ -50,9 +50,19 @@ def may_fork() -> bool:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    # a second process helps only where a core is idle; on a busy machine it slows both. The
-    # load average counts this process too (about 1 while it plans): below `cores`, one is free
-    return asked == "1" or (cores >= 2 and os.getloadavg()[0] < cores - 0.25)
+    # a second process helps only where a core is idle; on a busy machine it slows both
+    return asked == "1" or (cores >= 2 and _runnable() < cores)
+
+
+def _runnable() -> float:
+    """Processes running or ready to run now, this one included: /proc/loadavg's fourth
+    field ("2/80": 2 runnable of 80), not the load average, whose minute-long memory
+    counted a planner that had just ended as busy and kept the next one from forking."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return os.getloadavg()[0] + 1
 
 
 def map_split(fn: Callable, jobs: list, weights: list[float] | None = None) -> list:
