@@ -77,8 +77,11 @@ def map_split(fn: Callable, jobs: list, weights: list[float] | None = None) -> l
     answers: dict[int, object] = {0: fn(jobs[0])}
     weights = weights or [1.0] * len(jobs)
     theirs = [i + 1 for i in _child_share(weights[1:])]
-    read_end, write_end = os.pipe()
-    pid = _fork(lambda: _write_all(write_end, pickle.dumps([fn(jobs[i]) for i in theirs])), keep=write_end)
+    try:
+        read_end, write_end = os.pipe()
+        pid = _fork(lambda: _write_all(write_end, pickle.dumps([fn(jobs[i]) for i in theirs])))
+    except OSError:  # no process or pipe to be had (EAGAIN, ENOMEM, EMFILE): all of it here
+        return [answers[0]] + [fn(j) for j in jobs[1:]]
     os.close(write_end)
     t0 = time.monotonic()
     try:
@@ -111,11 +114,14 @@ class Beside:
         if not may_fork():
             return
         # A file, not a pipe: the child never waits for this process to read.
-        out = tempfile.TemporaryFile()
-        self._fd = os.dup(out.fileno())
-        out.close()
-        fd = self._fd
-        self._pid = _fork(lambda: _write_frames(fd, items()), keep=fd)
+        try:
+            out = tempfile.TemporaryFile()
+            self._fd = os.dup(out.fileno())
+            out.close()
+            fd = self._fd
+            self._pid = _fork(lambda: _write_frames(fd, items()))
+        except OSError:  # no temporary file or process to be had: nothing is computed beside
+            self.stop()
 
     def ready(self) -> dict:
         if self._fd is not None:
@@ -159,7 +165,7 @@ class Beside:
             self._offset += 8 + size
 
 
-def _fork(work: Callable[[], None], keep: int) -> int:
+def _fork(work: Callable[[], None]) -> int:
     """pid of a child that runs `work` with stdout / stderr on /dev/null and exits."""
     pid = os.fork()
     if pid:

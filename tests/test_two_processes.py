@@ -109,3 +109,14 @@ def test_beside_without_fork_computes_nothing(monkeypatch):
     ran = []
     ahead = Beside(lambda: iter([(1, ran.append(1))]))
     assert ahead.ready() == {} and ahead.stop() == {} and ran == []
+
+
+def test_no_process_to_be_had_computes_everything_here(forking, monkeypatch):
+    """fork failing (EAGAIN, ENOMEM) is no error: the jobs run here, nothing is ahead."""
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", no_fork)
+    me = os.getpid()
+    assert map_split(lambda j: (j + 1, os.getpid()), list(range(5))) == [(j + 1, me) for j in range(5)]
+    ahead = Beside(lambda: iter([(1, 2)]))
+    assert ahead.ready() == {} and ahead.stop() == {}
