@@ -77,10 +77,13 @@ def map_split(fn: Callable, jobs: list, weights: list[float] | None = None) -> l
     answers: dict[int, object] = {0: fn(jobs[0])}
     weights = weights or [1.0] * len(jobs)
     theirs = [i + 1 for i in _child_share(weights[1:])]
+    pipe = ()
     try:
-        read_end, write_end = os.pipe()
+        pipe = read_end, write_end = os.pipe()
         pid = _fork(lambda: _write_all(write_end, pickle.dumps([fn(jobs[i]) for i in theirs])))
     except OSError:  # no process or pipe to be had (EAGAIN, ENOMEM, EMFILE): all of it here
+        for fd in pipe:
+            os.close(fd)
         return [answers[0]] + [fn(j) for j in jobs[1:]]
     os.close(write_end)
     t0 = time.monotonic()

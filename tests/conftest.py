@@ -3,6 +3,8 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 # Triton kernels can only run on CPU through the interpreter; it must be set
 # before triton is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -14,6 +16,20 @@ EXAMPLES = ROOT / "examples"
 REFERENCE = ROOT / "benchmarks" / "reference"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """examples/gpt.py's gpt_tiny: (model, example inputs), for hand plans (`hand_plan`)."""
+    from gpt import gpt_tiny
+    return gpt_tiny()
+
+
+def hand_plan(tiny, **layout):
+    """plan_for_model on the `tiny` fixture's model with the layout given."""
+    from autopar.lower.manual_plan import plan_for_model
+    model, example = tiny
+    return plan_for_model(model, example_inputs=example, name="gpt_tiny", **layout)
 
 
 def free_port() -> int:

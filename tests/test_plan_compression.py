@@ -6,27 +6,17 @@ import json
 import pytest
 
 from autopar.errors import PlanMismatchError
-from autopar.lower.manual_plan import plan_for_model
 from autopar.plan import Plan
 from autopar.plan_file import load_plan_file
+from conftest import hand_plan
 
-
-@pytest.fixture(scope="module")
-def tiny():
-    from gpt import gpt_tiny
-    return gpt_tiny()
-
-
-def _hand(tiny, **layout):
-    model, example = tiny
-    return plan_for_model(model, example_inputs=example, name="gpt_tiny", **layout)
 
 
 def test_round_trip_and_the_json_of_before(tiny, tmp_path):
-    plan = _hand(tiny, dp=2, zero=3, grad_reduce_dtype="bf16")
+    plan = hand_plan(tiny, dp=2, zero=3, grad_reduce_dtype="bf16")
     plan.save(str(tmp_path / "p.json"))
     assert load_plan_file(str(tmp_path / "p.json")).grad_reduce_dtype == "bf16"
-    plain = json.loads(_hand(tiny, dp=2, zero=3).to_json())
+    plain = json.loads(hand_plan(tiny, dp=2, zero=3).to_json())
     assert "grad_reduce_dtype" not in plain  # uncompressed: every plan file before the field reads unchanged
     assert Plan.from_dict(plain).grad_reduce_dtype is None
 
@@ -38,7 +28,7 @@ def test_round_trip_and_the_json_of_before(tiny, tmp_path):
     (8, "fp32", 2, "grad_reduce_dtype must be a string"),
 ])
 def test_a_hand_plan_that_cannot_mean_it_is_refused_in_one_line(tiny, tmp_path, value, precision, dp, needle):
-    d = json.loads(_hand(tiny, dp=dp, zero=3, precision=precision).to_json())
+    d = json.loads(hand_plan(tiny, dp=dp, zero=3, precision=precision).to_json())
     d["grad_reduce_dtype"] = value
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(d))
@@ -49,4 +39,4 @@ def test_a_hand_plan_that_cannot_mean_it_is_refused_in_one_line(tiny, tmp_path, 
 
 def test_plan_for_model_refuses_bf16_reduction_of_fp16_gradients(tiny):
     with pytest.raises(PlanMismatchError, match="under fp16 training"):
-        _hand(tiny, dp=2, zero=3, precision="fp16", grad_reduce_dtype="bf16")
+        hand_plan(tiny, dp=2, zero=3, precision="fp16", grad_reduce_dtype="bf16")

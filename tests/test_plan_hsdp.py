@@ -5,30 +5,20 @@ import json
 import pytest
 
 from autopar.errors import PlanMismatchError
-from autopar.lower.manual_plan import plan_for_model
 from autopar.plan import Plan
 from autopar.plan_file import load_plan_file
+from conftest import hand_plan
 
-
-@pytest.fixture(scope="module")
-def tiny():
-    from gpt import gpt_tiny
-    return gpt_tiny()
-
-
-def _hand(tiny, **layout):
-    model, example = tiny
-    return plan_for_model(model, example_inputs=example, name="gpt_tiny", **layout)
 
 
 def test_round_trip_and_the_json_of_before(tiny, tmp_path):
-    plan = _hand(tiny, dp=4, dp_shard=2, zero=3)
+    plan = hand_plan(tiny, dp=4, dp_shard=2, zero=3)
     again = Plan.from_json(plan.to_json())
     assert again.mesh.dp_shard == 2 and again.mesh.hsdp and again.mesh.replicas == 2
     assert again.mesh.dp_text() == "dp 4 = 2 replicas x 2 shards"
     plan.save(str(tmp_path / "p.json"))
     assert load_plan_file(str(tmp_path / "p.json")).mesh.dp_shard == 2
-    plain = json.loads(_hand(tiny, dp=4, zero=3).to_json())
+    plain = json.loads(hand_plan(tiny, dp=4, zero=3).to_json())
     assert plain["mesh"] == {"pp": 1, "dp": 4, "tp": 1}  # no dp_shard: every plan file before HSDP reads unchanged
     assert Plan.from_dict(plain).mesh.shard_ranks == 4 and not Plan.from_dict(plain).mesh.hsdp
 
@@ -39,7 +29,7 @@ def test_round_trip_and_the_json_of_before(tiny, tmp_path):
     (2, 0, "(HSDP) shards ZeRO states, but layer"),
 ])
 def test_a_hand_plan_with_a_bad_dp_shard_is_refused_in_one_line(tiny, tmp_path, value, zero, needle):
-    d = json.loads(_hand(tiny, dp=4, zero=zero).to_json())
+    d = json.loads(hand_plan(tiny, dp=4, zero=zero).to_json())
     d["mesh"]["dp_shard"] = value
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(d))
@@ -50,14 +40,14 @@ def test_a_hand_plan_with_a_bad_dp_shard_is_refused_in_one_line(tiny, tmp_path, 
 
 def test_plan_for_model_refuses_hsdp_without_zero(tiny):
     with pytest.raises(PlanMismatchError, match="have zero 0; set their zero to 1, 2 or 3, or drop dp_shard"):
-        _hand(tiny, dp=4, dp_shard=2)
+        hand_plan(tiny, dp=4, dp_shard=2)
 
 
 def test_preflight_refuses_hsdp_this_torch_cannot_run(tiny, monkeypatch):
     from autopar.lower import data_parallel, preflight
     from autopar.lower.model_layers import resolve
     model, _ = tiny
-    plan = _hand(tiny, dp=4, dp_shard=2, zero=3)
+    plan = hand_plan(tiny, dp=4, dp_shard=2, zero=3)
     assert data_parallel.hsdp_refusal() is None  # torch 2.13 runs it
     preflight.check_plan(model, plan, resolve(model, plan))
     monkeypatch.setattr(data_parallel, "hsdp_refusal", lambda: "this torch has no DeviceMesh._unflatten")

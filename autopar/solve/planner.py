@@ -481,12 +481,8 @@ def _search_and_price(req: _Request) -> _Found:
     when nothing fits without it."""
     result, builder = req.search(uniform_ahead=True)
     ahead = result.stats["uniform_ahead"]
-    req.aheads.append(ahead)  # plan() ends it on every path
-    try:
-        found = _price_found(req, result, builder)
-    except BaseException:
-        _stop(ahead)
-        raise
+    req.aheads.append(ahead)  # plan() ends it on every path, a failure here included
+    found = _price_found(req, result, builder)
     if found.result.stats.get("uniform_ahead") is not ahead:
         _stop(ahead)  # a second search replaced the first: the estimates priced ahead serve no check
     return found
